@@ -1,0 +1,36 @@
+"""dcp_tiered: fast, atomic, verifiable torch.distributed.checkpoint storage."""
+
+__version__ = "0.1.0"
+
+from .distributed import checkpoint_process_group  # noqa: E402
+from .errors import (  # noqa: E402
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CommitError,
+    ConfigError,
+    DcpTieredError,
+    InsufficientSpaceError,
+    IntegrityError,
+    ManifestError,
+    MissingShardError,
+    StagingError,
+)
+from .reader import TieredStorageReader  # noqa: E402
+from .writer import TieredStorageWriter  # noqa: E402
+
+__all__ = [
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "CommitError",
+    "ConfigError",
+    "DcpTieredError",
+    "InsufficientSpaceError",
+    "IntegrityError",
+    "ManifestError",
+    "MissingShardError",
+    "StagingError",
+    "TieredStorageReader",
+    "TieredStorageWriter",
+    "__version__",
+    "checkpoint_process_group",
+]

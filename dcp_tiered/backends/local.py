@@ -1,0 +1,213 @@
+"""Local filesystem backend: every read, write, rename and delete on the local tier.
+
+Nothing here writes or deletes outside ``root``: every name is one path component checked by
+:func:`_child`, and every delete is logged at INFO.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import logging
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+from ..errors import ConfigError, InsufficientSpaceError
+from ..layout import LOCK_NAME as LOCK_FILE
+
+logger = logging.getLogger(__name__)
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+_WRITE_BUFFER_BYTES = 4 * 2**20
+
+
+def _renameat2_exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two directory entries (Linux renameat2). False if unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    rc = fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class LocalBackend:
+    """A directory on a local disk holding one run's steps."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        if not isinstance(root, (str, os.PathLike)) or not str(root):
+            raise ConfigError(f"root must be a directory path, got {root!r}")
+        if "://" in str(root) and not str(root).startswith("file://"):
+            raise ConfigError(
+                f"root {root!r} is a URL; the local tier needs a path on a local disk"
+            )
+        self.root = Path(str(root).removeprefix("file://")).expanduser().absolute()
+
+    def __repr__(self) -> str:
+        return f"LocalBackend({str(self.root)!r})"
+
+    # ------------------------------------------------------------ paths
+
+    def _child(self, *names: str) -> Path:
+        path = self.root
+        for name in names:
+            if not name or "/" in name or "\x00" in name or name in (".", ".."):
+                raise ConfigError(f"refusing path component {name!r} under {self.root}")
+            path = path / name
+        return path
+
+    def ensure_root(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def exists(self, *names: str) -> bool:
+        return self._child(*names).exists()
+
+    def is_dir(self, *names: str) -> bool:
+        return self._child(*names).is_dir()
+
+    def list_names(self) -> list[str]:
+        try:
+            return sorted(os.listdir(self.root))
+        except FileNotFoundError:
+            return []
+
+    def list_files(self, name: str) -> list[str]:
+        return sorted(os.listdir(self._child(name)))
+
+    def file_size(self, *names: str) -> int:
+        return self._child(*names).stat().st_size
+
+    def mtime(self, *names: str) -> float:
+        return self._child(*names).stat().st_mtime
+
+    def free_bytes(self) -> int:
+        self.ensure_root()
+        st = os.statvfs(self.root)
+        return st.f_bavail * st.f_frsize
+
+    # ------------------------------------------------------------ writing
+
+    def make_dir(self, name: str) -> None:
+        self.ensure_root()
+        self._child(name).mkdir(exist_ok=True)
+
+    @contextlib.contextmanager
+    def open_write(self, directory: str, name: str, *, sync: bool = True) -> Iterator[BinaryIO]:
+        """Create ``directory/name``; on success flush and fsync it before closing."""
+        path = self._child(directory, name)
+        try:
+            with open(path, "wb", buffering=_WRITE_BUFFER_BYTES) as f:
+                yield f
+                f.flush()
+                if sync:
+                    os.fsync(f.fileno())
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise InsufficientSpaceError(
+                    e.errno,
+                    f"local disk full while writing {path}: free space on {self.root} or "
+                    "keep fewer steps; earlier steps are untouched",
+                ) from e
+            raise
+
+    def write_file(self, directory: str, name: str, data: bytes, *, sync: bool = True) -> None:
+        with self.open_write(directory, name, sync=sync) as f:
+            f.write(data)
+
+    def sync_dir(self, name: str | None = None) -> None:
+        fsync_dir(self._child(name) if name else self.root)
+
+    def publish(self, tmp_name: str, final_name: str, old_name: str) -> bool:
+        """Atomically give ``tmp_name`` the name ``final_name``; fsync the root.
+
+        If ``final_name`` exists it is swapped out atomically (renameat2 RENAME_EXCHANGE) to
+        ``old_name``, so the step exists under its final name at every instant. Returns
+        whether an old step was replaced (it now lives at ``old_name``).
+        """
+        tmp, final = self._child(tmp_name), self._child(final_name)
+        replaced = False
+        if final.exists():
+            if _renameat2_exchange(tmp, final):
+                os.rename(tmp, self._child(old_name))
+            else:  # no RENAME_EXCHANGE: a short window, repaired by recover_interrupted()
+                os.rename(final, self._child(old_name))
+                os.rename(tmp, final)
+            replaced = True
+        else:
+            os.rename(tmp, final)
+        fsync_dir(self.root)
+        return replaced
+
+    def rename(self, src: str, dst: str) -> None:
+        os.rename(self._child(src), self._child(dst))
+        fsync_dir(self.root)
+
+    def remove_tree(self, name: str, *, reason: str) -> None:
+        path = self._child(name)
+        logger.info("deleting %s (%s)", path, reason)
+        shutil.rmtree(path, ignore_errors=False)
+
+    # ------------------------------------------------------------ reading
+
+    def read_file(self, *names: str) -> bytes:
+        return self._child(*names).read_bytes()
+
+    def open_read(self, *names: str) -> BinaryIO:
+        return open(self._child(*names), "rb")
+
+    # ------------------------------------------------------------ locks
+
+    def lock_shared(self, directory: str) -> int:
+        """Take a shared flock on ``directory``'s lock file; the kernel drops it if we die.
+
+        Returns the descriptor; :meth:`unlock` releases it. While any holder is alive the
+        directory is never swept as abandoned.
+        """
+        fd = os.open(self._child(directory, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        return fd
+
+    @staticmethod
+    def unlock(fd: int) -> None:
+        os.close(fd)
+
+    def is_locked(self, directory: str) -> bool:
+        """True if some live process holds ``directory``'s lock."""
+        try:
+            fd = os.open(self._child(directory, LOCK_FILE), os.O_RDWR)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return False
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+
+    def remove_file(self, *names: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self._child(*names).unlink()
+
+
+

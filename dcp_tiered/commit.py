@@ -1,0 +1,147 @@
+"""Publishing a step on the local tier of every node.
+
+Per node, the step is published by that node's leader (its lowest rank): it writes the
+manifest, then DCP's ``.metadata``, fsyncs, and renames the temporary directory to the step's
+name. The job-wide coordinator (rank 0) decides; the other nodes' leaders follow a two-phase
+handshake through the c10d store, which never interleaves with DCP's collectives:
+
+    coordinator                         leader of node n (background thread)
+    store manifest + .metadata  ─────▶  write both into its temporary dir, fsync
+                                ◀─────  prepared/n = ok | error
+    rename own dir (the commit point)
+    decision = commit | abort   ─────▶  rename its dir (or delete it on abort)
+                                ◀─────  done/n = ok | error
+    return (so dcp.save returns on every rank only after every node has published)
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from . import layout
+from .backends.local import LocalBackend
+from .errors import CommitError
+from .local_tier import IN_FLIGHT
+
+logger = logging.getLogger(__name__)
+
+_OK = b"ok"
+
+
+def write_step_files(
+    backend: LocalBackend, tmp: str, manifest_bytes: bytes, metadata_bytes: bytes, *, sync: bool
+) -> None:
+    backend.write_file(tmp, layout.MANIFEST_NAME, manifest_bytes, sync=sync)
+    backend.write_file(tmp, layout.DCP_METADATA_NAME, metadata_bytes, sync=sync)
+    backend.remove_file(tmp, layout.LOCK_NAME)  # published steps carry no lock file
+    if sync:
+        backend.sync_dir(tmp)
+
+
+def publish_step(backend: LocalBackend, step: str, save_id: str, tmp: str) -> None:
+    old = layout.old_dir_name(step, save_id)
+    if backend.publish(tmp, step, old):
+        backend.remove_tree(old, reason=f"overwritten by a new save of {step}")
+    IN_FLIGHT.discard((str(backend.root), tmp))
+    logger.info("committed-local step=%s root=%s", step, backend.root)
+
+
+def discard_tmp(backend: LocalBackend, tmp: str, *, reason: str) -> None:
+    try:
+        if backend.exists(tmp):
+            backend.remove_tree(tmp, reason=reason)
+    finally:
+        IN_FLIGHT.discard((str(backend.root), tmp))
+
+
+class Handshake:
+    """The store keys of one save's cross-node commit."""
+
+    def __init__(self, store: Any, save_id: str, timeout_secs: float) -> None:
+        self._store = store
+        self._prefix = f"dcp_tiered/commit/{save_id}/"
+        self._timeout = datetime.timedelta(seconds=timeout_secs)
+
+    def _get(self, key: str) -> bytes:
+        try:
+            self._store.wait([self._prefix + key], self._timeout)
+        except RuntimeError as e:  # c10d reports a wait timeout as RuntimeError
+            raise CommitError(
+                f"no '{key}' from the other nodes within {self._timeout.total_seconds():.0f} s "
+                "(a rank probably failed); the step was not published"
+            ) from e
+        return bytes(self._store.get(self._prefix + key))
+
+    def _set(self, key: str, value: bytes) -> None:
+        self._store.set(self._prefix + key, value)
+
+    # ------------------------------------------------------------ coordinator
+
+    def coordinate(
+        self,
+        other_nodes: list[int],
+        manifest_bytes: bytes,
+        metadata_bytes: bytes,
+        publish_own: Callable[[], None],
+    ) -> None:
+        decided = False
+        try:
+            self._set("manifest", manifest_bytes)
+            self._set("metadata", metadata_bytes)
+            failures = {n: self._get(f"prepared/{n}") for n in other_nodes}
+            failures = {n: v for n, v in failures.items() if v != _OK}
+            if failures:
+                raise CommitError(f"nodes could not prepare the step: {_describe(failures)}")
+            publish_own()
+            self._set("decision", b"commit")
+            decided = True
+        finally:
+            if not decided:
+                self._set("decision", b"abort")
+        done = {n: self._get(f"done/{n}") for n in other_nodes}
+        failed = {n: v for n, v in done.items() if v != _OK}
+        if failed:
+            raise CommitError(
+                f"step published on the coordinator's node but not on: {_describe(failed)}"
+            )
+
+    # ------------------------------------------------------------ other node leaders
+
+    def follow_in_background(
+        self,
+        node: int,
+        prepare: Callable[[bytes, bytes], None],
+        publish: Callable[[], None],
+        abandon: Callable[[str], None],
+    ) -> threading.Thread:
+        def run() -> None:
+            try:
+                manifest_bytes, metadata_bytes = self._get("manifest"), self._get("metadata")
+                self._report(f"prepared/{node}", lambda: prepare(manifest_bytes, metadata_bytes))
+                if self._get("decision") == b"commit":
+                    self._report(f"done/{node}", publish)
+                else:
+                    abandon("the coordinator aborted the commit")
+            except Exception as e:  # noqa: BLE001 - a background thread must report, not raise
+                logger.error("node %d could not publish the step: %s", node, e)
+                abandon(f"commit failed: {e}")
+
+        thread = threading.Thread(target=run, name=f"dcp-tiered-commit-node{node}", daemon=True)
+        thread.start()
+        return thread
+
+    def _report(self, key: str, action: Callable[[], None]) -> None:
+        try:
+            action()
+        except Exception as e:
+            self._set(key, f"{type(e).__name__}: {e}".encode())
+            raise
+        self._set(key, _OK)
+
+
+def _describe(failures: dict[int, bytes]) -> str:
+    return "; ".join(f"node {n}: {v.decode(errors='replace')}" for n, v in sorted(failures.items()))

@@ -1,0 +1,75 @@
+"""Exceptions raised by dcp_tiered.
+
+Every message says what failed, where (step, file, rank, tier) and what to do.
+Library errors subclass the built-in exception a caller would naturally catch::
+
+    DcpTieredError(Exception)
+    ├── ConfigError(ValueError)              bad argument or unsafe checkpoint name
+    ├── CheckpointNotFoundError(FileNotFoundError)
+    ├── CheckpointExistsError(FileExistsError)
+    ├── MissingShardError(FileNotFoundError) a data file named by the manifest is gone
+    ├── ManifestError(ValueError)            manifest unreadable, tampered or of another version
+    ├── IntegrityError                       checksum or size mismatch
+    ├── InsufficientSpaceError(OSError)      the plan does not fit on the local tier
+    ├── StagingError                         staging buffers still held by an earlier save
+    └── CommitError                          a node failed to publish the step
+
+Note: ``dcp.save``/``dcp.load`` re-raise any rank's failure as
+``torch.distributed.checkpoint.api.CheckpointException`` (a ``BaseException``); the
+original errors above are in its ``.failures[rank]``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "CommitError",
+    "ConfigError",
+    "DcpTieredError",
+    "InsufficientSpaceError",
+    "IntegrityError",
+    "ManifestError",
+    "MissingShardError",
+    "StagingError",
+]
+
+
+class DcpTieredError(Exception):
+    """Base class of every error raised by dcp_tiered."""
+
+
+class ConfigError(DcpTieredError, ValueError):
+    """An argument or a checkpoint name is invalid."""
+
+
+class CheckpointNotFoundError(DcpTieredError, FileNotFoundError):
+    """The requested step does not exist (or is not committed)."""
+
+
+class CheckpointExistsError(DcpTieredError, FileExistsError):
+    """A committed step with that name exists and overwrite was not asked for."""
+
+
+class MissingShardError(DcpTieredError, FileNotFoundError):
+    """A data file listed in the manifest is missing."""
+
+
+class ManifestError(DcpTieredError, ValueError):
+    """The manifest cannot be trusted: unreadable, tampered or of an unknown version."""
+
+
+class IntegrityError(DcpTieredError):
+    """Bytes read from storage do not match the checksum recorded at save time."""
+
+
+class InsufficientSpaceError(DcpTieredError, OSError):
+    """The local tier has not enough free space for the save."""
+
+
+class StagingError(DcpTieredError):
+    """The staging buffers are still held by an earlier save that did not finish."""
+
+
+class CommitError(DcpTieredError):
+    """A node did not publish the step in time."""

@@ -1,0 +1,89 @@
+"""Names on disk: step names, temporary and hidden entries, and "latest". Pure, no I/O."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+from .errors import ConfigError
+
+MANIFEST_NAME = "manifest.json"
+DCP_METADATA_NAME = ".metadata"
+LATEST = "latest"
+# Hidden (dot-prefixed) so that no listing of committed steps can ever pick them up.
+TMP_SUFFIX = ".dcp-tiered-tmp"
+OLD_SUFFIX = ".dcp-tiered-old"
+LOCK_NAME = ".dcp-tiered.lock"
+
+_STEP_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_TRAILING_INT = re.compile(r"(\d+)$")
+
+
+def validate_step_name(name: object) -> str:
+    """Return ``name`` if it is a safe step name, else raise ConfigError.
+
+    A step name is one path component: letters, digits, ``.``, ``_`` and ``-``, not starting
+    with a dot, at most 128 characters. Absolute paths, ``..`` and separators are refused so
+    that no checkpoint_id can make us write outside the configured root.
+    """
+    if not isinstance(name, str):
+        raise ConfigError(
+            f"checkpoint_id must be a step name such as 'step-100', got {type(name).__name__} "
+            f"{name!r}; the directory is given to the writer/reader constructor."
+        )
+    if name == LATEST:
+        raise ConfigError(f"'{LATEST}' is reserved for loading; save under a real step name.")
+    if not _STEP_RE.match(name) or ".." in name:
+        raise ConfigError(
+            f"unsafe checkpoint_id {name!r}: use one name made of letters, digits, '.', '_' "
+            "and '-', not starting with '.', without '/' or '..' (e.g. 'step-100')."
+        )
+    return name
+
+
+def is_step_name(name: str) -> bool:
+    return bool(_STEP_RE.match(name)) and ".." not in name and name != LATEST
+
+
+def tmp_dir_name(step: str, save_id: str) -> str:
+    return f".{step}.{save_id}{TMP_SUFFIX}"
+
+
+def old_dir_name(step: str, save_id: str) -> str:
+    return f".{step}.{save_id}{OLD_SUFFIX}"
+
+
+def parse_hidden_dir(name: str) -> tuple[str, str, str] | None:
+    """Split a temporary/old entry into ``(step, save_id, suffix)``; None for anything else."""
+    for suffix in (TMP_SUFFIX, OLD_SUFFIX):
+        if name.startswith(".") and name.endswith(suffix):
+            stem = name[1 : -len(suffix)]
+            step, _, save_id = stem.rpartition(".")
+            if step and save_id and is_step_name(step):
+                return step, save_id, suffix
+    return None
+
+
+def data_file_name(rank: int, index: int) -> str:
+    """DCP FileSystemWriter's naming, so that a vanilla FileSystemReader finds the data."""
+    return f"__{rank}_{index}.distcp"
+
+
+def step_number(step: str) -> int | None:
+    m = _TRAILING_INT.search(step)
+    return int(m.group(1)) if m else None
+
+
+def newest(steps: Iterable[tuple[str, int]]) -> str | None:
+    """Pick the newest of ``(step, committed_at_ns)`` pairs.
+
+    Steps are ordered by their trailing number ('step-100' > 'step-20'), then by commit time,
+    so that re-saving an old step does not make it "latest" over a newer training step.
+    """
+    best: tuple[int, int, str] | None = None
+    for name, committed_at in steps:
+        num = step_number(name)
+        key = (num if num is not None else -1, committed_at, name)
+        if best is None or key > best:
+            best = key
+    return best[2] if best else None

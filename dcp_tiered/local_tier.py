@@ -1,0 +1,122 @@
+"""The local tier: committed steps under one root, their manifests, and crash recovery."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+from . import layout, manifest
+from .backends.local import LocalBackend
+from .errors import CheckpointNotFoundError, ConfigError, ManifestError
+
+logger = logging.getLogger(__name__)
+
+# A temporary directory without a lock file may be one a rank has just created; only one older
+# than this is treated as abandoned.
+_UNLOCKED_GRACE_SECS = 300.0
+
+# Temporary directories this process is writing or leading: never swept from this process,
+# even by a second writer object on the same root.
+IN_FLIGHT: set[tuple[str, str]] = set()
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    name: str
+    committed_at_ns: int
+    verified_format: bool  # False: a vanilla DCP directory without our manifest
+
+
+class LocalTier:
+    def __init__(self, backend: LocalBackend) -> None:
+        self.backend = backend
+
+    @property
+    def root(self) -> str:
+        return str(self.backend.root)
+
+    # ------------------------------------------------------------ listing
+
+    def steps(self) -> list[StepInfo]:
+        """Committed steps: final-named directories holding a manifest (or DCP .metadata)."""
+        found = []
+        for name in self.backend.list_names():
+            if not layout.is_step_name(name) or not self.backend.is_dir(name):
+                continue
+            if self.backend.exists(name, layout.MANIFEST_NAME):
+                found.append(StepInfo(name, self._committed_at(name), True))
+            elif self.backend.exists(name, layout.DCP_METADATA_NAME):
+                mtime = self.backend.mtime(name, layout.DCP_METADATA_NAME)
+                found.append(StepInfo(name, int(mtime * 1e9), False))
+        return found
+
+    def _committed_at(self, name: str) -> int:
+        try:
+            return self.read_manifest(name).committed_at_ns
+        except (ManifestError, OSError) as e:
+            logger.warning("step %s in %s has an unreadable manifest: %s", name, self.root, e)
+            return -1
+
+    def has_step(self, name: str) -> bool:
+        return self.backend.is_dir(name) and (
+            self.backend.exists(name, layout.MANIFEST_NAME)
+            or self.backend.exists(name, layout.DCP_METADATA_NAME)
+        )
+
+    def resolve(self, checkpoint_id: str | os.PathLike[str] | None) -> StepInfo:
+        """Map 'latest' (or None) or a step name to a committed step, or raise."""
+        if checkpoint_id is None or checkpoint_id == layout.LATEST:
+            steps = self.steps()
+            name = layout.newest((s.name, s.committed_at_ns) for s in steps)
+            if name is None:
+                raise CheckpointNotFoundError(
+                    f"no committed step in {self.root}: nothing to load for 'latest'. "
+                    "Check the root path, or save a checkpoint first."
+                )
+            return next(s for s in steps if s.name == name)
+        if not isinstance(checkpoint_id, str):
+            raise ConfigError(
+                f"checkpoint_id must be a step name or 'latest', got {checkpoint_id!r}; "
+                "the directory is given to the reader's constructor"
+            )
+        layout.validate_step_name(checkpoint_id)
+        for s in self.steps():
+            if s.name == checkpoint_id:
+                return s
+        existing = ", ".join(sorted(s.name for s in self.steps())) or "none"
+        raise CheckpointNotFoundError(
+            f"step {checkpoint_id!r} not found in {self.root}. Committed steps: {existing}."
+        )
+
+    def read_manifest(self, step: str) -> manifest.Manifest:
+        where = os.path.join(self.root, step, layout.MANIFEST_NAME)
+        return manifest.parse(self.backend.read_file(step, layout.MANIFEST_NAME), where=where)
+
+    # ------------------------------------------------------------ recovery
+
+    def recover_and_sweep(self) -> None:
+        """Undo interrupted overwrites and delete temporary directories of crashed saves."""
+        for name in self.backend.list_names():
+            parsed = layout.parse_hidden_dir(name)
+            if parsed is None or (self.root, name) in IN_FLIGHT:
+                continue
+            step, _, suffix = parsed
+            if not self.backend.is_dir(name):
+                continue
+            if suffix == layout.OLD_SUFFIX:
+                if not self.backend.exists(step):
+                    # Crash between the two renames of a non-atomic overwrite: the old step is
+                    # the last committed version, so it goes back under its name.
+                    logger.warning("restoring %s/%s from interrupted overwrite", self.root, step)
+                    self.backend.rename(name, step)
+                else:
+                    self.backend.remove_tree(name, reason="replaced by a newer commit")
+            elif self._abandoned(name):
+                self.backend.remove_tree(name, reason="temporary directory of a crashed save")
+
+    def _abandoned(self, name: str) -> bool:
+        if self.backend.exists(name, layout.LOCK_NAME):
+            return not self.backend.is_locked(name)
+        return time.time() - self.backend.mtime(name) > _UNLOCKED_GRACE_SECS

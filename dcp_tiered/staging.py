@@ -1,0 +1,153 @@
+"""Double-buffered staging of a state dict into reused host buffers.
+
+``dcp.async_save`` calls ``stage()`` on the caller's thread; that copy is the caller's whole
+stall. Two buffer sets alternate, so staging save N+1 never touches the buffers save N is still
+writing from. A buffer set is handed out again only once the background work of the save that
+used it has ended: DCP gives a writer no completion hook, so the executor thread that
+``async_save`` starts for each save (it lives exactly as long as that save) is tracked instead.
+The same tracking orders the background saves, so their collectives run one save at a time and
+in the same order on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.tensor import DTensor
+
+from . import _torch_compat
+from .errors import StagingError
+
+logger = logging.getLogger(__name__)
+
+# ThreadPoolExecutor workers started by DCP's THREAD and PROCESS async executors.
+_THREAD_EXECUTOR = "AsyncCheckpointExecutor"
+_PROCESS_EXECUTOR = "ThreadPoolExecutor"
+
+
+def _signature(obj: Any) -> Any:
+    """Structure, shapes and dtypes of a state dict: buffers are reused only if it matches."""
+    if isinstance(obj, DTensor):
+        return ("D", tuple(obj.shape), obj.dtype, tuple(obj.to_local().shape), obj.placements)
+    if isinstance(obj, ShardedTensor):
+        shards = tuple((tuple(s.tensor.shape), s.tensor.dtype) for s in obj.local_shards())
+        return ("S", tuple(obj.size()), shards)
+    if isinstance(obj, torch.Tensor):
+        return ("T", tuple(obj.shape), obj.dtype)
+    if isinstance(obj, dict):
+        return tuple((k, _signature(v)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return (type(obj).__name__, tuple(_signature(v) for v in obj))
+    return None  # non-tensor values are deep-copied, never buffered
+
+
+@dataclass
+class _Slot:
+    signature: Any = None
+    buffers: dict[str, Any] | None = None
+    seq: int = 0
+    threads: list[threading.Thread] = field(default_factory=list)
+
+
+class DoubleBufferStager:
+    """Copies state dicts into two alternating, reused sets of CPU buffers."""
+
+    def __init__(self, *, share_memory: bool, timeout_secs: float) -> None:
+        self._share_memory = share_memory
+        self._timeout_secs = timeout_secs
+        self._slots = [_Slot(), _Slot()]
+        self._next = 0
+        self._seq = 0
+        self._lock = threading.Lock()
+        self._pending: tuple[_Slot, set[threading.Thread]] | None = None
+        self.last_stall_secs = 0.0
+
+    # ------------------------------------------------------------ staging
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        start = time.perf_counter()
+        slot = self._slots[self._next]
+        self._wait_for(slot.threads, what="the save that used this staging buffer")
+        # DCP's PROCESS executor sends every save down one pipe without a lock, so two in
+        # flight could swap their replies: in that mode saves do not overlap at all.
+        in_process_mode = [
+            t for s in self._slots for t in s.threads if t.name.startswith(_PROCESS_EXECUTOR)
+        ]
+        self._wait_for(in_process_mode, what="the previous PROCESS-mode async save")
+        signature = _signature(state_dict)
+        if slot.buffers is None or signature != slot.signature:
+            slot.buffers = _torch_compat.create_cpu_state_dict(
+                state_dict, pin_memory=torch.cuda.is_available(), share_memory=self._share_memory
+            )
+            slot.signature = signature
+        # type_check=False: non-tensor values are deep-copied, so later mutation by the
+        # trainer cannot leak into the checkpoint.
+        staged = _torch_compat.copy_state_dict(
+            state_dict, slot.buffers, non_blocking=torch.cuda.is_available(), type_check=False
+        )
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        with self._lock:
+            self._seq += 1
+            slot.seq = self._seq
+            slot.threads = []
+            self._pending = (slot, set(threading.enumerate()))
+        self._next = 1 - self._next
+        self.last_stall_secs = time.perf_counter() - start
+        return staged
+
+    def after_execute(self) -> None:
+        """Called by async_save right after it started the save's executor thread."""
+        with self._lock:
+            if self._pending is None:
+                return
+            slot, before = self._pending
+            self._pending = None
+            slot.threads = [
+                t
+                for t in threading.enumerate()
+                if t not in before and t.name.startswith((_THREAD_EXECUTOR, _PROCESS_EXECUTOR))
+            ]
+
+    # ------------------------------------------------------------ ordering
+
+    def wait_for_earlier_saves(self) -> None:
+        """Block until every background save staged before the current one has ended.
+
+        Called at the start of each save's background work (and of synchronous saves), before
+        DCP issues any collective, so saves never overlap on the process group.
+        """
+        me = threading.current_thread()
+        with self._lock:
+            mine = next((s.seq for s in self._slots if me in s.threads), None)
+            earlier = [
+                t
+                for s in self._slots
+                if mine is None or s.seq < mine
+                for t in s.threads
+                if t is not me
+            ]
+        self._wait_for(earlier, what="an earlier async save")
+
+    def _wait_for(self, threads: list[threading.Thread], *, what: str) -> None:
+        deadline = time.monotonic() + self._timeout_secs
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                raise StagingError(
+                    f"{what} is still running after {self._timeout_secs:.0f} s "
+                    f"(thread {t.name}); wait for the previous async_save future before "
+                    "saving again, or raise staging_timeout_secs"
+                )
+
+    def close(self) -> None:
+        self._wait_for([t for s in self._slots for t in s.threads], what="an async save")
+        self._slots = [_Slot(), _Slot()]
+
+

@@ -1,0 +1,427 @@
+"""TieredStorageWriter: DCP's StorageWriter for an atomic, checksummed local tier.
+
+Call order per save (see DCP's storage.py): every rank ``reset`` → ``storage_meta`` →
+``set_up_storage_writer`` → ``prepare_local_plan``; rank 0 ``prepare_global_plan``; every rank
+``write_data``; rank 0 ``finish``. Per-save facts (step, save id, node) travel inside the plans,
+so the writer object itself can be reused by every save and pickled for PROCESS mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import os
+import pickle
+import socket
+import time
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.futures import Future
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+
+from . import __version__, _torch_compat, commit, integrity, layout, manifest
+from .backends.local import LocalBackend
+from .errors import CheckpointExistsError, ConfigError, InsufficientSpaceError
+from .local_tier import IN_FLIGHT, LocalTier
+from .staging import DoubleBufferStager
+
+logger = logging.getLogger(__name__)
+
+_BYTES_ITEM_ESTIMATE = 64 * 2**10  # non-tensor items are small pickles
+_PER_ITEM_OVERHEAD = 4 * 2**10  # torch.save's zip framing, about 1.5 KiB per item
+
+
+@dataclass(frozen=True)
+class _RankInfo:
+    """What each rank tells the coordinator in its local plan."""
+
+    step: str
+    node_key: str
+    free_bytes: int
+    root: str
+
+
+@dataclass(frozen=True)
+class _SaveInfo:
+    """What the coordinator hands back to each rank with its final plan."""
+
+    step: str
+    save_id: str
+    rank: int
+    node: int
+    node_leader: bool
+    coordinator_node: bool
+    world_size: int
+
+    @property
+    def tmp(self) -> str:
+        return layout.tmp_dir_name(self.step, self.save_id)
+
+
+class TieredStorageWriter(StorageWriter):
+    """Writes DCP checkpoints as atomic, checksummed steps under ``root``.
+
+    Args:
+        root: directory of this run's steps on the node's local disk; each node may use its
+            own. ``checkpoint_id`` passed to ``dcp.save``/``dcp.async_save`` names the step.
+        overwrite: allow re-saving an existing step; the old one survives until the new one
+            is committed.
+        sync_files: fsync data, manifest and directories (turn off only for tests).
+        thread_count: files (and threads) per rank.
+        free_space_margin_bytes: headroom required beyond the planned bytes.
+        staging_share_memory: stage into shared memory (saves a copy in PROCESS mode).
+        staging_timeout_secs: how long staging waits for an earlier save to release buffers.
+        commit_timeout_secs: how long nodes wait for each other during the commit.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        overwrite: bool = False,
+        sync_files: bool = True,
+        thread_count: int = 1,
+        free_space_margin_bytes: int = 64 * 2**20,
+        staging_share_memory: bool = False,
+        staging_timeout_secs: float = 1800.0,
+        commit_timeout_secs: float = 1800.0,
+    ) -> None:
+        super().__init__()
+        if thread_count < 1:
+            raise ConfigError(f"thread_count must be >= 1, got {thread_count}")
+        if free_space_margin_bytes < 0:
+            raise ConfigError("free_space_margin_bytes must be >= 0")
+        self._tier = LocalTier(LocalBackend(root))
+        self.overwrite = overwrite
+        self.sync_files = sync_files
+        self.thread_count = thread_count
+        self.free_space_margin_bytes = free_space_margin_bytes
+        self.commit_timeout_secs = commit_timeout_secs
+        self._stager = DoubleBufferStager(
+            share_memory=staging_share_memory, timeout_secs=staging_timeout_secs
+        )
+        self._step: str | None = None
+        self._is_coordinator = False
+        self._rank = 0
+        self._save: tuple[_SaveInfo, list[int]] | None = None  # coordinator: own info, nodes
+        self._leading: tuple[str, int] | None = None  # (tmp dir, lock fd) until published
+        self._tier.recover_and_sweep()
+
+    @property
+    def root(self) -> str:
+        return self._tier.root
+
+    @property
+    def checkpoint_id(self) -> str | None:
+        return self._step
+
+    def __getstate__(self) -> dict[str, Any]:
+        # PROCESS mode pickles the writer for every save: buffers, threads and lock
+        # descriptors stay with the trainer process.
+        state = self.__dict__.copy()
+        state["_stager"] = None
+        state["_leading"] = None
+        return state
+
+    # ------------------------------------------------------------ AsyncStager protocol
+
+    _synchronize_after_execute = True
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return True
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Copy ``state_dict`` into reused, double-buffered host memory (the caller's stall)."""
+        return self._require_stager().stage(state_dict)
+
+    def synchronize_staging(self) -> None:
+        # async_save calls this right after starting the save's executor thread.
+        self._require_stager().after_execute()
+
+    def close(self) -> None:
+        if self._stager is not None:
+            self._stager.close()
+
+    @property
+    def last_stall_secs(self) -> float:
+        return self._require_stager().last_stall_secs
+
+    def _require_stager(self) -> DoubleBufferStager:
+        if self._stager is None:
+            raise RuntimeError("this writer copy was unpickled in a worker and cannot stage")
+        return self._stager
+
+    # ------------------------------------------------------------ StorageWriter
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False  # never auto-selected: construct it with a root
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self._begin_save()
+        if checkpoint_id is not None:
+            self._step = layout.validate_step_name(checkpoint_id)
+
+    def storage_meta(self) -> StorageMeta | None:
+        self._begin_save()
+        return StorageMeta(checkpoint_id=self._step) if self._step else None
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._begin_save()
+        if self._step is None:
+            raise ConfigError(
+                "no step name: pass checkpoint_id='step-N' to dcp.save/dcp.async_save"
+            )
+        self._is_coordinator = is_coordinator
+        self._rank = int(kwargs.get("rank", 0))
+
+    def _begin_save(self) -> None:
+        if self._stager is not None:
+            self._stager.wait_for_earlier_saves()
+        if self._leading is not None:  # the previous save we led never reached finish()
+            tmp, fd = self._leading
+            self._leading = None
+            LocalBackend.unlock(fd)
+            commit.discard_tmp(self._tier.backend, tmp, reason="its save failed")
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        step = self._step
+        assert step is not None
+        if self._tier.has_step(step) and not self.overwrite:
+            raise CheckpointExistsError(
+                f"step {step!r} is already committed in {self.root}; choose a new step name "
+                "or construct the writer with overwrite=True"
+            )
+        info = _RankInfo(
+            step=step,
+            node_key=f"{socket.gethostname()}:{self.root}",
+            free_bytes=self._tier.backend.free_bytes(),
+            root=self.root,
+        )
+        return dataclasses.replace(plan, storage_data=info)
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        infos: list[_RankInfo] = [p.storage_data for p in plans]
+        steps = {i.step for i in infos}
+        if len(steps) != 1:
+            raise ConfigError(f"ranks disagree on the step name: {sorted(steps)}")
+        node_keys = list(dict.fromkeys(i.node_key for i in infos))  # rank order
+        node_of = [node_keys.index(i.node_key) for i in infos]
+        _check_space(plans, infos, node_of, self.free_space_margin_bytes)
+        save_id = uuid.uuid4().hex[:12]
+        out = []
+        for rank, (plan, info) in enumerate(zip(plans, infos)):
+            node = node_of[rank]
+            save = _SaveInfo(
+                step=info.step,
+                save_id=save_id,
+                rank=rank,
+                node=node,
+                node_leader=node_of.index(node) == rank,
+                coordinator_node=node == node_of[0],
+                world_size=len(plans),
+            )
+            out.append(dataclasses.replace(plan, storage_data=save))
+        self._save = (out[0].storage_data, sorted(set(node_of) - {node_of[0]}))
+        return out
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        save: _SaveInfo = plan.storage_data
+        backend = self._tier.backend
+        backend.make_dir(save.tmp)
+        IN_FLIGHT.add((self.root, save.tmp))
+        lock = backend.lock_shared(save.tmp)
+        try:
+            results = self._write_items(save, plan.items, planner)
+        except BaseException:
+            LocalBackend.unlock(lock)
+            raise
+        if save.node_leader and save.coordinator_node:
+            self._leading = (save.tmp, lock)  # released once finish() has published
+        elif save.node_leader:
+            self._follow_commit(save, lock)
+        else:
+            LocalBackend.unlock(lock)
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def _write_items(
+        self, save: _SaveInfo, items: Sequence[WriteItem], planner: SavePlanner
+    ) -> list[WriteResult]:
+        buckets = _split_by_size(items, self.thread_count)
+        jobs = [
+            (layout.data_file_name(save.rank, i), bucket) for i, bucket in enumerate(buckets) if bucket
+        ]
+        if len(jobs) <= 1:
+            return [r for name, b in jobs for r in self._write_file(save, name, b, planner)]
+        with ThreadPoolExecutor(len(jobs), thread_name_prefix="dcp-tiered-write") as pool:
+            futures = [pool.submit(self._write_file, save, n, b, planner) for n, b in jobs]
+            return [r for f in futures for r in f.result()]
+
+    def _write_file(
+        self, save: _SaveInfo, name: str, items: Sequence[WriteItem], planner: SavePlanner
+    ) -> list[WriteResult]:
+        placed: list[tuple[MetadataIndex, int, int, int]] = []
+        with self._tier.backend.open_write(save.tmp, name, sync=self.sync_files) as f:
+            out = integrity.ChecksummingWriter(f)
+            for item in items:
+                offset = out.start_item()
+                data = planner.resolve_data(item)
+                if item.type == WriteItemType.BYTE_IO:
+                    out.write(data.getbuffer())
+                else:
+                    torch.save(_as_saveable(data), out)
+                placed.append((item.index, offset, out.position - offset, out.item_crc))
+        file_crc = integrity.format_checksum(out.file_crc)
+        return [
+            WriteResult(
+                index=index,
+                size_in_bytes=length,
+                storage_data=manifest.ItemLocation(
+                    relative_path=name,
+                    offset=offset,
+                    length=length,
+                    checksum=integrity.format_checksum(crc),
+                    rank=save.rank,
+                    file_size=out.position,
+                    file_checksum=file_crc,
+                ),
+            )
+            for index, offset, length, crc in placed
+        ]
+
+    def _follow_commit(self, save: _SaveInfo, lock: int) -> None:
+        backend = self._tier.backend
+        store = _torch_compat.default_store()
+        if store is None:
+            LocalBackend.unlock(lock)
+            raise ConfigError("ranks on several local roots need torch.distributed initialised")
+
+        def prepare(manifest_bytes: bytes, metadata_bytes: bytes) -> None:
+            commit.write_step_files(
+                backend, save.tmp, manifest_bytes, metadata_bytes, sync=self.sync_files
+            )
+
+        def publish() -> None:
+            try:
+                commit.publish_step(backend, save.step, save.save_id, save.tmp)
+            finally:
+                LocalBackend.unlock(lock)
+
+        def abandon(reason: str) -> None:
+            LocalBackend.unlock(lock)
+            commit.discard_tmp(backend, save.tmp, reason=reason)
+
+        handshake = commit.Handshake(store, save.save_id, self.commit_timeout_secs)
+        handshake.follow_in_background(save.node, prepare, publish, abandon)
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        assert self._save is not None and self._leading is not None
+        (save, other_nodes), (tmp, lock) = self._save, self._leading
+        self._save = None
+        backend = self._tier.backend
+        locations = {wr.index: wr.storage_data for rs in results for wr in rs}
+        manifest_bytes = manifest.build(
+            step=save.step,
+            save_id=save.save_id,
+            world_size=save.world_size,
+            committed_at_ns=time.time_ns(),
+            metadata=metadata,
+            locations=locations,
+            versions={"dcp_tiered": __version__, "torch": torch.__version__},
+        )
+        metadata_bytes = _vanilla_metadata(metadata, locations, save.step)
+        commit.write_step_files(backend, tmp, manifest_bytes, metadata_bytes, sync=self.sync_files)
+
+        def publish_own() -> None:
+            commit.publish_step(backend, save.step, save.save_id, tmp)
+
+        if other_nodes:
+            store = _torch_compat.default_store()
+            handshake = commit.Handshake(store, save.save_id, self.commit_timeout_secs)
+            handshake.coordinate(other_nodes, manifest_bytes, metadata_bytes, publish_own)
+        else:
+            publish_own()
+        self._leading = None
+        LocalBackend.unlock(lock)
+
+
+# ---------------------------------------------------------------- helpers (no I/O)
+
+
+def _as_saveable(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor whose storage holds only its own bytes (torch.save writes whole storages)."""
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    if tensor.untyped_storage().size() != tensor.numel() * tensor.element_size():
+        tensor = tensor.clone()
+    return tensor
+
+
+def _planned_bytes(item: WriteItem) -> int:
+    if item.tensor_data is None:
+        return _BYTES_ITEM_ESTIMATE
+    numel = 1
+    for s in item.tensor_data.chunk.sizes:
+        numel *= s
+    itemsize = torch.empty((), dtype=item.tensor_data.properties.dtype).element_size()
+    return numel * itemsize + _PER_ITEM_OVERHEAD
+
+
+def _check_space(
+    plans: list[SavePlan], infos: list[_RankInfo], node_of: list[int], margin: int
+) -> None:
+    for node in sorted(set(node_of)):
+        ranks = [r for r, n in enumerate(node_of) if n == node]
+        need = sum(_planned_bytes(i) for r in ranks for i in plans[r].items) + margin
+        free = min(infos[r].free_bytes for r in ranks)
+        if need > free:
+            raise InsufficientSpaceError(
+                errno.ENOSPC,
+                f"step {infos[ranks[0]].step!r} needs {need / 2**20:.1f} MiB (with "
+                f"{margin / 2**20:.0f} MiB margin) on {infos[ranks[0]].root} (ranks {ranks}) but "
+                f"only {free / 2**20:.1f} MiB is free; free space or keep fewer steps. "
+                "Nothing was written and earlier steps are intact.",
+            )
+
+
+def _split_by_size(items: Sequence[WriteItem], n: int) -> list[list[WriteItem]]:
+    """Bytes items first (as DCP does), tensors greedily to the lightest bucket."""
+    buckets: list[list[WriteItem]] = [[] for _ in range(n)]
+    sizes = [0] * n
+    for item in items:
+        if item.type == WriteItemType.BYTE_IO:
+            buckets[0].append(item)
+    for item in sorted(
+        (i for i in items if i.type != WriteItemType.BYTE_IO), key=_planned_bytes, reverse=True
+    ):
+        k = sizes.index(min(sizes))
+        buckets[k].append(item)
+        sizes[k] += _planned_bytes(item)
+    return buckets
+
+
+def _vanilla_metadata(
+    metadata: Metadata, locations: dict[MetadataIndex, manifest.ItemLocation], step: str
+) -> bytes:
+    """DCP's own ``.metadata`` so the step stays a valid vanilla DCP checkpoint."""
+    vanilla = dataclasses.replace(
+        metadata,
+        storage_data={
+            idx: _torch_compat.StorageInfo(loc.relative_path, loc.offset, loc.length)
+            for idx, loc in locations.items()
+        },
+        storage_meta=metadata.storage_meta or StorageMeta(checkpoint_id=step),
+    )
+    return pickle.dumps(vanilla, protocol=4)
