@@ -1,0 +1,56 @@
+"""Helpers for worker processes launched by torchrun in the tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo, for tests._model
+warnings.filterwarnings("ignore")
+torch.set_num_threads(1)
+
+
+def init() -> tuple[int, int]:
+    dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def shard(model: torch.nn.Module, kind: str, world: int) -> torch.nn.Module:
+    if kind == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+    if kind == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        from tests._model import Block
+
+        return FSDP(
+            model,
+            device_id=torch.device("cpu"),
+            use_orig_params=True,
+            auto_wrap_policy=ModuleWrapPolicy({Block}),
+        )
+    if kind == "plain":
+        return model
+    raise ValueError(kind)
+
+
+def write_json(path: str | os.PathLike[str], data: Any) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
