@@ -25,7 +25,6 @@ from typing import Any
 from . import layout
 from .backends.local import LocalBackend
 from .errors import CommitError
-from .local_tier import IN_FLIGHT
 
 logger = logging.getLogger(__name__)
 
@@ -46,16 +45,12 @@ def publish_step(backend: LocalBackend, step: str, save_id: str, tmp: str) -> No
     old = layout.old_dir_name(step, save_id)
     if backend.publish(tmp, step, old):
         backend.remove_tree(old, reason=f"overwritten by a new save of {step}")
-    IN_FLIGHT.discard((str(backend.root), tmp))
     logger.info("committed-local step=%s root=%s", step, backend.root)
 
 
 def discard_tmp(backend: LocalBackend, tmp: str, *, reason: str) -> None:
-    try:
-        if backend.exists(tmp):
-            backend.remove_tree(tmp, reason=reason)
-    finally:
-        IN_FLIGHT.discard((str(backend.root), tmp))
+    if backend.exists(tmp):
+        backend.remove_tree(tmp, reason=reason)
 
 
 class Handshake:

@@ -30,6 +30,8 @@ class ChecksummingWriter:
         self.position = 0
         self.file_crc = 0
         self.item_crc = 0
+        # torch.save reports a failed write only as a position mismatch; keep the real error.
+        self.error: OSError | None = None
 
     def start_item(self) -> int:
         self.item_crc = 0
@@ -39,9 +41,13 @@ class ChecksummingWriter:
         view = memoryview(data).cast("B")
         self.file_crc = checksum(view, self.file_crc)
         self.item_crc = checksum(view, self.item_crc)
-        written = self._raw.write(view)
-        if written is None or written != len(view):
-            raise OSError(f"short write: {written} of {len(view)} bytes")
+        try:
+            written = self._raw.write(view)
+            if written is None or written != len(view):
+                raise OSError(f"short write: {written} of {len(view)} bytes")
+        except OSError as e:
+            self.error = e
+            raise
         self.position += len(view)
         return len(view)
 

@@ -17,10 +17,6 @@ logger = logging.getLogger(__name__)
 # than this is treated as abandoned.
 _UNLOCKED_GRACE_SECS = 300.0
 
-# Temporary directories this process is writing or leading: never swept from this process,
-# even by a second writer object on the same root.
-IN_FLIGHT: set[tuple[str, str]] = set()
-
 
 @dataclass(frozen=True)
 class StepInfo:
@@ -97,10 +93,14 @@ class LocalTier:
     # ------------------------------------------------------------ recovery
 
     def recover_and_sweep(self) -> None:
-        """Undo interrupted overwrites and delete temporary directories of crashed saves."""
+        """Undo interrupted overwrites and delete temporary directories of crashed saves.
+
+        A temporary directory is in use while any rank writing it, or the node leader until
+        it publishes, holds its lock; the kernel releases the lock of a process that dies.
+        """
         for name in self.backend.list_names():
             parsed = layout.parse_hidden_dir(name)
-            if parsed is None or (self.root, name) in IN_FLIGHT:
+            if parsed is None:
                 continue
             step, _, suffix = parsed
             if not self.backend.is_dir(name):

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 from . import integrity, layout
 from .backends.local import LocalBackend
-from .errors import CheckpointNotFoundError, IntegrityError, MissingShardError
+from .errors import CheckpointNotFoundError, DcpTieredError, IntegrityError, MissingShardError
 from .local_tier import LocalTier, StepInfo
 from .manifest import ItemLocation
 from .safe_unpickle import load_dcp_metadata
@@ -44,6 +44,7 @@ class TieredStorageReader(StorageReader):
         self._step: StepInfo | None = None
         self._dir: tuple[str, ...] = ()
         self._locations: dict[Any, ItemLocation] = {}
+        self._deferred_error: DcpTieredError | None = None
 
     @property
     def root(self) -> str:
@@ -64,6 +65,17 @@ class TieredStorageReader(StorageReader):
     # ------------------------------------------------------------ metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        # DCP turns any exception raised here into a bare AssertionError ("metadata is None").
+        # To hand the caller our typed error, it is raised from set_up_storage_reader instead,
+        # which DCP reports per rank in CheckpointException.failures like any other failure.
+        self._deferred_error = None
+        try:
+            return self._read_metadata()
+        except DcpTieredError as e:
+            self._deferred_error = e
+            return Metadata(state_dict_metadata={})
+
+    def _read_metadata(self) -> Metadata:
         backend = self._tier.backend
         if self._requested is None and backend.exists(layout.DCP_METADATA_NAME):
             # The root itself is a vanilla DCP checkpoint directory.
@@ -97,6 +109,8 @@ class TieredStorageReader(StorageReader):
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
+        if self._deferred_error is not None:
+            raise self._deferred_error
         if self._step is None:  # DCP always reads metadata first; guard direct use
             raise CheckpointNotFoundError("read_metadata() must run before set_up_storage_reader")
 

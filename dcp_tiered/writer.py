@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from . import __version__, _torch_compat, commit, integrity, layout, manifest
 from .backends.local import LocalBackend
 from .errors import CheckpointExistsError, ConfigError, InsufficientSpaceError
-from .local_tier import IN_FLIGHT, LocalTier
+from .local_tier import LocalTier
 from .staging import DoubleBufferStager
 
 logger = logging.getLogger(__name__)
@@ -188,10 +188,10 @@ class TieredStorageWriter(StorageWriter):
         if self._stager is not None:
             self._stager.wait_for_earlier_saves()
         if self._leading is not None:  # the previous save we led never reached finish()
-            tmp, fd = self._leading
+            LocalBackend.unlock(self._leading[1])
             self._leading = None
-            LocalBackend.unlock(fd)
-            commit.discard_tmp(self._tier.backend, tmp, reason="its save failed")
+        # Every earlier save of this process is over, so unlocked leftovers are abandoned.
+        self._tier.recover_and_sweep()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         step = self._step
@@ -238,12 +238,13 @@ class TieredStorageWriter(StorageWriter):
         save: _SaveInfo = plan.storage_data
         backend = self._tier.backend
         backend.make_dir(save.tmp)
-        IN_FLIGHT.add((self.root, save.tmp))
         lock = backend.lock_shared(save.tmp)
         try:
             results = self._write_items(save, plan.items, planner)
         except BaseException:
             LocalBackend.unlock(lock)
+            for i in range(self.thread_count):  # free the space now (e.g. after ENOSPC)
+                backend.remove_file(save.tmp, layout.data_file_name(save.rank, i))
             raise
         if save.node_leader and save.coordinator_node:
             self._leading = (save.tmp, lock)  # released once finish() has published
@@ -280,7 +281,12 @@ class TieredStorageWriter(StorageWriter):
                 if item.type == WriteItemType.BYTE_IO:
                     out.write(data.getbuffer())
                 else:
-                    torch.save(_as_saveable(data), out)
+                    try:
+                        torch.save(_as_saveable(data), out)
+                    except RuntimeError as e:
+                        if out.error is not None:
+                            raise out.error from e
+                        raise
                 placed.append((item.index, offset, out.position - offset, out.item_crc))
         file_crc = integrity.format_checksum(out.file_crc)
         return [

@@ -1,0 +1,286 @@
+"""Single-process behaviour of the writer and reader: the common paths and every bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+
+from dcp_tiered import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    ConfigError,
+    IntegrityError,
+    ManifestError,
+    MissingShardError,
+    TieredStorageReader,
+    TieredStorageWriter,
+)
+
+
+def state(v: float = 1.0) -> dict:
+    return {
+        "w": torch.full((64, 32), v),
+        "view": torch.arange(40, dtype=torch.float64).view(8, 5)[:, 1:3] * v,
+        "nested": {"i": torch.tensor([int(v)]), "n": int(v), "s": f"v{v}", "l": [1, 2.5, None]},
+    }
+
+
+def blank() -> dict:
+    s = state(0.0)
+    s["nested"].update(n=-1, s="", l=[])
+    return s
+
+
+def save(root, step, sd, **kw) -> None:
+    dcp.save(sd, checkpoint_id=step, storage_writer=TieredStorageWriter(root, **kw), no_dist=True)
+
+
+def load(root, step="latest", **kw) -> dict:
+    sd = blank()
+    dcp.load(sd, checkpoint_id=step, storage_reader=TieredStorageReader(root, **kw), no_dist=True)
+    return sd
+
+
+def failure(exc_info) -> BaseException:
+    """The rank-0 error inside DCP's CheckpointException (a BaseException)."""
+    err = exc_info.value
+    if isinstance(err, CheckpointException):
+        err = next(iter(err.failures.values()))
+        return err[0] if isinstance(err, tuple) else err  # (exception, traceback)
+    return err
+
+
+def assert_state_equal(a: dict, b: dict) -> None:
+    for k in ("w", "view"):
+        assert torch.equal(a[k], b[k]), k
+    assert torch.equal(a["nested"]["i"], b["nested"]["i"])
+    assert {k: v for k, v in a["nested"].items() if k != "i"} == {
+        k: v for k, v in b["nested"].items() if k != "i"
+    }
+
+
+def test_round_trip_and_latest(tmp_path):
+    save(tmp_path, "step-1", state(1))
+    save(tmp_path, "step-10", state(10))
+    save(tmp_path, "step-2", state(2))  # saved later, but step-10 is the newest step
+    assert_state_equal(load(tmp_path), state(10))
+    assert_state_equal(load(tmp_path, "step-2"), state(2))
+    assert sorted(os.listdir(tmp_path)) == ["step-1", "step-10", "step-2"]
+
+
+def test_async_thread_save_is_isolated_from_later_mutation(tmp_path):
+    writer = TieredStorageWriter(tmp_path)
+    sd = state(3)
+    futs = []
+    for step in range(4):  # more saves than buffers: reuse must never corrupt one in flight
+        futs.append(dcp.async_save(sd, checkpoint_id=f"step-{step}", storage_writer=writer,
+                                   no_dist=True))
+        sd["w"].add_(1)
+        sd["nested"]["n"] += 1
+    for f in futs:
+        f.result()
+    for step in range(4):
+        expect = state(3)
+        expect["w"] += step
+        expect["nested"]["n"] += step
+        assert_state_equal(load(tmp_path, f"step-{step}"), expect)
+    writer.close()
+
+
+def test_async_error_reaches_the_future(tmp_path):
+    writer = TieredStorageWriter(tmp_path)
+    dcp.save(state(), checkpoint_id="step-1", storage_writer=writer, no_dist=True)
+    fut = dcp.async_save(state(), checkpoint_id="step-1", storage_writer=writer, no_dist=True)
+    with pytest.raises(CheckpointException) as e:
+        fut.result()
+    assert isinstance(failure(e), CheckpointExistsError)
+
+
+def test_writer_pickles_without_buffers(tmp_path):
+    writer = TieredStorageWriter(tmp_path)
+    writer.stage(state())
+    clone = pickle.loads(pickle.dumps(writer))
+    assert clone.root == writer.root and clone._stager is None
+    dcp.save(state(5), checkpoint_id="step-5", storage_writer=clone, no_dist=True)
+    assert_state_equal(load(tmp_path), state(5))
+
+
+@pytest.mark.parametrize("bad", ["/abs", "../up", "a/b", "..", ".hidden", "", "latest", 7])
+def test_unsafe_step_names_are_refused(tmp_path, bad):
+    with pytest.raises(BaseException) as e:
+        save(tmp_path / "r", bad, state())
+    assert isinstance(failure(e), ConfigError)
+    assert not (tmp_path / "r").exists() or os.listdir(tmp_path / "r") == []
+
+
+def test_missing_step_lists_existing(tmp_path):
+    save(tmp_path, "step-1", state())
+    with pytest.raises(CheckpointException) as e:
+        load(tmp_path, "step-9")
+    err = failure(e)
+    assert isinstance(err, CheckpointNotFoundError) and "step-1" in str(err)
+    with pytest.raises(CheckpointException) as e:
+        load(tmp_path / "empty")
+    assert isinstance(failure(e), CheckpointNotFoundError)
+
+
+def test_overwrite_refused_by_default_and_atomic_when_asked(tmp_path):
+    save(tmp_path, "step-1", state(1))
+    with pytest.raises(CheckpointException) as e:
+        save(tmp_path, "step-1", state(2))
+    assert isinstance(failure(e), CheckpointExistsError)
+    assert_state_equal(load(tmp_path), state(1))
+    save(tmp_path, "step-1", state(2), overwrite=True)
+    assert_state_equal(load(tmp_path), state(2))
+    assert os.listdir(tmp_path) == ["step-1"]
+
+
+def _data_file(root, step="step-1"):
+    return next(p for p in (root / step).iterdir() if p.suffix == ".distcp")
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_flipped_byte_raises_integrity_error(tmp_path, where):
+    save(tmp_path, "step-1", state())
+    path = _data_file(tmp_path)
+    data = bytearray(path.read_bytes())
+    pos = {"first": 0, "middle": len(data) // 2, "last": len(data) - 1}[where]
+    data[pos] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointException) as e:
+        load(tmp_path)
+    err = failure(e)
+    assert isinstance(err, IntegrityError)
+    assert "step-1" in str(err) and path.name in str(err) and "rank 0" in str(err)
+
+
+def test_truncated_file_raises_integrity_error(tmp_path):
+    save(tmp_path, "step-1", state())
+    path = _data_file(tmp_path)
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(CheckpointException) as e:
+        load(tmp_path)
+    assert isinstance(failure(e), IntegrityError)
+
+
+def test_missing_shard_names_the_file(tmp_path):
+    save(tmp_path, "step-1", state())
+    path = _data_file(tmp_path)
+    path.unlink()
+    with pytest.raises(CheckpointException) as e:
+        load(tmp_path)
+    err = failure(e)
+    assert isinstance(err, MissingShardError) and path.name in str(err)
+
+
+@pytest.mark.parametrize("edit", ["garbage", "checksum", "version", "path-escape"])
+def test_tampered_manifest_is_refused(tmp_path, edit):
+    save(tmp_path, "step-1", state())
+    path = tmp_path / "step-1" / "manifest.json"
+    body = json.loads(path.read_text())
+    if edit == "garbage":
+        path.write_text("{not json")
+    else:
+        if edit == "checksum":
+            body["items"][0]["checksum"] = "00000000"
+        elif edit == "version":
+            body["version"] = 99
+        else:
+            body["items"][0]["file"] = "../../etc/passwd"
+        path.write_text(json.dumps(body))
+    with pytest.raises(CheckpointException) as e:
+        load(tmp_path)
+    assert isinstance(failure(e), ManifestError)
+
+
+class Boom:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_tampered_metadata_pickle_executes_nothing(tmp_path):
+    save(tmp_path, "step-1", state())
+    marker = tmp_path / "pwned"
+    (tmp_path / "step-1" / ".metadata").write_bytes(pickle.dumps(Boom(str(marker))))
+    assert_state_equal(load(tmp_path), state())  # we read the manifest, never .metadata
+    assert not marker.exists()
+
+
+def test_malicious_byte_item_executes_nothing(tmp_path):
+    marker = tmp_path / "pwned"
+    sd = state()
+    sd["evil"] = Boom(str(marker))
+    save(tmp_path / "ck", "step-1", sd)
+    assert not marker.exists()
+    target = blank()
+    target["evil"] = None
+    with pytest.raises(CheckpointException) as e:
+        dcp.load(target, storage_reader=TieredStorageReader(tmp_path / "ck"), no_dist=True)
+    assert isinstance(failure(e), IntegrityError) and "allow_pickle" in str(failure(e))
+    assert not marker.exists()
+
+
+def test_vanilla_filesystem_reader_loads_our_step(tmp_path):
+    save(tmp_path, "step-1", state(4))
+    sd = blank()
+    dcp.load(sd, storage_reader=FileSystemReader(tmp_path / "step-1"), no_dist=True)
+    assert_state_equal(sd, state(4))
+
+
+def test_reader_loads_vanilla_checkpoint_with_warning(tmp_path, caplog):
+    dcp.save(state(6), storage_writer=FileSystemWriter(tmp_path / "step-6"), no_dist=True)
+    assert_state_equal(load(tmp_path, "step-6"), state(6))
+    assert "cannot be verified" in caplog.text
+    sd = blank()  # or the vanilla directory itself as the root
+    dcp.load(sd, storage_reader=TieredStorageReader(tmp_path / "step-6"), no_dist=True)
+    assert_state_equal(sd, state(6))
+
+
+def test_vanilla_metadata_with_payload_is_refused(tmp_path):
+    dcp.save(state(), storage_writer=FileSystemWriter(tmp_path / "v"), no_dist=True)
+    marker = tmp_path / "pwned"
+    (tmp_path / "v" / ".metadata").write_bytes(pickle.dumps(Boom(str(marker))))
+    with pytest.raises(BaseException) as e:
+        dcp.load(blank(), storage_reader=TieredStorageReader(tmp_path / "v"), no_dist=True)
+    assert "disallowed" in str(e.value) or "refusing" in str(e.value)
+    assert not marker.exists()
+
+
+def test_stale_temporary_directories_are_swept_inside_root_only(tmp_path, caplog):
+    root = tmp_path / "root"
+    save(root, "step-1", state())
+    stale = root / ".step-2.abc123.dcp-tiered-tmp"
+    stale.mkdir()
+    (stale / "__0_0.distcp").write_bytes(b"partial")
+    (stale / ".dcp-tiered.lock").touch()  # unlocked lock file: its writer is gone
+    outside = tmp_path / ".step-3.def456.dcp-tiered-tmp"
+    outside.mkdir()
+    caplog.set_level("INFO", logger="dcp_tiered")
+    TieredStorageWriter(root)
+    assert not stale.exists() and outside.exists()
+    assert "deleting" in caplog.text and str(stale) in caplog.text
+    assert_state_equal(load(root), state())
+
+
+def test_interrupted_non_atomic_overwrite_is_rolled_back(tmp_path):
+    save(tmp_path, "step-1", state(1))
+    os.rename(tmp_path / "step-1", tmp_path / ".step-1.abc.dcp-tiered-old")
+    TieredStorageWriter(tmp_path)
+    assert_state_equal(load(tmp_path), state(1))
+
+
+def test_cli_unrelated_warning_free_import():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        import dcp_tiered  # noqa: F401
