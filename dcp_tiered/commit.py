@@ -36,7 +36,6 @@ def write_step_files(
 ) -> None:
     backend.write_file(tmp, layout.MANIFEST_NAME, manifest_bytes, sync=sync)
     backend.write_file(tmp, layout.DCP_METADATA_NAME, metadata_bytes, sync=sync)
-    backend.remove_file(tmp, layout.LOCK_NAME)  # published steps carry no lock file
     if sync:
         backend.sync_dir(tmp)
 
@@ -45,6 +44,8 @@ def publish_step(backend: LocalBackend, step: str, save_id: str, tmp: str) -> No
     old = layout.old_dir_name(step, save_id)
     if backend.publish(tmp, step, old):
         backend.remove_tree(old, reason=f"overwritten by a new save of {step}")
+    # The lock guarded the temporary directory until now; a committed step needs none.
+    backend.remove_file(step, layout.LOCK_NAME)
     logger.info("committed-local step=%s root=%s", step, backend.root)
 
 
