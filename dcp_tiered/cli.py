@@ -1,0 +1,113 @@
+"""Command line: ``dcp-tiered ls ROOT`` and ``dcp-tiered verify ROOT [STEP]``."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from . import integrity, layout
+from .backends.local import LocalBackend
+from .errors import DcpTieredError
+from .local_tier import LocalTier
+
+_CHUNK_BYTES = 8 * 2**20
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    raise AssertionError
+
+
+def cmd_ls(tier: LocalTier) -> int:
+    rows = []
+    for s in sorted(tier.steps(), key=lambda s: s.committed_at_ns):
+        size = sum(tier.backend.file_size(s.name, f) for f in tier.backend.list_files(s.name))
+        if s.verified_format:
+            when = datetime.datetime.fromtimestamp(s.committed_at_ns / 1e9).isoformat(" ", "seconds")
+            state = f"committed  world={tier.read_manifest(s.name).world_size}  {when}"
+        else:
+            state = "vanilla DCP (no manifest: cannot be verified)"
+        rows.append((s.name, _human(size), state))
+    for name in tier.backend.list_names():
+        parsed = layout.parse_hidden_dir(name)
+        if parsed:
+            busy = tier.backend.exists(name, layout.LOCK_NAME) and tier.backend.is_locked(name)
+            rows.append((parsed[0], "-", "in progress" if busy else "abandoned (swept by the next writer)"))
+    if not rows:
+        print(f"no steps in {tier.root}")
+        return 0
+    width = max(len(r[0]) for r in rows)
+    for name, size, state in rows:
+        print(f"{name:<{width}}  {size:>10}  {state}")
+    return 0
+
+
+def cmd_verify(tier: LocalTier, step: str | None) -> int:
+    steps = [tier.resolve(step).name] if step else [s.name for s in tier.steps()]
+    bad = 0
+    for name in steps:
+        info = next(s for s in tier.steps() if s.name == name)
+        if not info.verified_format:
+            print(f"{name}: vanilla DCP checkpoint without a manifest, cannot be verified")
+            bad += 1
+            continue
+        problems = _verify_step(tier, name)
+        print(f"{name}: " + ("OK" if not problems else "CORRUPT\n  " + "\n  ".join(problems)))
+        bad += bool(problems)
+    return 1 if bad else 0
+
+
+def _verify_step(tier: LocalTier, step: str) -> list[str]:
+    m = tier.read_manifest(step)
+    total = sum(int(f["size"]) for f in m.files.values())
+    problems = []
+    with tqdm(total=total, unit="B", unit_scale=True, desc=step, leave=False,
+              disable=total < 256 * 2**20) as bar:
+        for name, info in sorted(m.files.items()):
+            if not tier.backend.exists(step, name):
+                problems.append(f"{name}: missing")
+                continue
+            crc, size = 0, 0
+            with tier.backend.open_read(step, name) as f:
+                while chunk := f.read(_CHUNK_BYTES):
+                    crc = integrity.checksum(chunk, crc)
+                    size += len(chunk)
+                    bar.update(len(chunk))
+            if size != int(info["size"]):
+                problems.append(f"{name}: {size} bytes, manifest says {info['size']}")
+            elif integrity.format_checksum(crc) != info["checksum"]:
+                problems.append(
+                    f"{name}: {integrity.ALGORITHM} {integrity.format_checksum(crc)} != "
+                    f"manifest {info['checksum']}"
+                )
+    return problems
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dcp-tiered", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    ls = sub.add_parser("ls", help="list steps with sizes and state")
+    ls.add_argument("root")
+    verify = sub.add_parser("verify", help="check every file against its manifest checksum")
+    verify.add_argument("root")
+    verify.add_argument("step", nargs="?", help="a step name or 'latest' (default: all steps)")
+    args = parser.parse_args(argv)
+    tier = LocalTier(LocalBackend(args.root))
+    try:
+        if args.command == "ls":
+            return cmd_ls(tier)
+        return cmd_verify(tier, args.step)
+    except DcpTieredError as e:
+        print(f"dcp-tiered: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
