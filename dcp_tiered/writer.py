@@ -75,7 +75,8 @@ class TieredStorageWriter(StorageWriter):
         overwrite: allow re-saving an existing step; the old one survives until the new one
             is committed.
         sync_files: fsync data, manifest and directories (turn off only for tests).
-        thread_count: files (and threads) per rank.
+        thread_count: files (and threads) per rank; checksumming and torch.save framing are
+            CPU-bound, so two threads keep up with a fast local disk.
         free_space_margin_bytes: headroom required beyond the planned bytes.
         staging_share_memory: stage into shared memory (saves a copy in PROCESS mode).
         staging_timeout_secs: how long staging waits for an earlier save to release buffers.
@@ -88,7 +89,7 @@ class TieredStorageWriter(StorageWriter):
         *,
         overwrite: bool = False,
         sync_files: bool = True,
-        thread_count: int = 1,
+        thread_count: int = 2,
         free_space_margin_bytes: int = 64 * 2**20,
         staging_share_memory: bool = False,
         staging_timeout_secs: float = 1800.0,
