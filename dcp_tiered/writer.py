@@ -168,12 +168,12 @@ class TieredStorageWriter(StorageWriter):
         return False  # never auto-selected: construct it with a root
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        self._begin_save()
+        self._wait_for_earlier_saves()
         if checkpoint_id is not None:
             self._step = layout.validate_step_name(checkpoint_id)
 
     def storage_meta(self) -> StorageMeta | None:
-        self._begin_save()
+        self._wait_for_earlier_saves()
         return StorageMeta(checkpoint_id=self._step) if self._step else None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -185,9 +185,14 @@ class TieredStorageWriter(StorageWriter):
         self._is_coordinator = is_coordinator
         self._rank = int(kwargs.get("rank", 0))
 
-    def _begin_save(self) -> None:
+    def _wait_for_earlier_saves(self) -> None:
+        # The first writer call of every save, before DCP's first collective: saves run one at
+        # a time, in the order they were staged, on every rank.
         if self._stager is not None:
             self._stager.wait_for_earlier_saves()
+
+    def _begin_save(self) -> None:
+        self._wait_for_earlier_saves()
         if self._leading is not None:  # the previous save we led never reached finish()
             LocalBackend.unlock(self._leading[1])
             self._leading = None

@@ -52,15 +52,17 @@ def test_two_nodes_each_with_own_root_commit_atomically(tmp_path):
     node0, node1 = root / "node0" / "step-2", root / "node1" / "step-2"
     files0 = sorted(p.name for p in node0.iterdir())
     files1 = sorted(p.name for p in node1.iterdir())
-    assert files0 == [".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json"]
-    assert files1 == [".metadata", "__2_0.distcp", "__3_0.distcp", "manifest.json"]
+    shards0 = [f"__{r}_{i}.distcp" for r in (0, 1) for i in (0, 1)]
+    shards1 = [f"__{r}_{i}.distcp" for r in (2, 3) for i in (0, 1)]
+    assert files0 == [".metadata", *shards0, "manifest.json"]
+    assert files1 == [".metadata", *shards1, "manifest.json"]
     m0, m1 = (json.loads((d / "manifest.json").read_text()) for d in (node0, node1))
     assert m0 == m1 and m0["world_size"] == 4
-    assert sorted(m0["files"]) == [f"__{r}_0.distcp" for r in range(4)]
+    assert sorted(m0["files"]) == shards0 + shards1
     assert not [p for p in (root / "node0").iterdir() if p.name.startswith(".")]
     assert not [p for p in (root / "node1").iterdir() if p.name.startswith(".")]
     # With node 1's shards brought over (the remote tier's job later), node 0 loads it all.
-    for name in ("__2_0.distcp", "__3_0.distcp"):
+    for name in shards1:
         shutil.copy(node1 / name, node0 / name)
     out = tmp_path / "load.json"
     torchrun("roundtrip.py", 2, "load", "--root", str(root / "node0"), "--ref", str(ref),
