@@ -2,6 +2,7 @@
 
 __version__ = "0.1.0"
 
+from . import layout, manifest  # noqa: E402
 from .distributed import checkpoint_process_group  # noqa: E402
 from .errors import (  # noqa: E402
     CheckpointExistsError,

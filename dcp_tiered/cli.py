@@ -18,11 +18,12 @@ _CHUNK_BYTES = 8 * 2**20
 
 
 def _human(n: float) -> str:
+    unit = "B"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        if n < 1024:
+            break
         n /= 1024
-    raise AssertionError
+    return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
 
 
 def cmd_ls(tier: LocalTier) -> int:

@@ -8,7 +8,7 @@ Readers build ``Metadata`` from it and never unpickle ``.metadata``. Pure: no I/
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,10 +54,6 @@ class Manifest:
     files: Mapping[str, Mapping[str, Any]]
     metadata: Metadata
     locations: Mapping[MetadataIndex, ItemLocation]
-    raw: Mapping[str, Any]
-
-    def location_of(self, index: MetadataIndex) -> ItemLocation:
-        return self.locations[index]
 
 
 # ---------------------------------------------------------------- encoding helpers
@@ -261,9 +257,5 @@ def _decode(body: dict[str, Any]) -> Manifest:
         files=files,
         metadata=metadata,
         locations=locations,
-        raw=body,
     )
 
-
-def data_files(manifest: Manifest) -> Sequence[str]:
-    return sorted(manifest.files)

@@ -98,6 +98,7 @@ class DoubleBufferStager:
             slot.seq = self._seq
             slot.threads = []
             self._pending = (slot, set(threading.enumerate()))
+        logger.debug("staged into buffer set %d in %.3f s", self._next, time.perf_counter() - start)
         self._next = 1 - self._next
         self.last_stall_secs = time.perf_counter() - start
         return staged

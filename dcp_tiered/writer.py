@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import logging
+import math
 import os
 import pickle
 import socket
@@ -110,8 +111,6 @@ class TieredStorageWriter(StorageWriter):
             share_memory=staging_share_memory, timeout_secs=staging_timeout_secs
         )
         self._step: str | None = None
-        self._is_coordinator = False
-        self._rank = 0
         self._save: tuple[_SaveInfo, list[int]] | None = None  # coordinator: own info, nodes
         self._leading: tuple[str, int] | None = None  # (tmp dir, lock fd) until published
         self._tier.recover_and_sweep()
@@ -182,8 +181,6 @@ class TieredStorageWriter(StorageWriter):
             raise ConfigError(
                 "no step name: pass checkpoint_id='step-N' to dcp.save/dcp.async_save"
             )
-        self._is_coordinator = is_coordinator
-        self._rank = int(kwargs.get("rank", 0))
 
     def _wait_for_earlier_saves(self) -> None:
         # The first writer call of every save, before DCP's first collective: saves run one at
@@ -252,6 +249,9 @@ class TieredStorageWriter(StorageWriter):
             for i in range(self.thread_count):  # free the space now (e.g. after ENOSPC)
                 backend.remove_file(save.tmp, layout.data_file_name(save.rank, i))
             raise
+        logger.debug(
+            "rank %d wrote %d items of step %s to %s", save.rank, len(results), save.step, self.root
+        )
         if save.node_leader and save.coordinator_node:
             self._leading = (save.tmp, lock)  # released once finish() has published
         elif save.node_leader:
@@ -384,11 +384,8 @@ def _as_saveable(tensor: torch.Tensor) -> torch.Tensor:
 def _planned_bytes(item: WriteItem) -> int:
     if item.tensor_data is None:
         return _BYTES_ITEM_ESTIMATE
-    numel = 1
-    for s in item.tensor_data.chunk.sizes:
-        numel *= s
-    itemsize = torch.empty((), dtype=item.tensor_data.properties.dtype).element_size()
-    return numel * itemsize + _PER_ITEM_OVERHEAD
+    numel = math.prod(item.tensor_data.chunk.sizes)
+    return numel * item.tensor_data.properties.dtype.itemsize + _PER_ITEM_OVERHEAD
 
 
 def _check_space(

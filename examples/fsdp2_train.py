@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import signal
+import sys
 import warnings
 
 import torch
@@ -110,6 +111,10 @@ def main() -> None:
         with open(a.losses, "w") as f:
             json.dump(losses, f)
     dist.destroy_process_group()
+    # torch 2.13's gloo can abort during interpreter teardown on CPU after all work is done;
+    # everything is saved and flushed, so leave without it.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def _is_not_found(e: BaseException) -> bool:

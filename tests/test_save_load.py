@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import warnings
 
 import pytest
 import torch
@@ -280,7 +279,11 @@ def test_interrupted_non_atomic_overwrite_is_rolled_back(tmp_path):
     assert_state_equal(load(tmp_path), state(1))
 
 
-def test_cli_unrelated_warning_free_import():
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        import dcp_tiered  # noqa: F401
+def test_import_emits_no_warnings_and_has_no_side_effects(tmp_path):
+    import subprocess
+    import sys
+
+    code = "import logging, dcp_tiered; assert not logging.getLogger('dcp_tiered').handlers"
+    proc = subprocess.run([sys.executable, "-W", "error", "-c", code], cwd=tmp_path,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr

@@ -150,7 +150,7 @@ def main() -> None:
     fut.result()
     time.sleep(2.0)  # let a pending random kill land inside or after the save
     dist.barrier()
-    dist.destroy_process_group()
+    common.finish()
 
 
 if __name__ == "__main__":

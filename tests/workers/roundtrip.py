@@ -70,7 +70,7 @@ def main() -> None:
             )
             common.write_json(a.out, {"mismatches": bad, "world": world})
         dist.barrier()
-    dist.destroy_process_group()
+    common.finish()
 
 
 if __name__ == "__main__":
