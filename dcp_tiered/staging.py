@@ -12,6 +12,7 @@ in the same order on every rank.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ logger = logging.getLogger(__name__)
 # ThreadPoolExecutor workers started by DCP's THREAD and PROCESS async executors.
 _THREAD_EXECUTOR = "AsyncCheckpointExecutor"
 _PROCESS_EXECUTOR = "ThreadPoolExecutor"
+_POOL_THREAD = re.compile(r"^ThreadPoolExecutor-(\d+)_\d+$")
 
 
 def _signature(obj: Any) -> Any:
@@ -53,6 +55,23 @@ class _Slot:
     buffers: dict[str, Any] | None = None
     seq: int = 0
     threads: list[threading.Thread] = field(default_factory=list)
+
+
+def _executor_thread(candidates: list[threading.Thread]) -> list[threading.Thread]:
+    """The one thread async_save just started for this save (or none).
+
+    THREAD mode names its worker "AsyncCheckpointExecutor_0"; PROCESS mode uses a plain
+    ThreadPoolExecutor, created just before it submits, so its pool number is the highest
+    among threads that appeared meanwhile.
+    """
+    named = [t for t in candidates if t.name.startswith(_THREAD_EXECUTOR)]
+    if named:
+        return named[-1:]
+    pools = [m for t in candidates if (m := _POOL_THREAD.match(t.name))]
+    if not pools:
+        return []
+    newest = max(pools, key=lambda m: int(m.group(1)))
+    return [t for t in candidates if t.name == newest.string]
 
 
 class DoubleBufferStager:
@@ -110,11 +129,8 @@ class DoubleBufferStager:
                 return
             slot, before = self._pending
             self._pending = None
-            slot.threads = [
-                t
-                for t in threading.enumerate()
-                if t not in before and t.name.startswith((_THREAD_EXECUTOR, _PROCESS_EXECUTOR))
-            ]
+            new = [t for t in threading.enumerate() if t not in before]
+            slot.threads = _executor_thread(new)
 
     # ------------------------------------------------------------ ordering
 

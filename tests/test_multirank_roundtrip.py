@@ -68,3 +68,12 @@ def test_two_nodes_each_with_own_root_commit_atomically(tmp_path):
     torchrun("roundtrip.py", 2, "load", "--root", str(root / "node0"), "--ref", str(ref),
              "--out", str(out))
     assert read_json(out)["mismatches"] == []
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_back_to_back_async_saves_are_each_isolated(tmp_path, mode):
+    """Four async saves without waiting: double buffering and ordering keep each one exact."""
+    out = tmp_path / "out.json"
+    torchrun("back_to_back.py", 2, "--root", str(tmp_path / "ck"), "--mode", mode,
+             "--out", str(out))
+    assert read_json(out)["bad"] == []
