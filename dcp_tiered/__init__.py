@@ -3,6 +3,7 @@
 __version__ = "0.1.0"
 
 from . import layout, manifest  # noqa: E402
+from .config import RemoteConfig, RetryConfig  # noqa: E402
 from .distributed import checkpoint_process_group  # noqa: E402
 from .errors import (  # noqa: E402
     CheckpointExistsError,
@@ -14,7 +15,11 @@ from .errors import (  # noqa: E402
     IntegrityError,
     ManifestError,
     MissingShardError,
+    PermanentTierError,
     StagingError,
+    TierError,
+    TransientTierError,
+    UploadFailedError,
 )
 from .reader import TieredStorageReader  # noqa: E402
 from .writer import TieredStorageWriter  # noqa: E402
@@ -29,9 +34,15 @@ __all__ = [
     "IntegrityError",
     "ManifestError",
     "MissingShardError",
+    "PermanentTierError",
+    "RemoteConfig",
+    "RetryConfig",
     "StagingError",
     "TieredStorageReader",
     "TieredStorageWriter",
+    "TierError",
+    "TransientTierError",
+    "UploadFailedError",
     "__version__",
     "checkpoint_process_group",
 ]

@@ -9,12 +9,10 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
-from . import integrity, layout
+from . import catalog, integrity, layout
 from .backends.local import LocalBackend
 from .errors import DcpTieredError
 from .local_tier import LocalTier
-
-_CHUNK_BYTES = 8 * 2**20
 
 
 def _human(n: float) -> str:
@@ -51,7 +49,7 @@ def cmd_ls(tier: LocalTier) -> int:
 
 
 def cmd_verify(tier: LocalTier, step: str | None) -> int:
-    steps = [tier.resolve(step).name] if step else [s.name for s in tier.steps()]
+    steps = [catalog.resolve(tier, None, step).name] if step else [s.name for s in tier.steps()]
     bad = 0
     for name in steps:
         info = next(s for s in tier.steps() if s.name == name)
@@ -75,19 +73,13 @@ def _verify_step(tier: LocalTier, step: str) -> list[str]:
             if not tier.backend.exists(step, name):
                 problems.append(f"{name}: missing")
                 continue
-            crc, size = 0, 0
-            with tier.backend.open_read(step, name) as f:
-                while chunk := f.read(_CHUNK_BYTES):
-                    crc = integrity.checksum(chunk, crc)
-                    size += len(chunk)
-                    bar.update(len(chunk))
+            size = tier.backend.file_size(step, name)
             if size != int(info["size"]):
                 problems.append(f"{name}: {size} bytes, manifest says {info['size']}")
-            elif integrity.format_checksum(crc) != info["checksum"]:
-                problems.append(
-                    f"{name}: {integrity.ALGORITHM} {integrity.format_checksum(crc)} != "
-                    f"manifest {info['checksum']}"
-                )
+                continue
+            crc = tier.backend.file_checksum(step, name, progress=bar.update)
+            if crc != info["checksum"]:
+                problems.append(f"{name}: {integrity.ALGORITHM} {crc} != manifest {info['checksum']}")
     return problems
 
 

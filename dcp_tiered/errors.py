@@ -12,7 +12,11 @@ Library errors subclass the built-in exception a caller would naturally catch::
     ├── IntegrityError                       checksum or size mismatch
     ├── InsufficientSpaceError(OSError)      the plan does not fit on the local tier
     ├── StagingError                         staging buffers still held by an earlier save
-    └── CommitError                          a node failed to publish the step
+    ├── CommitError                          a node failed to publish the step
+    └── TierError                            a storage tier failed
+        ├── TransientTierError               5xx, SlowDown, timeouts, resets; retried
+        ├── PermanentTierError               AccessDenied, NoSuchBucket; not retried
+        └── UploadFailedError                a step could not be made durable remotely
 
 Note: ``dcp.save``/``dcp.load`` re-raise any rank's failure as
 ``torch.distributed.checkpoint.api.CheckpointException`` (a ``BaseException``); the
@@ -31,7 +35,11 @@ __all__ = [
     "IntegrityError",
     "ManifestError",
     "MissingShardError",
+    "PermanentTierError",
     "StagingError",
+    "TierError",
+    "TransientTierError",
+    "UploadFailedError",
 ]
 
 
@@ -73,3 +81,19 @@ class StagingError(DcpTieredError):
 
 class CommitError(DcpTieredError):
     """A node did not publish the step in time."""
+
+
+class TierError(DcpTieredError):
+    """A storage tier failed an operation."""
+
+
+class TransientTierError(TierError):
+    """Throttling, 5xx, timeouts, connection resets: retried with backoff."""
+
+
+class PermanentTierError(TierError):
+    """AccessDenied, NoSuchBucket, bad credentials: not retried; the message says what to fix."""
+
+
+class UploadFailedError(TierError):
+    """A step could not be made durable on the remote tier."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import zlib
 from collections.abc import Iterable
 
 from .errors import ConfigError
@@ -14,6 +15,12 @@ LATEST = "latest"
 TMP_SUFFIX = ".dcp-tiered-tmp"
 OLD_SUFFIX = ".dcp-tiered-old"
 LOCK_NAME = ".dcp-tiered.lock"
+UPLOADER_LOCK_NAME = ".dcp-tiered-uploader.lock"
+
+# Remote tier: a step is committed there once its marker exists (created exclusively, last).
+REMOTE_MARKER = "_COMMITTED.json"
+NODE_RECORDS = "_nodes"
+_HASH_PREFIXES = 16
 
 _STEP_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _TRAILING_INT = re.compile(r"(\d+)$")
@@ -87,3 +94,20 @@ def newest(steps: Iterable[tuple[str, int]]) -> str | None:
         if best is None or key > best:
             best = key
     return best[2] if best else None
+
+
+def node_record_key(step: str, node: int) -> str:
+    return f"{step}/{NODE_RECORDS}/node-{node}.json"
+
+
+def remote_file_key(step: str, name: str, prefix_strategy: str) -> str:
+    """Key of a step's file under the remote root; data may be spread over hashed prefixes."""
+    if prefix_strategy == "hash" and name.endswith(".distcp"):
+        bucket = zlib.crc32(f"{step}/{name}".encode()) % _HASH_PREFIXES
+        return f"data/{bucket:x}/{step}/{name}"
+    return f"{step}/{name}"
+
+
+def remote_step_prefixes(step: str) -> list[str]:
+    """Every prefix that may hold objects of ``step`` (for cleanup confined to that step)."""
+    return [f"{step}/"] + [f"data/{b:x}/{step}/" for b in range(_HASH_PREFIXES)]

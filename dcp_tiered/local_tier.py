@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from . import layout, manifest
 from .backends.local import LocalBackend
-from .errors import CheckpointNotFoundError, ConfigError, ManifestError
+from .errors import ManifestError
 
 logger = logging.getLogger(__name__)
 
@@ -59,31 +59,6 @@ class LocalTier:
         return self.backend.is_dir(name) and (
             self.backend.exists(name, layout.MANIFEST_NAME)
             or self.backend.exists(name, layout.DCP_METADATA_NAME)
-        )
-
-    def resolve(self, checkpoint_id: str | os.PathLike[str] | None) -> StepInfo:
-        """Map 'latest' (or None) or a step name to a committed step, or raise."""
-        if checkpoint_id is None or checkpoint_id == layout.LATEST:
-            steps = self.steps()
-            name = layout.newest((s.name, s.committed_at_ns) for s in steps)
-            if name is None:
-                raise CheckpointNotFoundError(
-                    f"no committed step in {self.root}: nothing to load for 'latest'. "
-                    "Check the root path, or save a checkpoint first."
-                )
-            return next(s for s in steps if s.name == name)
-        if not isinstance(checkpoint_id, str):
-            raise ConfigError(
-                f"checkpoint_id must be a step name or 'latest', got {checkpoint_id!r}; "
-                "the directory is given to the reader's constructor"
-            )
-        layout.validate_step_name(checkpoint_id)
-        for s in self.steps():
-            if s.name == checkpoint_id:
-                return s
-        existing = ", ".join(sorted(s.name for s in self.steps())) or "none"
-        raise CheckpointNotFoundError(
-            f"step {checkpoint_id!r} not found in {self.root}. Committed steps: {existing}."
         )
 
     def read_manifest(self, step: str) -> manifest.Manifest:

@@ -52,6 +52,7 @@ class Manifest:
     world_size: int
     committed_at_ns: int
     files: Mapping[str, Mapping[str, Any]]
+    nodes: list[list[int]]  # ranks of each node; node 0 holds rank 0 (the coordinator)
     metadata: Metadata
     locations: Mapping[MetadataIndex, ItemLocation]
 
@@ -135,6 +136,7 @@ def build(
     step: str,
     save_id: str,
     world_size: int,
+    nodes: list[list[int]],
     committed_at_ns: int,
     metadata: Metadata,
     locations: Mapping[MetadataIndex, ItemLocation],
@@ -165,6 +167,7 @@ def build(
         "step": step,
         "save_id": save_id,
         "world_size": world_size,
+        "nodes": nodes,
         "committed_at_ns": committed_at_ns,
         "versions": dict(versions),
         "checksum_algorithm": integrity.ALGORITHM,
@@ -255,6 +258,7 @@ def _decode(body: dict[str, Any]) -> Manifest:
         world_size=int(body["world_size"]),
         committed_at_ns=int(body["committed_at_ns"]),
         files=files,
+        nodes=[_ints(n, "node ranks") for n in body["nodes"]],
         metadata=metadata,
         locations=locations,
     )

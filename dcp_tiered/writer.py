@@ -17,7 +17,7 @@ import pickle
 import socket
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -28,8 +28,10 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Stora
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
-from . import __version__, _torch_compat, commit, integrity, layout, manifest
+from . import __version__, _torch_compat, catalog, commit, integrity, layout, manifest, tiering
 from .backends.local import LocalBackend
+from .backends.remote import RemoteBackend
+from .config import RemoteConfig
 from .errors import CheckpointExistsError, ConfigError, InsufficientSpaceError
 from .local_tier import LocalTier
 from .staging import DoubleBufferStager
@@ -82,6 +84,10 @@ class TieredStorageWriter(StorageWriter):
         staging_share_memory: stage into shared memory (saves a copy in PROCESS mode).
         staging_timeout_secs: how long staging waits for an earlier save to release buffers.
         commit_timeout_secs: how long nodes wait for each other during the commit.
+        remote: an fsspec URL (``s3://bucket/run1``, ``file:///shared/run1``) or a
+            :class:`RemoteConfig`. Committed steps are then copied there in the background;
+            steps committed locally but not yet durable are re-enqueued when a writer starts.
+        storage_options: fsspec options for ``remote`` (ignored with a RemoteConfig).
     """
 
     def __init__(
@@ -95,6 +101,8 @@ class TieredStorageWriter(StorageWriter):
         staging_share_memory: bool = False,
         staging_timeout_secs: float = 1800.0,
         commit_timeout_secs: float = 1800.0,
+        remote: str | RemoteConfig | None = None,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if thread_count < 1:
@@ -114,6 +122,9 @@ class TieredStorageWriter(StorageWriter):
         self._save: tuple[_SaveInfo, list[int]] | None = None  # coordinator: own info, nodes
         self._leading: tuple[str, int] | None = None  # (tmp dir, lock fd) until published
         self._tier.recover_and_sweep()
+        self._remote = _remote_backend(remote, storage_options)
+        if self._remote is not None:
+            tiering.uploader_for(self._tier, self._remote).resume()
 
     @property
     def root(self) -> str:
@@ -130,6 +141,28 @@ class TieredStorageWriter(StorageWriter):
         state["_stager"] = None
         state["_leading"] = None
         return state
+
+    # ------------------------------------------------------------ durability
+
+    def durability(self, step: str) -> tiering.Durability:
+        """Where ``step`` stands: staged, committed-local or durable-remote."""
+        return tiering.durability(self._tier, self._remote, layout.validate_step_name(step))
+
+    def wait_durable(self, step: str | None = None, timeout_secs: float | None = None) -> None:
+        """Block until ``step`` (default: every step enqueued by this process, else the newest
+        committed one) is durable on the remote tier; raise UploadFailedError if it cannot be."""
+        if self._remote is None:
+            raise ConfigError("this writer has no remote tier; pass remote= to wait for one")
+        if step is not None:
+            steps = [layout.validate_step_name(step)]
+        else:
+            up = tiering.uploader_for(self._tier, self._remote)
+            steps = sorted(up.steps()) or [catalog.resolve(self._tier, None, None).name]
+        tiering.wait_durable(self._tier, self._remote, steps, timeout_secs)
+
+    def _promote(self, step: str) -> None:
+        if self._remote is not None:
+            tiering.uploader_for(self._tier, self._remote).submit(step)
 
     # ------------------------------------------------------------ AsyncStager protocol
 
@@ -234,7 +267,7 @@ class TieredStorageWriter(StorageWriter):
                 world_size=len(plans),
             )
             out.append(dataclasses.replace(plan, storage_data=save))
-        self._save = (out[0].storage_data, sorted(set(node_of) - {node_of[0]}))
+        self._save = (out[0].storage_data, node_of)
         return out
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -329,6 +362,7 @@ class TieredStorageWriter(StorageWriter):
                 commit.publish_step(backend, save.step, save.save_id, save.tmp)
             finally:
                 LocalBackend.unlock(lock)
+            self._promote(save.step)
 
         def abandon(reason: str) -> None:
             LocalBackend.unlock(lock)
@@ -339,7 +373,8 @@ class TieredStorageWriter(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         assert self._save is not None and self._leading is not None
-        (save, other_nodes), (tmp, lock) = self._save, self._leading
+        (save, node_of), (tmp, lock) = self._save, self._leading
+        other_nodes = sorted(set(node_of) - {node_of[0]})
         self._save = None
         backend = self._tier.backend
         locations = {wr.index: wr.storage_data for rs in results for wr in rs}
@@ -347,6 +382,7 @@ class TieredStorageWriter(StorageWriter):
             step=save.step,
             save_id=save.save_id,
             world_size=save.world_size,
+            nodes=[[r for r, n in enumerate(node_of) if n == k] for k in sorted(set(node_of))],
             committed_at_ns=time.time_ns(),
             metadata=metadata,
             locations=locations,
@@ -366,6 +402,7 @@ class TieredStorageWriter(StorageWriter):
             publish_own()
         self._leading = None
         LocalBackend.unlock(lock)
+        self._promote(save.step)
 
 
 # ---------------------------------------------------------------- helpers (no I/O)
@@ -434,3 +471,13 @@ def _vanilla_metadata(
         storage_meta=metadata.storage_meta or StorageMeta(checkpoint_id=step),
     )
     return pickle.dumps(vanilla, protocol=4)
+
+
+def _remote_backend(
+    remote: str | RemoteConfig | None, storage_options: Mapping[str, Any] | None
+) -> RemoteBackend | None:
+    if remote is None:
+        return None
+    if isinstance(remote, RemoteConfig):
+        return RemoteBackend(remote)
+    return RemoteBackend(RemoteConfig(url=remote, storage_options=dict(storage_options or {})))

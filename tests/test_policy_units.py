@@ -73,7 +73,7 @@ def _metadata(shapes: list[tuple[int, ...]]) -> tuple[Metadata, dict]:
 @given(st.lists(st.tuples(st.integers(2, 9), st.integers(1, 5)), min_size=1, max_size=5))
 def test_manifest_round_trips_metadata(shapes):
     md, locs = _metadata(shapes)
-    data = manifest.build(step="step-3", save_id="s", world_size=2, committed_at_ns=5,
+    data = manifest.build(step="step-3", save_id="s", world_size=2, nodes=[[0, 1]], committed_at_ns=5,
                           metadata=md, locations=locs, versions={"torch": "x"})
     parsed = manifest.parse(data, where="m.json")
     assert parsed.metadata.state_dict_metadata == md.state_dict_metadata
@@ -86,7 +86,7 @@ def test_manifest_round_trips_metadata(shapes):
                                          ("chunks", [{"offsets": ["x"], "sizes": [1]}])])
 def test_manifest_rejects_unknown_types_even_with_valid_checksum(field, value):
     md, locs = _metadata([(4, 2)])
-    body = json.loads(manifest.build(step="s", save_id="s", world_size=1, committed_at_ns=0,
+    body = json.loads(manifest.build(step="s", save_id="s", world_size=1, nodes=[[0]], committed_at_ns=0,
                                      metadata=md, locations=locs, versions={}))
     body["state_dict_metadata"]["layer0.weight"][field] = value
     body.pop("manifest_checksum")

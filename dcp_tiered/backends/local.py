@@ -13,18 +13,21 @@ import fcntl
 import logging
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+from .. import integrity
 from ..errors import ConfigError, InsufficientSpaceError
 from ..layout import LOCK_NAME as LOCK_FILE
+from ..layout import TMP_SUFFIX
 
 logger = logging.getLogger(__name__)
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 _WRITE_BUFFER_BYTES = 4 * 2**20
+_READ_CHUNK_BYTES = 16 * 2**20
 
 
 def _renameat2_exchange(a: Path, b: Path) -> bool:
@@ -134,6 +137,14 @@ class LocalBackend:
         with self.open_write(directory, name, sync=sync) as f:
             f.write(data)
 
+    def write_atomically(self, directory: str, name: str, data: bytes) -> None:
+        """Write ``directory/name`` via a hidden temporary file and a rename (readers never
+        see a partial file)."""
+        tmp = f".{name}.{os.getpid()}{TMP_SUFFIX}"
+        self.write_file(directory, tmp, data)
+        os.replace(self._child(directory, tmp), self._child(directory, name))
+        fsync_dir(self._child(directory))
+
     def sync_dir(self, name: str | None = None) -> None:
         fsync_dir(self._child(name) if name else self.root)
 
@@ -175,6 +186,16 @@ class LocalBackend:
     def open_read(self, *names: str) -> BinaryIO:
         return open(self._child(*names), "rb")
 
+    def file_checksum(self, *names: str, progress: Callable[[int], object] | None = None) -> str:
+        """CRC32C of a whole file, read in large chunks."""
+        crc = 0
+        with self.open_read(*names) as f:
+            while chunk := f.read(_READ_CHUNK_BYTES):
+                crc = integrity.checksum(chunk, crc)
+                if progress is not None:
+                    progress(len(chunk))
+        return integrity.format_checksum(crc)
+
     # ------------------------------------------------------------ locks
 
     def lock_shared(self, directory: str) -> int:
@@ -185,6 +206,17 @@ class LocalBackend:
         """
         fd = os.open(self._child(directory, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
         fcntl.flock(fd, fcntl.LOCK_SH)
+        return fd
+
+    def try_lock_exclusive(self, name: str) -> int | None:
+        """Exclusive flock on root-level file ``name`` if nobody holds it, else None."""
+        self.ensure_root()
+        fd = os.open(self._child(name), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
         return fd
 
     @staticmethod

@@ -4,6 +4,7 @@ load: build a differently initialised model, load 'latest', compare with the ref
 from __future__ import annotations
 
 import argparse
+import json
 
 import common  # noqa: F401  (sets sys.path)
 import torch
@@ -25,7 +26,10 @@ def main() -> None:
     p.add_argument("--out")
     p.add_argument("--nodes", type=int, default=1, help="simulated nodes, each its own root")
     p.add_argument("--train-during-save", action="store_true")
+    p.add_argument("--remote", help="remote tier URL")
+    p.add_argument("--storage-options", default="{}", help="JSON fsspec options")
     a = p.parse_args()
+    remote = dict(remote=a.remote, storage_options=json.loads(a.storage_options)) if a.remote else {}
     rank, world = common.init()
     per_node = max(1, world // a.nodes)
     root = f"{a.root}/node{rank // per_node}" if a.nodes > 1 else a.root
@@ -37,7 +41,7 @@ def main() -> None:
             train_step(model, opt, step)
         ref = full_state(model, opt)
         app = AppState(model, opt, {"step": 2, "note": "saved", "lr": [0.5, 0.25]})
-        writer = TieredStorageWriter(root)
+        writer = TieredStorageWriter(root, **remote)
         if a.mode == "sync":
             dcp.save({"app": app}, checkpoint_id="step-2", storage_writer=writer)
         else:
@@ -53,6 +57,8 @@ def main() -> None:
                 for step in range(2, 6):
                     train_step(model, opt, step)
             fut.result()
+        if a.remote:
+            writer.wait_durable(timeout_secs=120)
         if rank == 0:
             torch.save(ref, a.ref)
         dist.barrier()
@@ -61,7 +67,8 @@ def main() -> None:
         opt = make_opt(model)
         train_step(model, opt, 99)  # materialise optimizer state (different values)
         app = AppState(model, opt)
-        dcp.load({"app": app}, checkpoint_id="latest", storage_reader=TieredStorageReader(root))
+        reader = TieredStorageReader(root, **remote)
+        dcp.load({"app": app}, checkpoint_id="latest", storage_reader=reader)
         got = full_state(model, opt)
         if rank == 0:
             ref = torch.load(a.ref, weights_only=True)

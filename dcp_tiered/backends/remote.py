@@ -1,0 +1,249 @@
+"""Remote backend over fsspec (S3 first-class; any fsspec store works).
+
+Every remote read, write and delete goes through here. Wire errors are translated once, at
+this edge, by S3 error code or exception type, into TransientTierError (retried with backoff)
+or PermanentTierError (not retried; the message says what to fix).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import fsspec
+
+from .. import _retry, layout
+from ..config import RemoteConfig
+from ..errors import ConfigError, PermanentTierError, TransientTierError
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_TRANSIENT_CODES = {
+    "SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "InternalError",
+    "ServiceUnavailable", "RequestTimeout", "RequestTimeTooSkewed", "OperationAborted",
+    "InternalServerError", "BadGateway", "GatewayTimeout", "500", "502", "503", "504",
+}
+_PERMANENT_HINTS = {
+    "AccessDenied": "check the credentials' permissions on this bucket/prefix",
+    "InvalidAccessKeyId": "check the access key (AWS_ACCESS_KEY_ID or storage_options['key'])",
+    "SignatureDoesNotMatch": "check the secret key and the endpoint's region",
+    "NoSuchBucket": "create the bucket or fix the remote URL",
+    "InvalidBucketName": "fix the bucket name in the remote URL",
+    "ExpiredToken": "refresh the session token",
+}
+_OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "adl"}
+
+
+def _client_error(exc: BaseException) -> Any | None:
+    """The botocore ClientError behind an exception (s3fs keeps it as __cause__)."""
+    seen = 0
+    while exc is not None and seen < 5:
+        if hasattr(exc, "response") and isinstance(getattr(exc, "response"), dict):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return None
+
+
+def translate(exc: BaseException, op: str, where: str) -> BaseException:
+    """Map a backend exception to our taxonomy; FileNotFound/FileExists pass through."""
+    if isinstance(exc, (FileNotFoundError, FileExistsError)) and _client_error(exc) is None:
+        return exc
+    ce = _client_error(exc)
+    if ce is not None:
+        err = ce.response.get("Error", {})
+        code = str(err.get("Code", ""))
+        status = int(ce.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+        if code in ("NoSuchKey", "404", "NotFound"):
+            return FileNotFoundError(f"{where}: not found")
+        if code == "PreconditionFailed" or (status == 412):
+            return FileExistsError(f"{where}: already exists")
+        if code in _TRANSIENT_CODES or status >= 500 or status == 429:
+            return TransientTierError(f"{op} {where}: {code or status} (transient, retrying)")
+        hint = _PERMANENT_HINTS.get(code, "see the error code in the S3 documentation")
+        return PermanentTierError(f"{op} {where} failed: {code} {err.get('Message', '')}; {hint}")
+    if isinstance(exc, PermissionError):
+        return PermanentTierError(f"{op} {where}: permission denied ({exc}); check credentials")
+    if isinstance(exc, (FileNotFoundError, FileExistsError)):
+        return exc
+    if isinstance(exc, (ConnectionError, TimeoutError, asyncio.TimeoutError, OSError)):
+        return TransientTierError(f"{op} {where}: {type(exc).__name__}: {exc}")
+    name = type(exc).__module__ + "." + type(exc).__name__
+    if name.startswith(("aiohttp.", "botocore.", "urllib3.")):
+        return TransientTierError(f"{op} {where}: {type(exc).__name__}: {exc}")
+    return exc
+
+
+class RemoteBackend:
+    """Objects under one fsspec URL. Keys are relative to it; nothing outside is touched."""
+
+    def __init__(self, config: RemoteConfig) -> None:
+        self.config = config
+        self.protocol, base = _split(config.url)
+        self.base = base.rstrip("/")
+        self._fs: Any = None
+        self._fs_pid = -1
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_fs"], state["_fs_pid"] = None, -1  # clients never cross processes
+        return state
+
+    def __repr__(self) -> str:
+        return f"RemoteBackend({self.config.url!r})"
+
+    @property
+    def fs(self) -> Any:
+        if self._fs is None or self._fs_pid != os.getpid():
+            self._fs = fsspec.filesystem(
+                self.protocol, skip_instance_cache=True, **dict(self.config.storage_options)
+            )
+            self._fs_pid = os.getpid()
+        return self._fs
+
+    @property
+    def is_object_store(self) -> bool:
+        return self.protocol in _OBJECT_STORES
+
+    def path(self, key: str) -> str:
+        key = key.rstrip("/")  # prefixes are given with their trailing slash
+        parts = key.split("/")
+        if not key or key.startswith("/") or any(p in ("", ".", "..") for p in parts):
+            raise ConfigError(f"refusing remote key {key!r} under {self.config.url}")
+        return f"{self.base}/{key}"
+
+    def url(self, key: str) -> str:
+        return f"{self.protocol}://{self.path(key)}"
+
+    def _call(self, op: str, key: str, fn: Callable[[], T]) -> T:
+        where = self.url(key) if key else self.config.url
+
+        def attempt() -> T:
+            try:
+                return fn()
+            except Exception as e:  # translated once, here
+                translated = translate(e, op, where)
+                if translated is e:
+                    raise
+                raise translated from e
+
+        return _retry.call(self.config.retry, attempt)
+
+    # ------------------------------------------------------------ writes
+
+    def put_file(self, local_path: str, key: str, checksum: str) -> None:
+        path = self.path(key)
+        kwargs: dict[str, Any] = {}
+        if self.protocol in ("s3", "s3a"):
+            kwargs = {
+                "chunksize": self.config.part_size_bytes,
+                "max_concurrency": self.config.max_concurrency,
+                "Metadata": {"crc32c": checksum},
+            }
+        else:
+            self._call("mkdir", key, lambda: self.fs.makedirs(self.fs._parent(path), exist_ok=True))
+        self._call("upload", key, lambda: self.fs.put_file(local_path, path, **kwargs))
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        path = self.path(key)
+        if not self.is_object_store:
+            self._call("mkdir", key, lambda: self.fs.makedirs(self.fs._parent(path), exist_ok=True))
+        self._call("put", key, lambda: self.fs.pipe_file(path, data))
+
+    def create_exclusive(self, key: str, data: bytes) -> bool:
+        """Create ``key`` only if absent (S3: single-part PUT with If-None-Match: *)."""
+        path = self.path(key)
+        if not self.is_object_store:
+            self._call("mkdir", key, lambda: self.fs.makedirs(self.fs._parent(path), exist_ok=True))
+        try:
+            self._call("create", key, lambda: self.fs.pipe_file(path, data, mode="create"))
+        except FileExistsError:
+            return False
+        return True
+
+    def remove(self, key: str, *, reason: str) -> None:
+        logger.info("deleting %s (%s)", self.url(key), reason)
+        try:
+            self._call("delete", key, lambda: self.fs.rm_file(self.path(key)))
+        except FileNotFoundError:
+            pass
+
+    def abort_multipart_uploads(self, prefix: str) -> int:
+        """Abort incomplete multipart uploads under ``prefix`` (S3 only)."""
+        if self.protocol not in ("s3", "s3a"):
+            return 0
+        bucket, _, key_prefix = self.path(prefix).partition("/")
+        resp = self._call("list uploads", prefix, lambda: self.fs.call_s3(
+            "list_multipart_uploads", Bucket=bucket, Prefix=key_prefix))
+        uploads = resp.get("Uploads", [])
+        for up in uploads:
+            logger.info("aborting incomplete upload s3://%s/%s (%s)", bucket, up["Key"],
+                        up["UploadId"])
+            self._call("abort upload", prefix, lambda up=up: self.fs.call_s3(
+                "abort_multipart_upload", Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"]))
+        return len(uploads)
+
+    # ------------------------------------------------------------ reads
+
+    def get_bytes(self, key: str) -> bytes:
+        return self._call("get", key, lambda: self.fs.cat_file(self.path(key)))
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of ``key`` with one ranged GET."""
+        data = self._call("get", key, lambda: self.fs.cat_file(self.path(key), start=start, end=end))
+        if len(data) != end - start:
+            raise TransientTierError(
+                f"short read of {self.url(key)}: {len(data)} of {end - start} bytes"
+            )
+        return data
+
+    def stat(self, key: str) -> tuple[int, str | None] | None:
+        """(size, recorded crc32c or None) of ``key``, or None if it does not exist."""
+        path = self.path(key)
+        self.fs.invalidate_cache(path)
+        try:
+            info = self._call("stat", key, lambda: self.fs.info(path))
+        except FileNotFoundError:
+            return None
+        checksum = None
+        if self.protocol in ("s3", "s3a"):
+            meta = self._call("stat", key, lambda: self.fs.metadata(path))
+            checksum = (meta or {}).get("crc32c")
+        return int(info["size"]), checksum
+
+    def exists(self, key: str) -> bool:
+        return self.stat(key) is not None
+
+    def list_keys(self, prefix: str) -> list[str]:
+        """Keys (relative) of every object under ``prefix``."""
+        path = self.path(prefix.rstrip("/"))
+        self.fs.invalidate_cache(path)
+        try:
+            found = self._call("list", prefix, lambda: self.fs.find(path))
+        except FileNotFoundError:
+            return []
+        return [p[len(self.base) + 1 :] for p in found]
+
+    def committed_steps(self) -> list[str]:
+        """Steps whose commit marker exists."""
+        self.fs.invalidate_cache(self.base)
+        pattern = f"{self.base}/*/{layout.REMOTE_MARKER}"
+        try:
+            found = self._call("list", "", lambda: self.fs.glob(pattern))
+        except FileNotFoundError:
+            return []
+        steps = [p[len(self.base) + 1 :].split("/")[0] for p in found]
+        return sorted(s for s in steps if layout.is_step_name(s))
+
+
+def _split(url: str) -> tuple[str, str]:
+    protocol, sep, rest = url.partition("://")
+    if not sep:
+        return "file", os.path.abspath(url)
+    if protocol == "file":
+        return "file", rest
+    return protocol, rest

@@ -1,0 +1,62 @@
+"""Typed settings for the remote tier."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ConfigError
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetryConfig:
+    """Retries of transient remote errors: exponential backoff with full jitter."""
+
+    max_attempts: int = 8
+    initial_backoff_secs: float = 0.2
+    max_backoff_secs: float = 20.0
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ConfigError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if not 0 < self.initial_backoff_secs <= self.max_backoff_secs:
+            raise ConfigError("need 0 < initial_backoff_secs <= max_backoff_secs")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RemoteConfig:
+    """Where and how steps are copied to the remote tier.
+
+    Args:
+        url: any fsspec URL, e.g. ``s3://bucket/run1`` or ``file:///mnt/shared/run1``.
+        storage_options: passed to fsspec unchanged (for s3fs: ``key``, ``secret``,
+            ``client_kwargs={"endpoint_url": ...}``, ``config_kwargs``...).
+        part_size_bytes: multipart part size for large files (S3 allows 5 MiB to 5 GiB).
+        max_concurrency: files uploaded at once per node, and parts at once per file.
+        prefix_strategy: ``"none"`` keeps data under ``<url>/<step>/``; ``"hash"`` spreads
+            data objects over 16 ``<url>/data/<x>/`` prefixes (S3 partitions by key prefix, so
+            this avoids SlowDown at scale, as s3torchconnector's prefix strategies do).
+        durable_timeout_secs: how long the coordinator waits for other nodes' uploads.
+    """
+
+    url: str
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+    part_size_bytes: int = 64 * 2**20
+    max_concurrency: int = 8
+    prefix_strategy: str = "none"
+    durable_timeout_secs: float = 3600.0
+    retry: RetryConfig = field(default_factory=RetryConfig)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.url, str) or not self.url:
+            raise ConfigError(f"remote must be an fsspec URL such as s3://bucket/run, got {self.url!r}")
+        if not 5 * 2**20 <= self.part_size_bytes <= 5 * 2**30:
+            raise ConfigError(
+                f"part_size_bytes={self.part_size_bytes} is outside S3's multipart limits "
+                "(5 MiB to 5 GiB); choose a value in that range"
+            )
+        if self.max_concurrency < 1:
+            raise ConfigError("max_concurrency must be >= 1")
+        if self.prefix_strategy not in ("none", "hash"):
+            raise ConfigError(f"prefix_strategy must be 'none' or 'hash', not {self.prefix_strategy!r}")

@@ -1,0 +1,270 @@
+"""Promotion of committed local steps to the remote tier, in the background.
+
+Durability of a step moves staged → committed-local → durable-remote. On the remote tier a
+step is committed by this protocol, so partial uploads are never visible:
+
+1. every node uploads its own data files (skipping objects already there with the right size
+   and checksum), then writes its completion record ``STEP/_nodes/node-K.json``;
+2. the coordinator's node (the one holding rank 0's files) waits for every node's record, then
+   writes ``STEP/manifest.json`` and ``STEP/.metadata``;
+3. last, it creates the commit marker ``STEP/_COMMITTED.json`` exclusively (If-None-Match).
+Readers trust only steps with a marker.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from . import integrity, layout
+from .backends.remote import RemoteBackend
+from .errors import CheckpointNotFoundError, IntegrityError, TierError, UploadFailedError
+from .local_tier import LocalTier
+from .manifest import Manifest
+
+logger = logging.getLogger(__name__)
+
+_CHUNK_BYTES = 16 * 2**20
+
+
+class Durability(str, enum.Enum):
+    STAGED = "staged"  # being written on the local tier
+    COMMITTED_LOCAL = "committed-local"
+    DURABLE_REMOTE = "durable-remote"
+
+
+def node_of_local_files(m: Manifest, present: set[str]) -> int:
+    """Which node's shards this local step directory holds (the lowest, if several)."""
+    ranks = {int(info["rank"]) for name, info in m.files.items() if name in present}
+    for node, node_ranks in enumerate(m.nodes):
+        if ranks & set(node_ranks):
+            return node
+    return 0
+
+
+def read_marker(remote: RemoteBackend, step: str) -> dict[str, Any] | None:
+    try:
+        return json.loads(remote.get_bytes(f"{step}/{layout.REMOTE_MARKER}"))
+    except FileNotFoundError:
+        return None
+
+
+def is_durable(remote: RemoteBackend, m: Manifest) -> bool:
+    marker = read_marker(remote, m.step)
+    return marker is not None and marker.get("save_id") == m.save_id
+
+
+class Promotion:
+    """Uploads one node's part of one committed step; the coordinator's node also commits."""
+
+    def __init__(self, tier: LocalTier, remote: RemoteBackend, step: str,
+                 files_pool: ThreadPoolExecutor) -> None:
+        self.tier, self.remote, self.step, self._pool = tier, remote, step, files_pool
+
+    def run(self) -> None:
+        m = self.tier.read_manifest(self.step)
+        if is_durable(self.remote, m):
+            return
+        present = set(self.tier.backend.list_files(self.step)) & set(m.files)
+        node = node_of_local_files(m, present)
+        mine = sorted(n for n in present if int(m.files[n]["rank"]) in m.nodes[node])
+        if node == 0:  # leftovers of an interrupted attempt, only under this step's keys
+            for name in mine:
+                self.remote.abort_multipart_uploads(self._key(name))
+        for fut in [self._pool.submit(self._upload, m, name) for name in mine]:
+            fut.result()
+        record = {"save_id": m.save_id, "files": {n: m.files[n] for n in mine}}
+        self.remote.put_bytes(layout.node_record_key(self.step, node), json.dumps(record).encode())
+        logger.info("uploaded step=%s node=%d files=%d to %s", self.step, node, len(mine),
+                    self.remote.config.url)
+        if node == 0:
+            self._commit(m)
+
+    def _key(self, name: str) -> str:
+        return layout.remote_file_key(self.step, name, self.remote.config.prefix_strategy)
+
+    def _upload(self, m: Manifest, name: str) -> None:
+        size, checksum = int(m.files[name]["size"]), str(m.files[name]["checksum"])
+        key = self._key(name)
+        if self._already_there(key, size, checksum):
+            logger.debug("skip %s: already uploaded", key)
+            return
+        local_path = str(self.tier.backend.root / self.step / name)
+        actual = self.tier.backend.file_checksum(self.step, name)  # never promote corruption
+        if actual != checksum:
+            raise IntegrityError(
+                f"local file {local_path} of step {self.step!r} fails its checksum ({actual} != "
+                f"manifest {checksum}); it was not uploaded. Re-save the step."
+            )
+        self.remote.put_file(local_path, key, checksum)
+        stat = self.remote.stat(key)
+        if stat is None or stat[0] != size:
+            raise UploadFailedError(f"{self.remote.url(key)} has the wrong size after upload")
+
+    def _already_there(self, key: str, size: int, checksum: str) -> bool:
+        stat = self.remote.stat(key)
+        if stat is None or stat[0] != size:
+            return False
+        if stat[1] is not None:
+            return stat[1] == checksum
+        crc = 0  # stores without object metadata: read it back
+        for start in range(0, size, _CHUNK_BYTES):
+            crc = integrity.checksum(self.remote.get_range(key, start, min(size, start + _CHUNK_BYTES)), crc)
+        return integrity.format_checksum(crc) == checksum
+
+    def _commit(self, m: Manifest) -> None:
+        deadline = time.monotonic() + self.remote.config.durable_timeout_secs
+        pending = set(range(1, len(m.nodes)))
+        delay = 0.05
+        while pending:
+            for node in sorted(pending):
+                try:
+                    rec = json.loads(self.remote.get_bytes(layout.node_record_key(self.step, node)))
+                except FileNotFoundError:
+                    continue
+                if rec.get("save_id") == m.save_id:
+                    pending.discard(node)
+            if pending:
+                if time.monotonic() > deadline:
+                    raise UploadFailedError(
+                        f"step {self.step!r}: nodes {sorted(pending)} did not finish uploading "
+                        f"within {self.remote.config.durable_timeout_secs:.0f} s; the step stays "
+                        "committed locally and is retried at the next start"
+                    )
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+        backend = self.tier.backend
+        self.remote.put_bytes(f"{self.step}/{layout.MANIFEST_NAME}",
+                              backend.read_file(self.step, layout.MANIFEST_NAME))
+        self.remote.put_bytes(f"{self.step}/{layout.DCP_METADATA_NAME}",
+                              backend.read_file(self.step, layout.DCP_METADATA_NAME))
+        marker = {"step": self.step, "save_id": m.save_id, "committed_at_ns": m.committed_at_ns,
+                  "prefix_strategy": self.remote.config.prefix_strategy}
+        if not self.remote.create_exclusive(f"{self.step}/{layout.REMOTE_MARKER}",
+                                            json.dumps(marker).encode()):
+            existing = read_marker(self.remote, self.step) or {}
+            if existing.get("save_id") != m.save_id:
+                raise UploadFailedError(
+                    f"step {self.step!r} is already committed remotely by another save "
+                    f"({existing.get('save_id')}); the remote copy was left untouched"
+                )
+        self._remove_orphans(m)
+        logger.info("durable-remote step=%s url=%s", self.step, self.remote.config.url)
+
+    def _remove_orphans(self, m: Manifest) -> None:
+        expected = {self._key(n) for n in m.files} | {
+            f"{self.step}/{n}" for n in (layout.MANIFEST_NAME, layout.DCP_METADATA_NAME,
+                                         layout.REMOTE_MARKER)
+        } | {layout.node_record_key(self.step, k) for k in range(len(m.nodes))}
+        for prefix in layout.remote_step_prefixes(self.step):
+            if prefix != f"{self.step}/" and self.remote.config.prefix_strategy != "hash":
+                continue
+            for key in self.remote.list_keys(prefix):
+                if key not in expected:
+                    self.remote.remove(key, reason=f"orphan of step {self.step}")
+
+
+
+
+class Uploader:
+    """One per (local root, remote) in a process: promotes steps in commit order."""
+
+    def __init__(self, tier: LocalTier, remote: RemoteBackend) -> None:
+        self.tier, self.remote = tier, remote
+        self._steps = ThreadPoolExecutor(1, thread_name_prefix="dcp-tiered-upload")
+        self._files = ThreadPoolExecutor(remote.config.max_concurrency,
+                                         thread_name_prefix="dcp-tiered-upload-file")
+        self._futures: dict[str, Future[None]] = {}
+        self._lock = threading.Lock()
+        self._resume_lock: int | None = None
+
+    def submit(self, step: str) -> Future[None]:
+        with self._lock:
+            fut = self._futures.get(step)
+            if fut is None or fut.done():
+                fut = self._steps.submit(self._promote, step)
+                self._futures[step] = fut
+            return fut
+
+    def _promote(self, step: str) -> None:
+        try:
+            Promotion(self.tier, self.remote, step, self._files).run()
+        except BaseException as e:
+            logger.error("step %s is not durable on %s: %s", step, self.remote.config.url, e)
+            raise
+
+    def future(self, step: str) -> Future[None] | None:
+        with self._lock:
+            return self._futures.get(step)
+
+    def steps(self) -> list[str]:
+        with self._lock:
+            return list(self._futures)
+
+    def resume(self) -> None:
+        """Re-enqueue committed local steps that are not durable yet (one process per root)."""
+        if self._resume_lock is None:
+            self._resume_lock = self.tier.backend.try_lock_exclusive(layout.UPLOADER_LOCK_NAME)
+            if self._resume_lock is None:
+                return  # another process on this node resumes them
+        for info in sorted(self.tier.steps(), key=lambda s: s.committed_at_ns):
+            if info.verified_format:
+                self.submit(info.name)
+
+
+_UPLOADERS: dict[tuple[int, str, str], Uploader] = {}
+_UPLOADERS_LOCK = threading.Lock()
+
+
+def uploader_for(tier: LocalTier, remote: RemoteBackend) -> Uploader:
+    key = (os.getpid(), tier.root, remote.config.url)
+    with _UPLOADERS_LOCK:
+        if key not in _UPLOADERS:
+            _UPLOADERS[key] = Uploader(tier, remote)
+        return _UPLOADERS[key]
+
+
+def durability(tier: LocalTier, remote: RemoteBackend | None, step: str) -> Durability:
+    local = {s.name for s in tier.steps()}
+    try:
+        if step in local:
+            if remote is not None and is_durable(remote, tier.read_manifest(step)):
+                return Durability.DURABLE_REMOTE
+            return Durability.COMMITTED_LOCAL
+        if remote is not None and read_marker(remote, step) is not None:
+            return Durability.DURABLE_REMOTE
+    except TierError as e:  # an unreachable remote holds nothing we can count on
+        logger.warning("cannot query %s: %s", remote, e)
+        if step in local:
+            return Durability.COMMITTED_LOCAL
+    if any((p := layout.parse_hidden_dir(n)) and p[0] == step and p[2] == layout.TMP_SUFFIX
+           for n in tier.backend.list_names()):
+        return Durability.STAGED
+    raise CheckpointNotFoundError(f"step {step!r} is neither in {tier.root} nor remote")
+
+
+def wait_durable(tier: LocalTier, remote: RemoteBackend, steps: list[str],
+                 timeout_secs: float | None) -> None:
+    deadline = None if timeout_secs is None else time.monotonic() + timeout_secs
+    up = uploader_for(tier, remote)
+    for step in steps:
+        fut = up.future(step)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if fut is not None:
+            try:
+                fut.result(timeout=left)
+            except TimeoutError:
+                raise
+            except BaseException as e:
+                raise UploadFailedError(f"step {step!r} could not be made durable: {e}") from e
+            continue
+        while durability(tier, remote, step) != Durability.DURABLE_REMOTE:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"step {step!r} is not durable after {timeout_secs} s")
+            time.sleep(0.2)

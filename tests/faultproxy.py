@@ -1,0 +1,99 @@
+"""A fault-injecting HTTP reverse proxy for S3 tests (127.0.0.1 only, bounded, self-stopping).
+
+Sits between s3fs and the S3 server and, for a seeded random share of requests, answers 500,
+503 SlowDown, resets the connection before the response or in the middle of the body, or
+stalls. The Host header is forwarded unchanged, so SigV4 signatures stay valid.
+
+Usage: python tests/faultproxy.py --port P --upstream http://127.0.0.1:Q --rate 0.2 [--seed S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+
+from aiohttp import ClientSession, ClientTimeout, web
+
+FAULTS = ("500", "503", "reset-before", "reset-mid-body", "stall")
+SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
+            b"<Message>Please reduce your request rate.</Message></Error>")
+INTERNAL = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InternalError</Code>'
+            b"<Message>We encountered an internal error.</Message></Error>")
+HOP = {"transfer-encoding", "connection", "keep-alive", "content-length", "content-encoding"}
+
+
+def build_app(upstream: str, rate: float, seed: int, stall_secs: float, max_secs: float) -> web.Application:
+    rng = random.Random(seed)
+    counts = {f: 0 for f in FAULTS} | {"ok": 0}
+    session: dict[str, ClientSession] = {}
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        if request.path == "/__faults__":  # the test asks what was injected
+            return web.json_response(counts)
+        body = await request.read()
+        fault = rng.choice(FAULTS) if rng.random() < rate else None
+        counts[fault or "ok"] += 1
+        if fault == "500":
+            return web.Response(status=500, body=INTERNAL, content_type="application/xml")
+        if fault == "503":
+            return web.Response(status=503, body=SLOWDOWN, content_type="application/xml")
+        if fault == "reset-before":
+            request.transport.close()
+            return web.Response(status=500)  # never delivered
+        if fault == "stall":
+            await asyncio.sleep(stall_secs)
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in ("content-length",)}
+        async with session["s"].request(request.method, upstream + request.path_qs,
+                                        headers=headers, data=body,
+                                        allow_redirects=False) as up:
+            data = await up.read()
+            out = web.StreamResponse(status=up.status, headers={
+                k: v for k, v in up.headers.items() if k.lower() not in HOP})
+            if request.method == "HEAD":  # no body, but the object's length must get through
+                if "Content-Length" in up.headers:
+                    out.headers["Content-Length"] = up.headers["Content-Length"]
+                await out.prepare(request)
+                await out.write_eof()
+                return out
+            out.content_length = len(data)
+            await out.prepare(request)
+            if fault == "reset-mid-body" and len(data) > 1:
+                await out.write(data[: len(data) // 2])
+                request.transport.close()
+                return out
+            await out.write(data)
+            await out.write_eof()
+            return out
+
+    async def start(app: web.Application) -> None:
+        session["s"] = ClientSession(timeout=ClientTimeout(total=120), auto_decompress=False)
+        app["stopper"] = asyncio.get_running_loop().call_later(max_secs, sys.exit, 0)
+
+    async def stop(app: web.Application) -> None:
+        await session["s"].close()
+        print("faults", counts, file=sys.stderr, flush=True)
+
+    app = web.Application(client_max_size=2**31)
+    app.router.add_route("*", "/{tail:.*}", handle)
+    app.on_startup.append(start)
+    app.on_cleanup.append(stop)
+    return app
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--upstream", required=True)
+    p.add_argument("--rate", type=float, default=0.2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stall-secs", type=float, default=6.0)
+    p.add_argument("--max-secs", type=float, default=1800.0, help="stop by itself after this")
+    a = p.parse_args()
+    app = build_app(a.upstream, a.rate, a.seed, a.stall_secs, a.max_secs)
+    web.run_app(app, host="127.0.0.1", port=a.port, print=None, access_log=None)
+
+
+if __name__ == "__main__":
+    main()
