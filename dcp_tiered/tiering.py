@@ -74,10 +74,15 @@ class Promotion:
         present = set(self.tier.backend.list_files(self.step)) & set(m.files)
         node = node_of_local_files(m, present)
         mine = sorted(n for n in present if int(m.files[n]["rank"]) in m.nodes[node])
-        if node == 0:  # leftovers of an interrupted attempt, only under this step's keys
-            for name in mine:
-                self.remote.abort_multipart_uploads(self._key(name))
-        for fut in [self._pool.submit(self._upload, m, name) for name in mine]:
+        keys = {name: self._key(name) for name in mine}
+        # One listing tells what an earlier, interrupted attempt already uploaded.
+        existing = self.remote.sizes(layout.remote_step_prefixes(self.step)[0])
+        if self.remote.config.prefix_strategy == "hash":
+            for prefix in layout.remote_step_prefixes(self.step)[1:]:
+                existing.update(self.remote.sizes(prefix))
+        self.remote.abort_multipart_uploads(f"{self.step}/", only=set(keys.values()))
+        jobs = [self._pool.submit(self._upload, m, n, keys[n], existing.get(keys[n])) for n in mine]
+        for fut in jobs:
             fut.result()
         record = {"save_id": m.save_id, "files": {n: m.files[n] for n in mine}}
         self.remote.put_bytes(layout.node_record_key(self.step, node), json.dumps(record).encode())
@@ -89,33 +94,29 @@ class Promotion:
     def _key(self, name: str) -> str:
         return layout.remote_file_key(self.step, name, self.remote.config.prefix_strategy)
 
-    def _upload(self, m: Manifest, name: str) -> None:
+    def _upload(self, m: Manifest, name: str, key: str, remote_size: int | None) -> None:
         size, checksum = int(m.files[name]["size"]), str(m.files[name]["checksum"])
-        key = self._key(name)
-        if self._already_there(key, size, checksum):
+        if remote_size == size and self._remote_checksum_matches(key, size, checksum):
             logger.debug("skip %s: already uploaded", key)
             return
-        local_path = str(self.tier.backend.root / self.step / name)
         actual = self.tier.backend.file_checksum(self.step, name)  # never promote corruption
+        local_path = str(self.tier.backend.root / self.step / name)
         if actual != checksum:
             raise IntegrityError(
                 f"local file {local_path} of step {self.step!r} fails its checksum ({actual} != "
                 f"manifest {checksum}); it was not uploaded. Re-save the step."
             )
+        # A PUT (or a completed multipart upload) that returns is the whole object.
         self.remote.put_file(local_path, key, checksum)
-        stat = self.remote.stat(key)
-        if stat is None or stat[0] != size:
-            raise UploadFailedError(f"{self.remote.url(key)} has the wrong size after upload")
 
-    def _already_there(self, key: str, size: int, checksum: str) -> bool:
+    def _remote_checksum_matches(self, key: str, size: int, checksum: str) -> bool:
         stat = self.remote.stat(key)
-        if stat is None or stat[0] != size:
-            return False
-        if stat[1] is not None:
+        if stat is not None and stat[1] is not None:
             return stat[1] == checksum
         crc = 0  # stores without object metadata: read it back
         for start in range(0, size, _CHUNK_BYTES):
-            crc = integrity.checksum(self.remote.get_range(key, start, min(size, start + _CHUNK_BYTES)), crc)
+            end = min(size, start + _CHUNK_BYTES)
+            crc = integrity.checksum(self.remote.get_range(key, start, end), crc)
         return integrity.format_checksum(crc) == checksum
 
     def _commit(self, m: Manifest) -> None:
@@ -165,7 +166,7 @@ class Promotion:
         for prefix in layout.remote_step_prefixes(self.step):
             if prefix != f"{self.step}/" and self.remote.config.prefix_strategy != "hash":
                 continue
-            for key in self.remote.list_keys(prefix):
+            for key in self.remote.sizes(prefix):
                 if key not in expected:
                     self.remote.remove(key, reason=f"orphan of step {self.step}")
 

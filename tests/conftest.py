@@ -41,27 +41,10 @@ def run_ranks():
 
 # ---------------------------------------------------------------- S3 (a real server on 127.0.0.1)
 
-import socket  # noqa: E402
-import time  # noqa: E402
 import uuid  # noqa: E402
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_for_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode}")
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.1)
-    raise RuntimeError(f"{what} did not listen on {port} within {timeout} s")
+from tests.s3server import free_port, s3fs_options, start_moto  # noqa: E402
+from tests.s3server import wait_for_port as _wait_for_port  # noqa: E402
 
 
 class S3:
@@ -71,13 +54,7 @@ class S3:
         self.endpoint, self.bucket, self.key, self.secret = endpoint, bucket, key, secret
 
     def options(self, endpoint: str | None = None, read_timeout: float = 10) -> dict:
-        return {
-            "key": self.key,
-            "secret": self.secret,
-            "client_kwargs": {"endpoint_url": endpoint or self.endpoint, "region_name": "us-east-1"},
-            "config_kwargs": {"s3": {"addressing_style": "path"}, "connect_timeout": 5,
-                              "read_timeout": read_timeout, "retries": {"max_attempts": 2}},
-        }
+        return s3fs_options(endpoint or self.endpoint, self.key, self.secret, read_timeout)
 
     def url(self) -> str:
         return f"s3://{self.bucket}/{uuid.uuid4().hex[:10]}"
@@ -95,14 +72,8 @@ def s3() -> S3:
         key = os.environ.get("AWS_ACCESS_KEY_ID", "")
         secret = os.environ.get("AWS_SECRET_ACCESS_KEY", "")
     else:
-        moto = REPO / ".venv-moto" / "bin" / "moto_server"
-        if not moto.exists():
-            pytest.fail("moto_server missing: run scripts/setup (scripts/test does it)")
-        port = free_port()
-        proc = subprocess.Popen([str(moto), "-H", "127.0.0.1", "-p", str(port)],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        _wait_for_port(port, proc, "moto_server")
-        endpoint, key, secret = f"http://127.0.0.1:{port}", "testing", "testing"
+        proc, endpoint = start_moto()
+        key, secret = "testing", "testing"
     bucket = os.environ.get("DCP_TIERED_TEST_S3_BUCKET", f"dcp-tiered-{uuid.uuid4().hex[:8]}")
     server = S3(endpoint, bucket, key, secret)
     fs = s3fs.S3FileSystem(skip_instance_cache=True, **server.options())

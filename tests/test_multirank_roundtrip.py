@@ -77,3 +77,20 @@ def test_back_to_back_async_saves_are_each_isolated(tmp_path, mode):
     torchrun("back_to_back.py", 2, "--root", str(tmp_path / "ck"), "--mode", mode,
              "--out", str(out))
     assert read_json(out)["bad"] == []
+
+
+def test_two_nodes_upload_to_s3_and_a_lost_node_restores_from_it(tmp_path, s3):
+    """2 nodes x 2 ranks each upload their own shards; node 1's disk is then lost and the job
+    restores at 4 ranks, node 1 reading from S3 and node 0 from its local copy."""
+    import json
+    import shutil
+
+    root, ref = tmp_path / "ckpt", tmp_path / "ref.pt"
+    remote = ["--remote", s3.url(), "--storage-options", json.dumps(s3.options())]
+    torchrun("roundtrip.py", 4, "save", "--root", str(root), "--nodes", "2", "--mode", "thread",
+             "--ref", str(ref), *remote)
+    shutil.rmtree(root / "node1")
+    out = tmp_path / "load.json"
+    torchrun("roundtrip.py", 4, "load", "--root", str(root), "--nodes", "2", "--ref", str(ref),
+             "--out", str(out), *remote)
+    assert read_json(out)["mismatches"] == []

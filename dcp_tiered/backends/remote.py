@@ -172,14 +172,16 @@ class RemoteBackend:
         except FileNotFoundError:
             pass
 
-    def abort_multipart_uploads(self, prefix: str) -> int:
-        """Abort incomplete multipart uploads under ``prefix`` (S3 only)."""
+    def abort_multipart_uploads(self, prefix: str, only: set[str] | None = None) -> int:
+        """Abort incomplete multipart uploads under ``prefix`` (S3 only), optionally only
+        those of the keys in ``only`` (other nodes may be uploading their own)."""
         if self.protocol not in ("s3", "s3a"):
             return 0
         bucket, _, key_prefix = self.path(prefix).partition("/")
         resp = self._call("list uploads", prefix, lambda: self.fs.call_s3(
             "list_multipart_uploads", Bucket=bucket, Prefix=key_prefix))
-        uploads = resp.get("Uploads", [])
+        wanted = None if only is None else {self.path(k).partition("/")[2] for k in only}
+        uploads = [u for u in resp.get("Uploads", []) if wanted is None or u["Key"] in wanted]
         for up in uploads:
             logger.info("aborting incomplete upload s3://%s/%s (%s)", bucket, up["Key"],
                         up["UploadId"])
@@ -206,27 +208,28 @@ class RemoteBackend:
         path = self.path(key)
         self.fs.invalidate_cache(path)
         try:
+            if self.protocol in ("s3", "s3a"):  # one HEAD gives both
+                bucket, _, obj = path.partition("/")
+                head = self._call("stat", key, lambda: self.fs.call_s3(
+                    "head_object", Bucket=bucket, Key=obj))
+                return int(head["ContentLength"]), head.get("Metadata", {}).get("crc32c")
             info = self._call("stat", key, lambda: self.fs.info(path))
         except FileNotFoundError:
             return None
-        checksum = None
-        if self.protocol in ("s3", "s3a"):
-            meta = self._call("stat", key, lambda: self.fs.metadata(path))
-            checksum = (meta or {}).get("crc32c")
-        return int(info["size"]), checksum
+        return int(info["size"]), None
+
+    def sizes(self, prefix: str) -> dict[str, int]:
+        """Relative key -> size of every object under ``prefix``, in one listing."""
+        path = self.path(prefix)
+        self.fs.invalidate_cache(path)
+        try:
+            found = self._call("list", prefix, lambda: self.fs.find(path, detail=True))
+        except FileNotFoundError:
+            return {}
+        return {p[len(self.base) + 1 :]: int(info["size"]) for p, info in found.items()}
 
     def exists(self, key: str) -> bool:
         return self.stat(key) is not None
-
-    def list_keys(self, prefix: str) -> list[str]:
-        """Keys (relative) of every object under ``prefix``."""
-        path = self.path(prefix.rstrip("/"))
-        self.fs.invalidate_cache(path)
-        try:
-            found = self._call("list", prefix, lambda: self.fs.find(path))
-        except FileNotFoundError:
-            return []
-        return [p[len(self.base) + 1 :] for p in found]
 
     def committed_steps(self) -> list[str]:
         """Steps whose commit marker exists."""
