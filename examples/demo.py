@@ -11,6 +11,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 RUNS = Path.cwd() / "runs" / "demo"
+# The remote tier: any fsspec URL works (s3://bucket/run with s3fs); a local directory stands
+# in for object storage here so the demo needs no server.
+REMOTE = f"file://{RUNS / 'remote'}"
 
 
 def torchrun(*args: str, quiet_stderr: bool = False) -> int:
@@ -24,16 +27,18 @@ def torchrun(*args: str, quiet_stderr: bool = False) -> int:
 def main() -> int:
     shutil.rmtree(RUNS, ignore_errors=True)
     RUNS.mkdir(parents=True)
-    print("== 1. uninterrupted run (reference)")
-    if torchrun("--root", str(RUNS / "reference"), "--losses", str(RUNS / "reference.json")):
+    print(f"== 1. uninterrupted run (reference); local tier {RUNS}, remote tier {REMOTE}")
+    if torchrun("--root", str(RUNS / "reference"), "--losses", str(RUNS / "reference.json"),
+                "--remote", REMOTE + "-reference"):
         return 1
     print("\n== 2. run that crashes at step 8 (checkpoints every 3 steps)")
     rc = torchrun("--root", str(RUNS / "ckpt"), "--kill-at", "8", "--losses", str(RUNS / "x.json"),
-                  quiet_stderr=True)
+                  "--remote", REMOTE, quiet_stderr=True)
     print(f"   torchrun exited with {rc}: every rank was SIGKILLed. What is on disk now:")
     subprocess.run([sys.executable, "-m", "dcp_tiered.cli", "ls", str(RUNS / "ckpt")])
-    print("\n== 3. restart: resumes from 'latest'")
-    if torchrun("--root", str(RUNS / "ckpt"), "--losses", str(RUNS / "resumed.json")):
+    print("\n== 3. restart: resumes from 'latest', finishes the interrupted uploads")
+    if torchrun("--root", str(RUNS / "ckpt"), "--losses", str(RUNS / "resumed.json"),
+                "--remote", REMOTE):
         return 1
     ref = json.loads((RUNS / "reference.json").read_text())
     resumed = json.loads((RUNS / "resumed.json").read_text())

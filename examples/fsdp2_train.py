@@ -53,6 +53,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--save-every", type=int, default=3)
     p.add_argument("--kill-at", type=int, default=-1)
+    p.add_argument("--remote", help="remote tier: any fsspec URL (s3://..., file://...)")
     p.add_argument("--losses", required=True, help="JSON file for this run's losses")
     a = p.parse_args()
     torch.set_num_threads(1)
@@ -69,7 +70,7 @@ def main() -> None:
     state = TrainState(model, opt)
 
     try:
-        reader = TieredStorageReader(a.root)
+        reader = TieredStorageReader(a.root, remote=a.remote)
         dcp.load({"train": state}, checkpoint_id="latest", storage_reader=reader)
         if rank == 0:
             print(f"resumed from {reader.checkpoint_id} (step {state.step})", flush=True)
@@ -79,7 +80,8 @@ def main() -> None:
         if rank == 0:
             print("no checkpoint yet: starting from scratch", flush=True)
 
-    writer = TieredStorageWriter(a.root)
+    # Steps committed locally but not yet uploaded by a crashed run are re-enqueued here.
+    writer = TieredStorageWriter(a.root, remote=a.remote)
     group = checkpoint_process_group()  # async saves never share the training group
     pending = None
     losses = {}
@@ -107,9 +109,16 @@ def main() -> None:
                       f"(stall {writer.last_stall_secs * 1e3:.1f} ms)", flush=True)
     if pending is not None:
         pending.result()
+    if a.remote:
+        writer.wait_durable(timeout_secs=300)  # only at the end: training never waited for it
+    dist.barrier()
     if rank == 0:
         with open(a.losses, "w") as f:
             json.dump(losses, f)
+        if a.remote:
+            for step in sorted(os.listdir(a.root), key=lambda s: (len(s), s)):
+                if not step.startswith("."):
+                    print(f"  {step}: {writer.durability(step).value}", flush=True)
     dist.destroy_process_group()
     # torch 2.13's gloo can abort during interpreter teardown on CPU after all work is done;
     # everything is saved and flushed, so leave without it.
