@@ -69,8 +69,17 @@ class Promotion:
 
     def run(self) -> None:
         m = self.tier.read_manifest(self.step)
-        if is_durable(self.remote, m):
-            return
+        marker = read_marker(self.remote, self.step)
+        if marker is not None:
+            if marker.get("save_id") == m.save_id:
+                return  # already durable
+            # Remote steps are immutable: uploading would overwrite objects a committed step
+            # points at. Leave that copy whole and say so.
+            raise UploadFailedError(
+                f"step {self.step!r} is already committed on {self.remote.config.url} by another "
+                f"save ({marker.get('save_id')}); remote steps are never overwritten. Delete it "
+                "there first, or save under a new step name."
+            )
         present = set(self.tier.backend.list_files(self.step)) & set(m.files)
         node = node_of_local_files(m, present)
         mine = sorted(n for n in present if int(m.files[n]["rank"]) in m.nodes[node])

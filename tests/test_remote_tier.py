@@ -218,3 +218,13 @@ def test_remote_writer_and_reader_pickle(tmp_path, s3):
     assert clone._remote._fs is None and clone._remote.config == cfg
     assert isinstance(pickle.loads(pickle.dumps(TieredStorageReader(tmp_path, remote=cfg))),
                       TieredStorageReader)
+
+
+def test_local_overwrite_never_touches_a_committed_remote_step(tmp_path, remote):
+    root = tmp_path / "local"
+    save(root, remote, "step-1", state(1)).wait_durable(timeout_secs=60)
+    writer = save(root, remote, "step-1", state(2), overwrite=True)
+    with pytest.raises(UploadFailedError, match="never overwritten"):
+        writer.wait_durable("step-1", timeout_secs=60)
+    got, _ = load(tmp_path / "empty", remote)  # the durable copy is still the first save
+    assert equal(got, state(1))
