@@ -80,6 +80,7 @@ class TieredStorageReader(StorageReader):
         self._manifest: manifest.Manifest | None = None
         self._locations: dict[Any, ItemLocation] = {}
         self._deferred_error: DcpTieredError | None = None
+        self._strategy: str | None = None  # the step's remote key layout, read from its marker
         self.files_read_remotely: set[str] = set()
 
     @property
@@ -112,7 +113,7 @@ class TieredStorageReader(StorageReader):
             return Metadata(state_dict_metadata={})
 
     def _read_metadata(self) -> Metadata:
-        self.files_read_remotely = set()
+        self.files_read_remotely, self._strategy = set(), None
         if self._requested is None and self._tier.backend.exists(layout.DCP_METADATA_NAME):
             # The root itself is a vanilla DCP checkpoint directory.
             name = os.path.basename(self.root)
@@ -265,7 +266,7 @@ class TieredStorageReader(StorageReader):
 
     def _prefix_strategy(self) -> str:
         assert self._remote is not None and self._step is not None
-        if not hasattr(self, "_strategy"):
+        if self._strategy is None:
             marker = json.loads(
                 self._remote.get_bytes(f"{self._step.name}/{layout.REMOTE_MARKER}")
             )

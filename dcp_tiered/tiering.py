@@ -89,7 +89,9 @@ class Promotion:
         if self.remote.config.prefix_strategy == "hash":
             for prefix in layout.remote_step_prefixes(self.step)[1:]:
                 existing.update(self.remote.sizes(prefix))
-        self.remote.abort_multipart_uploads(f"{self.step}/", only=set(keys.values()))
+        prefixes = layout.remote_step_prefixes(self.step)
+        for prefix in prefixes if self.remote.config.prefix_strategy == "hash" else prefixes[:1]:
+            self.remote.abort_multipart_uploads(prefix, only=set(keys.values()))
         jobs = [self._pool.submit(self._upload, m, n, keys[n], existing.get(keys[n])) for n in mine]
         for fut in jobs:
             fut.result()
@@ -270,8 +272,8 @@ def wait_durable(tier: LocalTier, remote: RemoteBackend, steps: list[str],
             try:
                 fut.result(timeout=left)
             except TimeoutError:
-                raise
-            except BaseException as e:
+                raise TimeoutError(f"step {step!r} is not durable after {timeout_secs} s") from None
+            except Exception as e:
                 raise UploadFailedError(f"step {step!r} could not be made durable: {e}") from e
             continue
         while durability(tier, remote, step) != Durability.DURABLE_REMOTE:

@@ -166,25 +166,27 @@ def test_twenty_percent_faults_every_step_durable_and_never_partial(tmp_path, s3
     assert sum(v for k, v in faults.items() if k != "ok") >= 0.1 * sum(faults.values()), faults
 
 
-def test_sigkill_during_upload_resumes_on_restart(tmp_path, s3, fault_proxy):
+def test_sigkill_during_upload_resumes_on_restart(tmp_path, s3):
     """The trainer dies mid-upload; the remote never shows the step committed before it is
     whole; a restarted writer resumes, skips what is there, and completes."""
-    slow = fault_proxy(rate=0.0)  # a plain proxy: we kill the process while parts flow
     url = s3.url()
     script = tmp_path / "kill_mid_upload.py"
     script.write_text(f"""
 import os, signal, sys, threading, time, torch, torch.distributed.checkpoint as dcp
 sys.path.insert(0, {str(REPO)!r})
 from dcp_tiered import RemoteConfig, TieredStorageWriter
-from dcp_tiered.backends import remote as rb
-cfg = RemoteConfig(url={url!r}, storage_options={s3.options(slow)!r}, part_size_bytes=5 * 2**20,
+import s3fs
+cfg = RemoteConfig(url={url!r}, storage_options={s3.options()!r}, part_size_bytes=5 * 2**20,
                    max_concurrency=1)
-original = rb.RemoteBackend.put_file
-def put_file(self, local, key, checksum):
-    if key.endswith("__0_1.distcp"):  # the second data file: kill once its upload has begun
-        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGKILL)).start()
-    return original(self, local, key, checksum)
-rb.RemoteBackend.put_file = put_file
+original = s3fs.S3FileSystem._call_s3
+parts = {{"n": 0}}
+async def call_s3(self, method, *args, **kwargs):  # SIGKILL in the middle of a multipart upload
+    if method == "upload_part":
+        parts["n"] += 1
+        if parts["n"] == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+    return await original(self, method, *args, **kwargs)
+s3fs.S3FileSystem._call_s3 = call_s3
 sd = {{"a": torch.arange(24 * 2**18, dtype=torch.float32), "b": torch.ones(24 * 2**18)}}
 w = TieredStorageWriter({str(tmp_path / "local")!r}, remote=cfg)
 dcp.save(sd, checkpoint_id="step-1", storage_writer=w, no_dist=True)
@@ -197,11 +199,16 @@ print("NOT KILLED")
     cfg = RemoteConfig(url=url, storage_options=s3.options(), retry=FAST_RETRY)
     writer = TieredStorageWriter(tmp_path / "other", remote=cfg)
     assert writer._remote.committed_steps() == []  # not visible before it is whole
-    writer = TieredStorageWriter(tmp_path / "local", remote=cfg)  # restart: resumes the upload
-    writer.wait_durable("step-1", timeout_secs=120)
     fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3.options())
     bucket, prefix = url.removeprefix("s3://").split("/", 1)
-    assert fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix).get("Uploads", []) == []
+
+    def incomplete_uploads() -> list:
+        return fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix).get("Uploads", [])
+
+    assert len(incomplete_uploads()) == 1  # killed in the middle of a multipart upload
+    writer = TieredStorageWriter(tmp_path / "local", remote=cfg)  # restart: resumes the upload
+    writer.wait_durable("step-1", timeout_secs=120)
+    assert incomplete_uploads() == []
     sd = {"a": torch.zeros(24 * 2**18), "b": torch.zeros(24 * 2**18)}
     dcp.load(sd, no_dist=True, storage_reader=TieredStorageReader(tmp_path / "empty", remote=cfg))
     assert torch.equal(sd["a"], torch.arange(24 * 2**18, dtype=torch.float32))

@@ -228,9 +228,6 @@ class RemoteBackend:
             return {}
         return {p[len(self.base) + 1 :]: int(info["size"]) for p, info in found.items()}
 
-    def exists(self, key: str) -> bool:
-        return self.stat(key) is not None
-
     def committed_steps(self) -> list[str]:
         """Steps whose commit marker exists."""
         self.fs.invalidate_cache(self.base)
