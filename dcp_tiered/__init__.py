@@ -2,7 +2,6 @@
 
 __version__ = "0.1.0"
 
-from . import layout, manifest  # noqa: E402
 from .config import RemoteConfig, RetryConfig  # noqa: E402
 from .distributed import checkpoint_process_group  # noqa: E402
 from .errors import (  # noqa: E402

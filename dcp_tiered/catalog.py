@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from . import layout
 from .backends.remote import RemoteBackend
-from .errors import CheckpointNotFoundError, ConfigError
+from .errors import CheckpointNotFoundError, ConfigError, TierError
 from .local_tier import LocalTier
 
 logger = logging.getLogger(__name__)
@@ -29,7 +29,16 @@ def list_steps(tier: LocalTier, remote: RemoteBackend | None) -> list[StepLocati
         s.name: StepLocation(s.name, s.committed_at_ns, True, False, s.verified_format)
         for s in tier.steps()
     }
-    for name in remote.committed_steps() if remote is not None else []:
+    remote_steps: list[str] = []
+    if remote is not None:
+        try:
+            remote_steps = remote.committed_steps()
+        except TierError as e:  # a local copy is still worth restoring from
+            logger.warning("remote tier %s unavailable, looking at %s only: %s",
+                           remote.config.url, tier.root, e)
+            remote = None
+    for name in remote_steps:
+        assert remote is not None
         try:
             marker = json.loads(remote.get_bytes(f"{name}/{layout.REMOTE_MARKER}"))
             committed_at = int(marker["committed_at_ns"])

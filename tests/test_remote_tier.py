@@ -235,3 +235,12 @@ def test_local_overwrite_never_touches_a_committed_remote_step(tmp_path, remote)
         writer.wait_durable("step-1", timeout_secs=60)
     got, _ = load(tmp_path / "empty", remote)  # the durable copy is still the first save
     assert equal(got, state(1))
+
+
+def test_unreachable_remote_still_restores_the_local_copy(tmp_path, s3, caplog):
+    root = tmp_path / "local"
+    save(root, None, "step-1", state(1))
+    dead = RemoteConfig(url="s3://no-such-bucket-dcp-tiered/run", storage_options=s3.options(),
+                        retry=FAST_RETRY)
+    got, reader = load(root, dead)
+    assert equal(got, state(1)) and "unavailable" in caplog.text
