@@ -240,7 +240,7 @@ def test_local_overwrite_never_touches_a_committed_remote_step(tmp_path, remote)
 def test_unreachable_remote_still_restores_the_local_copy(tmp_path, s3, caplog):
     root = tmp_path / "local"
     save(root, None, "step-1", state(1))
-    dead = RemoteConfig(url="s3://no-such-bucket-dcp-tiered/run", storage_options=s3.options(),
-                        retry=FAST_RETRY)
+    dead = RemoteConfig(url=f"s3://{s3.bucket}/run", retry=RetryConfig(max_attempts=2),
+                        storage_options=s3.options("http://127.0.0.1:9"))  # nothing listens
     got, reader = load(root, dead)
     assert equal(got, state(1)) and "unavailable" in caplog.text
