@@ -196,10 +196,12 @@ class Uploader:
         self._lock = threading.Lock()
         self._resume_lock: int | None = None
 
-    def submit(self, step: str) -> Future[None]:
+    def submit(self, step: str, *, new_commit: bool = True) -> Future[None]:
+        """Enqueue the promotion of ``step``. A new commit always gets its own promotion (it
+        runs after any earlier one and reads the manifest then); a resume reuses a pending one."""
         with self._lock:
             fut = self._futures.get(step)
-            if fut is None or fut.done():
+            if new_commit or fut is None or fut.done():
                 fut = self._steps.submit(self._promote, step)
                 self._futures[step] = fut
             return fut
@@ -227,7 +229,7 @@ class Uploader:
                 return  # another process on this node resumes them
         for info in sorted(self.tier.steps(), key=lambda s: s.committed_at_ns):
             if info.verified_format:
-                self.submit(info.name)
+                self.submit(info.name, new_commit=False)
 
 
 _UPLOADERS: dict[tuple[int, str, str], Uploader] = {}
