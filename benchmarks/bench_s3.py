@@ -38,6 +38,8 @@ def main() -> None:
     p.add_argument("--gib", type=float, default=0.25)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--endpoint", help="an S3 endpoint (default: start moto)")
+    p.add_argument("--part-mib", type=int, default=16, help="multipart part size")
+    p.add_argument("--thread-count", type=int, default=2, help="files per rank")
     p.add_argument("--out", default="benchmarks/results/s3.json")
     a = p.parse_args()
     torch.set_num_threads(1)
@@ -59,8 +61,10 @@ def main() -> None:
     try:
         for run in range(a.runs):
             prefix = f"{bucket}/r{run}"
-            cfg = RemoteConfig(url=f"s3://{prefix}/ours", storage_options=opts)
-            writer = TieredStorageWriter(work / f"local{run}", remote=cfg)
+            cfg = RemoteConfig(url=f"s3://{prefix}/ours", storage_options=opts,
+                               part_size_bytes=a.part_mib * 2**20)
+            writer = TieredStorageWriter(work / f"local{run}", remote=cfg,
+                                         thread_count=a.thread_count)
             t = time.perf_counter()
             dcp.save(state, checkpoint_id="step-1", storage_writer=writer, no_dist=True)
             writer.wait_durable("step-1")

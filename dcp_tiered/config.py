@@ -32,7 +32,9 @@ class RemoteConfig:
         url: any fsspec URL, e.g. ``s3://bucket/run1`` or ``file:///mnt/shared/run1``.
         storage_options: passed to fsspec unchanged (for s3fs: ``key``, ``secret``,
             ``client_kwargs={"endpoint_url": ...}``, ``config_kwargs``...).
-        part_size_bytes: multipart part size for large files (S3 allows 5 MiB to 5 GiB).
+        part_size_bytes: multipart part size for large files (S3 allows 5 MiB to 5 GiB). Small
+            parts mean more parts in flight per file; at many-node scale raise it to 32-64 MiB
+            to keep the request rate down.
         max_concurrency: files uploaded at once per node, and parts at once per file.
         prefix_strategy: ``"none"`` keeps data under ``<url>/<step>/``; ``"hash"`` spreads
             data objects over 16 ``<url>/data/<x>/`` prefixes (S3 partitions by key prefix, so
@@ -42,7 +44,7 @@ class RemoteConfig:
 
     url: str
     storage_options: Mapping[str, Any] = field(default_factory=dict)
-    part_size_bytes: int = 64 * 2**20
+    part_size_bytes: int = 16 * 2**20
     max_concurrency: int = 8
     prefix_strategy: str = "none"
     durable_timeout_secs: float = 3600.0

@@ -77,10 +77,13 @@ class LocalTier:
             parsed = layout.parse_hidden_dir(name)
             if parsed is None:
                 continue
-            step, _, suffix = parsed
+            step, save_id, suffix = parsed
             if not self.backend.is_dir(name):
                 continue
-            if suffix == layout.OLD_SUFFIX:
+            if suffix == layout.UPLOAD_SUFFIX:
+                if not self._upload_area_wanted(step, save_id):
+                    self.backend.remove_tree(name, reason="upload records of an abandoned save")
+            elif suffix == layout.OLD_SUFFIX:
                 if not self.backend.exists(step):
                     # Crash between the two renames of a non-atomic overwrite: the old step is
                     # the last committed version, so it goes back under its name.
@@ -90,6 +93,15 @@ class LocalTier:
                     self.backend.remove_tree(name, reason="replaced by a newer commit")
             elif self._abandoned(name):
                 self.backend.remove_tree(name, reason="temporary directory of a crashed save")
+
+    def _upload_area_wanted(self, step: str, save_id: str) -> bool:
+        """Early-upload records matter while their save is in flight or awaits promotion."""
+        if self.backend.exists(layout.tmp_dir_name(step, save_id)):
+            return True
+        try:
+            return self.has_step(step) and self.read_manifest(step).save_id == save_id
+        except (ManifestError, OSError):
+            return False
 
     def _abandoned(self, name: str) -> bool:
         if self.backend.exists(name, layout.LOCK_NAME):

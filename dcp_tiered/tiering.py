@@ -89,14 +89,14 @@ class Promotion:
         if self.remote.config.prefix_strategy == "hash":
             for prefix in layout.remote_step_prefixes(self.step)[1:]:
                 existing.update(self.remote.sizes(prefix))
-        prefixes = layout.remote_step_prefixes(self.step)
-        for prefix in prefixes if self.remote.config.prefix_strategy == "hash" else prefixes[:1]:
-            self.remote.abort_multipart_uploads(prefix, only=set(keys.values()))
         jobs = [self._pool.submit(self._upload, m, n, keys[n], existing.get(keys[n])) for n in mine]
         for fut in jobs:
             fut.result()
         record = {"save_id": m.save_id, "files": {n: m.files[n] for n in mine}}
         self.remote.put_bytes(layout.node_record_key(self.step, node), json.dumps(record).encode())
+        area = layout.upload_area_name(self.step, m.save_id)
+        if self.tier.backend.is_dir(area):
+            self.tier.backend.remove_tree(area, reason="upload records of a node copy now uploaded")
         logger.info("uploaded step=%s node=%d files=%d to %s", self.step, node, len(mine),
                     self.remote.config.url)
         if node == 0:
@@ -107,18 +107,22 @@ class Promotion:
 
     def _upload(self, m: Manifest, name: str, key: str, remote_size: int | None) -> None:
         size, checksum = int(m.files[name]["size"]), str(m.files[name]["checksum"])
-        if remote_size == size and self._remote_checksum_matches(key, size, checksum):
-            logger.debug("skip %s: already uploaded", key)
-            return
-        actual = self.tier.backend.file_checksum(self.step, name)  # never promote corruption
-        local_path = str(self.tier.backend.root / self.step / name)
-        if actual != checksum:
-            raise IntegrityError(
-                f"local file {local_path} of step {self.step!r} fails its checksum ({actual} != "
-                f"manifest {checksum}); it was not uploaded. Re-save the step."
-            )
-        # A PUT (or a completed multipart upload) that returns is the whole object.
-        self.remote.put_file(local_path, key, checksum)
+        backend, area = self.tier.backend, layout.upload_area_name(self.step, m.save_id)
+        # An upload started before the commit (by any rank of this node) holds this lock.
+        lock = backend.lock_exclusive(area, f"{name}.lock") if backend.is_dir(area) else None
+        try:
+            if lock is not None and backend.exists(area, f"{name}.done"):
+                return
+            if remote_size == size and self._remote_checksum_matches(key, size, checksum):
+                logger.debug("skip %s: already uploaded", key)
+                return
+            # Holding the lock, no upload of this key from this node is in flight: any
+            # incomplete multipart upload of it is a leftover of an interrupted attempt.
+            self.remote.abort_multipart_uploads(key, only={key})
+            upload_verified(self.tier, self.remote, (self.step,), name, key, checksum)
+        finally:
+            if lock is not None:
+                backend.unlock(lock)
 
     def _remote_checksum_matches(self, key: str, size: int, checksum: str) -> bool:
         stat = self.remote.stat(key)
@@ -184,6 +188,20 @@ class Promotion:
 
 
 
+def upload_verified(tier: LocalTier, remote: RemoteBackend, directory: tuple[str, ...], name: str,
+                    key: str, checksum: str) -> None:
+    """Upload a local file after checking it against its manifest checksum, so promotion
+    never copies corruption. A PUT (or completed multipart upload) that returns is whole."""
+    actual = tier.backend.file_checksum(*directory, name)
+    path = tier.backend.path_of(*directory, name)
+    if actual != checksum:
+        raise IntegrityError(
+            f"local file {path} fails its checksum ({actual} != manifest {checksum}); it was "
+            "not uploaded. Re-save the step."
+        )
+    remote.put_file(path, key, checksum)
+
+
 class Uploader:
     """One per (local root, remote) in a process: promotes steps in commit order."""
 
@@ -195,6 +213,7 @@ class Uploader:
         self._futures: dict[str, Future[None]] = {}
         self._lock = threading.Lock()
         self._resume_lock: int | None = None
+        self._remote_step_free: dict[tuple[str, str], bool] = {}
 
     def submit(self, step: str, *, new_commit: bool = True) -> Future[None]:
         """Enqueue the promotion of ``step``. A new commit always gets its own promotion (it
@@ -205,6 +224,39 @@ class Uploader:
                 fut = self._steps.submit(self._promote, step)
                 self._futures[step] = fut
             return fut
+
+    def upload_early(self, step: str, save_id: str, name: str, checksum: str) -> None:
+        """Start uploading a data file as soon as it is written, before the local commit.
+
+        Data objects are invisible until the step's marker exists, so this only overlaps the
+        upload with the rest of the save. Best effort: whatever does not finish here is
+        uploaded by the promotion after the commit.
+        """
+        self._files.submit(self._upload_early, step, save_id, name, checksum)
+
+    def _upload_early(self, step: str, save_id: str, name: str, checksum: str) -> None:
+        backend, area = self.tier.backend, layout.upload_area_name(step, save_id)
+        try:
+            with self._lock:
+                free = self._remote_step_free.get((step, save_id))
+            if free is None:  # remote steps are immutable: never write under a committed one
+                free = read_marker(self.remote, step) is None
+                with self._lock:
+                    self._remote_step_free[(step, save_id)] = free
+            if not free:
+                return
+            backend.make_dir(area)
+            lock = backend.lock_exclusive(area, f"{name}.lock")
+            try:
+                tmp = layout.tmp_dir_name(step, save_id)
+                where = (tmp,) if backend.exists(tmp, name) else (step,)  # committed meanwhile
+                key = layout.remote_file_key(step, name, self.remote.config.prefix_strategy)
+                upload_verified(self.tier, self.remote, where, name, key, checksum)
+                backend.write_file(area, f"{name}.done", b"", sync=False)
+            finally:
+                backend.unlock(lock)
+        except Exception as e:  # noqa: BLE001 - the promotion uploads it instead
+            logger.debug("early upload of %s/%s deferred to the promotion: %s", step, name, e)
 
     def _promote(self, step: str) -> None:
         try:

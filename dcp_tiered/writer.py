@@ -328,6 +328,9 @@ class TieredStorageWriter(StorageWriter):
                         raise
                 placed.append((item.index, offset, out.position - offset, out.item_crc))
         file_crc = integrity.format_checksum(out.file_crc)
+        if self._remote is not None:
+            uploader = tiering.uploader_for(self._tier, self._remote)
+            uploader.upload_early(save.step, save.save_id, name, file_crc)
         return [
             WriteResult(
                 index=index,

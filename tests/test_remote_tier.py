@@ -180,8 +180,9 @@ cfg = RemoteConfig(url={url!r}, storage_options={s3.options()!r}, part_size_byte
                    max_concurrency=1)
 original = s3fs.S3FileSystem._call_s3
 parts = {{"n": 0}}
-async def call_s3(self, method, *args, **kwargs):  # SIGKILL in the middle of a multipart upload
-    if method == "upload_part":
+committed = os.path.join({str(tmp_path / "local")!r}, "step-1")
+async def call_s3(self, method, *args, **kwargs):  # SIGKILL mid-multipart, after the commit
+    if method == "upload_part" and os.path.isdir(committed):
         parts["n"] += 1
         if parts["n"] == 3:
             os.kill(os.getpid(), signal.SIGKILL)

@@ -208,6 +208,16 @@ class LocalBackend:
         fcntl.flock(fd, fcntl.LOCK_SH)
         return fd
 
+    def lock_exclusive(self, directory: str, name: str) -> int:
+        """Wait for an exclusive flock on ``directory/name`` (created if missing)."""
+        fd = os.open(self._child(directory, name), os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return fd
+
+    def path_of(self, *names: str) -> str:
+        """The absolute path of an entry, for libraries that open files themselves."""
+        return str(self._child(*names))
+
     def try_lock_exclusive(self, name: str) -> int | None:
         """Exclusive flock on root-level file ``name`` if nobody holds it, else None."""
         self.ensure_root()
