@@ -36,7 +36,7 @@ def cmd_ls(tier: LocalTier) -> int:
         rows.append((s.name, _human(size), state))
     for name in tier.backend.list_names():
         parsed = layout.parse_hidden_dir(name)
-        if parsed:
+        if parsed and parsed[2] == layout.TMP_SUFFIX:
             busy = tier.backend.exists(name, layout.LOCK_NAME) and tier.backend.is_locked(name)
             rows.append((parsed[0], "-", "in progress" if busy else "abandoned (swept by the next writer)"))
     if not rows:

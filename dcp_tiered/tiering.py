@@ -70,9 +70,12 @@ class Promotion:
     def run(self) -> None:
         m = self.tier.read_manifest(self.step)
         marker = read_marker(self.remote, self.step)
+        area = layout.upload_area_name(self.step, m.save_id)
         if marker is not None:
-            if marker.get("save_id") == m.save_id:
-                return  # already durable
+            if marker.get("save_id") == m.save_id:  # already durable
+                if self.tier.backend.is_dir(area):
+                    self.tier.backend.remove_tree(area, reason="upload records of a durable step")
+                return
             # Remote steps are immutable: uploading would overwrite objects a committed step
             # points at. Leave that copy whole and say so.
             raise UploadFailedError(
@@ -94,7 +97,6 @@ class Promotion:
             fut.result()
         record = {"save_id": m.save_id, "files": {n: m.files[n] for n in mine}}
         self.remote.put_bytes(layout.node_record_key(self.step, node), json.dumps(record).encode())
-        area = layout.upload_area_name(self.step, m.save_id)
         if self.tier.backend.is_dir(area):
             self.tier.backend.remove_tree(area, reason="upload records of a node copy now uploaded")
         logger.info("uploaded step=%s node=%d files=%d to %s", self.step, node, len(mine),
