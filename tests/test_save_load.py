@@ -287,3 +287,13 @@ def test_import_emits_no_warnings_and_has_no_side_effects(tmp_path):
     proc = subprocess.run([sys.executable, "-W", "error", "-c", code], cwd=tmp_path,
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_stager_tracks_the_executor_thread_of_each_async_save(tmp_path):
+    """Buffer reuse and save ordering rely on recognising the thread DCP's THREAD executor
+    starts (DCP gives writers no completion hook); a torch upgrade renaming it fails here."""
+    writer = TieredStorageWriter(tmp_path)
+    fut = dcp.async_save(state(), checkpoint_id="step-1", storage_writer=writer, no_dist=True)
+    tracked = [t for slot in writer._stager._slots for t in slot.threads]
+    fut.result()
+    assert len(tracked) == 1 and tracked[0].name.startswith("AsyncCheckpointExecutor")
