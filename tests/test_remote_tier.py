@@ -245,3 +245,12 @@ def test_unreachable_remote_still_restores_the_local_copy(tmp_path, s3, caplog):
                         storage_options=s3.options("http://127.0.0.1:9"))  # nothing listens
     got, reader = load(root, dead)
     assert equal(got, state(1)) and "unavailable" in caplog.text
+
+
+def test_missing_bucket_is_reported_not_mistaken_for_an_empty_run(tmp_path, s3, caplog):
+    root = tmp_path / "local"
+    save(root, None, "step-1", state(1))
+    typo = RemoteConfig(url="s3://no-such-bucket-dcp-tiered/run", storage_options=s3.options(),
+                        retry=FAST_RETRY)
+    got, _ = load(root, typo)
+    assert equal(got, state(1)) and "unavailable" in caplog.text and "NoSuchBucket" in caplog.text

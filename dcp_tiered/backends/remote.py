@@ -236,6 +236,16 @@ class RemoteBackend:
             found = self._call("list", "", lambda: self.fs.glob(pattern))
         except FileNotFoundError:
             return []
+        if not found and self.protocol in ("s3", "s3a"):
+            # s3fs lists a missing bucket as empty: tell a typo from a new run.
+            bucket = self.base.partition("/")[0]
+            try:
+                self._call("head bucket", "", lambda: self.fs.call_s3("head_bucket", Bucket=bucket))
+            except FileNotFoundError as e:
+                raise PermanentTierError(
+                    f"bucket {bucket!r} of {self.config.url} does not exist (NoSuchBucket); "
+                    f"{_PERMANENT_HINTS['NoSuchBucket']}"
+                ) from e
         steps = [p[len(self.base) + 1 :].split("/")[0] for p in found]
         return sorted(s for s in steps if layout.is_step_name(s))
 
