@@ -131,6 +131,13 @@ class DoubleBufferStager:
             self._pending = None
             new = [t for t in threading.enumerate() if t not in before]
             slot.threads = _executor_thread(new)
+            if not slot.threads:
+                # Not DCP's executor as we know it (another torch?): we cannot tell when this
+                # save is done, so its buffers are never handed out again. The in-flight save
+                # keeps them alive; the next stage into this slot allocates fresh ones.
+                logger.warning("cannot track this async save's thread; staging buffers will "
+                               "not be reused for it")
+                slot.buffers, slot.signature = None, None
 
     # ------------------------------------------------------------ ordering
 

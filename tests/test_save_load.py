@@ -297,3 +297,16 @@ def test_stager_tracks_the_executor_thread_of_each_async_save(tmp_path):
     tracked = [t for slot in writer._stager._slots for t in slot.threads]
     fut.result()
     assert len(tracked) == 1 and tracked[0].name.startswith("AsyncCheckpointExecutor")
+
+
+def test_untracked_async_save_never_has_its_buffers_reused(tmp_path):
+    """If no executor thread can be recognised, buffer reuse is given up, not risked."""
+    writer = TieredStorageWriter(tmp_path)
+    sd = state(1)
+    staged = writer.stage(sd)
+    writer.synchronize_staging()  # no executor thread was started: nothing to track
+    writer.stage(state(2))  # the other buffer set
+    writer.synchronize_staging()
+    again = writer.stage(state(3))  # back to the first slot: must not overwrite `staged`
+    assert torch.equal(staged["w"], state(1)["w"]) and torch.equal(again["w"], state(3)["w"])
+    assert staged["w"].data_ptr() != again["w"].data_ptr()
