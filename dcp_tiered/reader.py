@@ -23,7 +23,7 @@ from torch.futures import Future
 
 from . import catalog, integrity, layout, manifest
 from .backends.local import LocalBackend
-from .backends.remote import RemoteBackend
+from .backends.remote import remote_backend
 from .config import RemoteConfig
 from .errors import (
     CheckpointNotFoundError,
@@ -69,9 +69,7 @@ class TieredStorageReader(StorageReader):
     ) -> None:
         super().__init__()
         self._tier = LocalTier(LocalBackend(root))
-        if isinstance(remote, str):
-            remote = RemoteConfig(url=remote, storage_options=dict(storage_options or {}))
-        self._remote = RemoteBackend(remote) if remote is not None else None
+        self._remote = remote_backend(remote, storage_options)
         self.hydrate = hydrate
         self.allow_pickle = allow_pickle
         self._requested: str | os.PathLike[str] | None = None

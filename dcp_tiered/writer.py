@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from . import __version__, _torch_compat, catalog, commit, integrity, layout, manifest, tiering
 from .backends.local import LocalBackend
-from .backends.remote import RemoteBackend
+from .backends.remote import remote_backend
 from .config import RemoteConfig
 from .errors import CheckpointExistsError, ConfigError, InsufficientSpaceError
 from .local_tier import LocalTier
@@ -122,7 +122,7 @@ class TieredStorageWriter(StorageWriter):
         self._save: tuple[_SaveInfo, list[int]] | None = None  # coordinator: own info, nodes
         self._leading: tuple[str, int] | None = None  # (tmp dir, lock fd) until published
         self._tier.recover_and_sweep()
-        self._remote = _remote_backend(remote, storage_options)
+        self._remote = remote_backend(remote, storage_options)
         if self._remote is not None:
             tiering.uploader_for(self._tier, self._remote).resume()
 
@@ -475,12 +475,3 @@ def _vanilla_metadata(
     )
     return pickle.dumps(vanilla, protocol=4)
 
-
-def _remote_backend(
-    remote: str | RemoteConfig | None, storage_options: Mapping[str, Any] | None
-) -> RemoteBackend | None:
-    if remote is None:
-        return None
-    if isinstance(remote, RemoteConfig):
-        return RemoteBackend(remote)
-    return RemoteBackend(RemoteConfig(url=remote, storage_options=dict(storage_options or {})))

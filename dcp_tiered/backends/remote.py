@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import fsspec
@@ -248,6 +248,17 @@ class RemoteBackend:
                 ) from e
         steps = [p[len(self.base) + 1 :].split("/")[0] for p in found]
         return sorted(s for s in steps if layout.is_step_name(s))
+
+
+def remote_backend(
+    remote: str | RemoteConfig | None, storage_options: Mapping[str, Any] | None = None
+) -> RemoteBackend | None:
+    """The backend for a writer's or reader's ``remote=`` (a URL or a RemoteConfig)."""
+    if remote is None:
+        return None
+    if not isinstance(remote, RemoteConfig):
+        remote = RemoteConfig(url=remote, storage_options=dict(storage_options or {}))
+    return RemoteBackend(remote)
 
 
 def _split(url: str) -> tuple[str, str]:
