@@ -13,6 +13,7 @@ Library errors subclass the built-in exception a caller would naturally catch::
     ├── InsufficientSpaceError(OSError)      the plan does not fit on the local tier
     ├── StagingError                         staging buffers still held by an earlier save
     ├── CommitError                          a node failed to publish the step
+    ├── SaveFailedError                      a background save or upload failed on some rank
     └── TierError                            a storage tier failed
         ├── TransientTierError               5xx, SlowDown, timeouts, resets; retried
         ├── PermanentTierError               AccessDenied, NoSuchBucket; not retried
@@ -36,6 +37,7 @@ __all__ = [
     "ManifestError",
     "MissingShardError",
     "PermanentTierError",
+    "SaveFailedError",
     "StagingError",
     "TierError",
     "TransientTierError",
@@ -81,6 +83,17 @@ class StagingError(DcpTieredError):
 
 class CommitError(DcpTieredError):
     """A node did not publish the step in time."""
+
+
+class SaveFailedError(DcpTieredError):
+    """An asynchronous save or upload failed on one or more ranks; raised on every rank.
+
+    ``failures`` lists ``{"rank", "step", "tier", "where", "error"}`` for each failure.
+    """
+
+    def __init__(self, message: str, failures: list[dict[str, object]]) -> None:
+        super().__init__(message)
+        self.failures = failures
 
 
 class TierError(DcpTieredError):

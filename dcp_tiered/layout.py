@@ -15,6 +15,7 @@ LATEST = "latest"
 TMP_SUFFIX = ".dcp-tiered-tmp"
 OLD_SUFFIX = ".dcp-tiered-old"
 UPLOAD_SUFFIX = ".dcp-tiered-up"  # bookkeeping of uploads that start before the local commit
+DELETE_SUFFIX = ".dcp-tiered-del"  # a step being deleted: renamed out of sight first
 LOCK_NAME = ".dcp-tiered.lock"
 UPLOADER_LOCK_NAME = ".dcp-tiered-uploader.lock"
 
@@ -65,9 +66,13 @@ def upload_area_name(step: str, save_id: str) -> str:
     return f".{step}.{save_id}{UPLOAD_SUFFIX}"
 
 
+def delete_dir_name(step: str, save_id: str) -> str:
+    return f".{step}.{save_id}{DELETE_SUFFIX}"
+
+
 def parse_hidden_dir(name: str) -> tuple[str, str, str] | None:
     """Split a temporary/old entry into ``(step, save_id, suffix)``; None for anything else."""
-    for suffix in (TMP_SUFFIX, OLD_SUFFIX, UPLOAD_SUFFIX):
+    for suffix in (TMP_SUFFIX, OLD_SUFFIX, UPLOAD_SUFFIX, DELETE_SUFFIX):
         if name.startswith(".") and name.endswith(suffix):
             stem = name[1 : -len(suffix)]
             step, _, save_id = stem.rpartition(".")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import uuid
 from dataclasses import dataclass
 
 from . import layout, manifest
@@ -41,16 +42,21 @@ class LocalTier:
         for name in self.backend.list_names():
             if not layout.is_step_name(name) or not self.backend.is_dir(name):
                 continue
-            if self.backend.exists(name, layout.MANIFEST_NAME):
-                found.append(StepInfo(name, self._committed_at(name), True))
-            elif self.backend.exists(name, layout.DCP_METADATA_NAME):
-                mtime = self.backend.mtime(name, layout.DCP_METADATA_NAME)
-                found.append(StepInfo(name, int(mtime * 1e9), False))
+            try:
+                if self.backend.exists(name, layout.MANIFEST_NAME):
+                    found.append(StepInfo(name, self._committed_at(name), True))
+                elif self.backend.exists(name, layout.DCP_METADATA_NAME):
+                    mtime = self.backend.mtime(name, layout.DCP_METADATA_NAME)
+                    found.append(StepInfo(name, int(mtime * 1e9), False))
+            except FileNotFoundError:
+                pass  # deleted while we looked
         return found
 
     def _committed_at(self, name: str) -> int:
         try:
             return self.read_manifest(name).committed_at_ns
+        except FileNotFoundError:
+            raise
         except (ManifestError, OSError) as e:
             logger.warning("step %s in %s has an unreadable manifest: %s", name, self.root, e)
             return -1
@@ -65,6 +71,18 @@ class LocalTier:
         where = os.path.join(self.root, step, layout.MANIFEST_NAME)
         return manifest.parse(self.backend.read_file(step, layout.MANIFEST_NAME), where=where)
 
+    def delete_step(self, step: str, *, reason: str) -> None:
+        """Delete a committed step. It is renamed out of sight first, so a crash halfway
+        never leaves a directory that looks committed but misses files."""
+        step = layout.validate_step_name(step)
+        doomed = layout.delete_dir_name(step, uuid.uuid4().hex[:12])
+        lock = self.backend.lock_shared(step)  # a sweep leaves a locked directory alone
+        try:
+            self.backend.rename(step, doomed)
+            self.backend.remove_tree(doomed, reason=f"{step}: {reason}")
+        finally:
+            self.backend.unlock(lock)
+
     # ------------------------------------------------------------ recovery
 
     def recover_and_sweep(self) -> None:
@@ -77,22 +95,30 @@ class LocalTier:
             parsed = layout.parse_hidden_dir(name)
             if parsed is None:
                 continue
-            step, save_id, suffix = parsed
-            if not self.backend.is_dir(name):
-                continue
-            if suffix == layout.UPLOAD_SUFFIX:
-                if not self._upload_area_wanted(step, save_id):
-                    self.backend.remove_tree(name, reason="upload records of an abandoned save")
-            elif suffix == layout.OLD_SUFFIX:
-                if not self.backend.exists(step):
-                    # Crash between the two renames of a non-atomic overwrite: the old step is
-                    # the last committed version, so it goes back under its name.
-                    logger.warning("restoring %s/%s from interrupted overwrite", self.root, step)
-                    self.backend.rename(name, step)
-                else:
-                    self.backend.remove_tree(name, reason="replaced by a newer commit")
-            elif self._abandoned(name):
-                self.backend.remove_tree(name, reason="temporary directory of a crashed save")
+            try:
+                self._recover_entry(name, *parsed)
+            except FileNotFoundError:
+                pass  # another rank or a retention pass removed it meanwhile
+
+    def _recover_entry(self, name: str, step: str, save_id: str, suffix: str) -> None:
+        if not self.backend.is_dir(name):
+            return
+        if suffix == layout.DELETE_SUFFIX:
+            if self._abandoned(name):
+                self.backend.remove_tree(name, reason="finishing an interrupted delete")
+        elif suffix == layout.UPLOAD_SUFFIX:
+            if not self._upload_area_wanted(step, save_id):
+                self.backend.remove_tree(name, reason="upload records of an abandoned save")
+        elif suffix == layout.OLD_SUFFIX:
+            if not self.backend.exists(step):
+                # Crash between the two renames of a non-atomic overwrite: the old step is
+                # the last committed version, so it goes back under its name.
+                logger.warning("restoring %s/%s from interrupted overwrite", self.root, step)
+                self.backend.rename(name, step)
+            else:
+                self.backend.remove_tree(name, reason="replaced by a newer commit")
+        elif self._abandoned(name):
+            self.backend.remove_tree(name, reason="temporary directory of a crashed save")
 
     def _upload_area_wanted(self, step: str, save_id: str) -> bool:
         """Early-upload records matter while their save is in flight or awaits promotion."""

@@ -55,6 +55,9 @@ class Manifest:
     nodes: list[list[int]]  # ranks of each node; node 0 holds rank 0 (the coordinator)
     metadata: Metadata
     locations: Mapping[MetadataIndex, ItemLocation]
+    # False: the step was meant to stay local (e.g. a checkpoint manager's remote cadence
+    # skipped it), so nothing re-enqueues its promotion after a restart.
+    promote: bool = True
 
 
 # ---------------------------------------------------------------- encoding helpers
@@ -141,6 +144,7 @@ def build(
     metadata: Metadata,
     locations: Mapping[MetadataIndex, ItemLocation],
     versions: Mapping[str, str],
+    promote: bool = True,
 ) -> bytes:
     """Serialise a manifest for ``metadata`` whose items were written at ``locations``."""
     files: dict[str, dict[str, Any]] = {}
@@ -169,6 +173,7 @@ def build(
         "world_size": world_size,
         "nodes": nodes,
         "committed_at_ns": committed_at_ns,
+        "promote": promote,
         "versions": dict(versions),
         "checksum_algorithm": integrity.ALGORITHM,
         "dcp_version": metadata.version,
@@ -261,5 +266,6 @@ def _decode(body: dict[str, Any]) -> Manifest:
         nodes=[_ints(n, "node ranks") for n in body["nodes"]],
         metadata=metadata,
         locations=locations,
+        promote=bool(body.get("promote", True)),
     )
 

@@ -49,10 +49,26 @@ def _signature(obj: Any) -> Any:
     return None  # non-tensor values are deep-copied, never buffered
 
 
+def state_bytes(obj: Any) -> int:
+    """Bytes of this rank's tensors in a state dict (local shards of distributed tensors)."""
+    if isinstance(obj, DTensor):
+        return state_bytes(obj.to_local())
+    if isinstance(obj, ShardedTensor):
+        return sum(state_bytes(s.tensor) for s in obj.local_shards())
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(state_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(state_bytes(v) for v in obj)
+    return 0
+
+
 @dataclass
 class _Slot:
     signature: Any = None
     buffers: dict[str, Any] | None = None
+    nbytes: int = 0
     seq: int = 0
     threads: list[threading.Thread] = field(default_factory=list)
 
@@ -86,6 +102,12 @@ class DoubleBufferStager:
         self._lock = threading.Lock()
         self._pending: tuple[_Slot, set[threading.Thread]] | None = None
         self.last_stall_secs = 0.0
+        self.last_staged_bytes = 0
+
+    def buffers_ready(self) -> int:
+        """How many buffer sets are allocated for the last staged structure (0 to 2)."""
+        last = self._slots[1 - self._next].signature
+        return sum(s.buffers is not None and s.signature == last for s in self._slots)
 
     # ------------------------------------------------------------ staging
 
@@ -105,6 +127,8 @@ class DoubleBufferStager:
                 state_dict, pin_memory=torch.cuda.is_available(), share_memory=self._share_memory
             )
             slot.signature = signature
+            slot.nbytes = state_bytes(state_dict)
+        self.last_staged_bytes = slot.nbytes
         # type_check=False: non-tensor values are deep-copied, so later mutation by the
         # trainer cannot leak into the checkpoint.
         staged = _torch_compat.copy_state_dict(

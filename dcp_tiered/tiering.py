@@ -24,7 +24,13 @@ from typing import Any
 
 from . import integrity, layout
 from .backends.remote import RemoteBackend
-from .errors import CheckpointNotFoundError, IntegrityError, TierError, UploadFailedError
+from .errors import (
+    CheckpointNotFoundError,
+    IntegrityError,
+    ManifestError,
+    TierError,
+    UploadFailedError,
+)
 from .local_tier import LocalTier
 from .manifest import Manifest
 
@@ -215,6 +221,7 @@ class Uploader:
         self._futures: dict[str, Future[None]] = {}
         self._lock = threading.Lock()
         self._resume_lock: int | None = None
+        self._times: dict[str, tuple[float, float]] = {}  # step -> (started, durable) epoch s
         self._remote_step_free: dict[tuple[str, str], bool] = {}
 
     def submit(self, step: str, *, new_commit: bool = True) -> Future[None]:
@@ -261,11 +268,19 @@ class Uploader:
             logger.debug("early upload of %s/%s deferred to the promotion: %s", step, name, e)
 
     def _promote(self, step: str) -> None:
+        started = time.time()
         try:
             Promotion(self.tier, self.remote, step, self._files).run()
         except BaseException as e:
             logger.error("step %s is not durable on %s: %s", step, self.remote.config.url, e)
             raise
+        with self._lock:
+            self._times[step] = (started, time.time())
+
+    def times(self, step: str) -> tuple[float, float] | None:
+        """When this process's last promotion of ``step`` started and made it durable."""
+        with self._lock:
+            return self._times.get(step)
 
     def future(self, step: str) -> Future[None] | None:
         with self._lock:
@@ -282,8 +297,14 @@ class Uploader:
             if self._resume_lock is None:
                 return  # another process on this node resumes them
         for info in sorted(self.tier.steps(), key=lambda s: s.committed_at_ns):
-            if info.verified_format:
+            if info.verified_format and self._wants_promotion(info.name):
                 self.submit(info.name, new_commit=False)
+
+    def _wants_promotion(self, step: str) -> bool:
+        try:
+            return self.tier.read_manifest(step).promote
+        except (ManifestError, OSError):
+            return True  # the promotion reports what is wrong with it
 
 
 _UPLOADERS: dict[tuple[int, str, str], Uploader] = {}
@@ -315,6 +336,17 @@ def durability(tier: LocalTier, remote: RemoteBackend | None, step: str) -> Dura
            for n in tier.backend.list_names()):
         return Durability.STAGED
     raise CheckpointNotFoundError(f"step {step!r} is neither in {tier.root} nor remote")
+
+
+def delete_remote_step(remote: RemoteBackend, step: str, *, reason: str) -> None:
+    """Remove a committed remote step: its marker first, so readers stop trusting it before
+    any of its objects go; then everything under its prefixes (and nothing else)."""
+    remote.remove(f"{step}/{layout.REMOTE_MARKER}", reason=reason)
+    for prefix in layout.remote_step_prefixes(step):
+        if prefix != f"{step}/" and remote.config.prefix_strategy != "hash":
+            continue
+        for key in sorted(remote.sizes(prefix)):
+            remote.remove(key, reason=reason)
 
 
 def wait_durable(tier: LocalTier, remote: RemoteBackend, steps: list[str],

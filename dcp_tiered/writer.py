@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from . import __version__, _torch_compat, catalog, commit, integrity, layout, manifest, tiering
 from .backends.local import LocalBackend
-from .backends.remote import remote_backend
+from .backends.remote import RemoteBackend, remote_backend
 from .config import RemoteConfig
 from .errors import CheckpointExistsError, ConfigError, InsufficientSpaceError
 from .local_tier import LocalTier
@@ -63,6 +63,7 @@ class _SaveInfo:
     node_leader: bool
     coordinator_node: bool
     world_size: int
+    promote: bool  # copy the committed step to the remote tier
 
     @property
     def tmp(self) -> str:
@@ -88,6 +89,9 @@ class TieredStorageWriter(StorageWriter):
             :class:`RemoteConfig`. Committed steps are then copied there in the background;
             steps committed locally but not yet durable are re-enqueued when a writer starts.
         storage_options: fsspec options for ``remote`` (ignored with a RemoteConfig).
+        share_staging_with: another writer whose staging buffers and save order this one
+            shares. Saves of both then never overlap on the process group and one pair of
+            buffer sets serves both (a checkpoint manager's memory and local tiers).
     """
 
     def __init__(
@@ -103,6 +107,7 @@ class TieredStorageWriter(StorageWriter):
         commit_timeout_secs: float = 1800.0,
         remote: str | RemoteConfig | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        share_staging_with: TieredStorageWriter | None = None,
     ) -> None:
         super().__init__()
         if thread_count < 1:
@@ -115,9 +120,15 @@ class TieredStorageWriter(StorageWriter):
         self.thread_count = thread_count
         self.free_space_margin_bytes = free_space_margin_bytes
         self.commit_timeout_secs = commit_timeout_secs
-        self._stager = DoubleBufferStager(
-            share_memory=staging_share_memory, timeout_secs=staging_timeout_secs
-        )
+        if share_staging_with is not None:
+            self._stager = share_staging_with._require_stager()
+        else:
+            self._stager = DoubleBufferStager(
+                share_memory=staging_share_memory, timeout_secs=staging_timeout_secs
+            )
+        # Steps saved here but not promoted to the remote tier (see keep_local).
+        self.local_only_steps: set[str] = set()
+        self._timings: dict[str, dict[str, float]] = {}
         self._step: str | None = None
         self._save: tuple[_SaveInfo, list[int]] | None = None  # coordinator: own info, nodes
         self._leading: tuple[str, int] | None = None  # (tmp dir, lock fd) until published
@@ -133,6 +144,14 @@ class TieredStorageWriter(StorageWriter):
     @property
     def checkpoint_id(self) -> str | None:
         return self._step
+
+    @property
+    def local_tier(self) -> LocalTier:
+        return self._tier
+
+    @property
+    def remote_backend(self) -> RemoteBackend | None:
+        return self._remote
 
     def __getstate__(self) -> dict[str, Any]:
         # PROCESS mode pickles the writer for every save: buffers, threads and lock
@@ -160,9 +179,19 @@ class TieredStorageWriter(StorageWriter):
             steps = sorted(up.steps()) or [catalog.resolve(self._tier, None, None).name]
         tiering.wait_durable(self._tier, self._remote, steps, timeout_secs)
 
-    def _promote(self, step: str) -> None:
-        if self._remote is not None:
-            tiering.uploader_for(self._tier, self._remote).submit(step)
+    def keep_local(self, step: str) -> None:
+        """Do not copy ``step`` to the remote tier when it is saved (decided by rank 0)."""
+        self.local_only_steps.add(layout.validate_step_name(step))
+
+    def pop_timings(self, step: str) -> dict[str, float]:
+        """Seconds this rank spent writing (``write_s``) and, on the coordinator, committing
+        (``commit_s``) ``step``, and whether this process promotes it (``uploads``: 1.0);
+        empty once read or if the save ran in another process."""
+        return self._timings.pop(step, {})
+
+    def _promote(self, save: _SaveInfo) -> None:
+        if self._remote is not None and save.promote:
+            tiering.uploader_for(self._tier, self._remote).submit(save.step)
 
     # ------------------------------------------------------------ AsyncStager protocol
 
@@ -187,6 +216,16 @@ class TieredStorageWriter(StorageWriter):
     @property
     def last_stall_secs(self) -> float:
         return self._require_stager().last_stall_secs
+
+    @property
+    def last_staged_bytes(self) -> int:
+        """Tensor bytes this rank staged in its last save."""
+        return self._require_stager().last_staged_bytes
+
+    def staging_buffers_ready(self) -> int:
+        """Buffer sets already allocated for the last staged structure (0 to 2): staging
+        allocates host memory only while this is below 2."""
+        return self._require_stager().buffers_ready()
 
     def _require_stager(self) -> DoubleBufferStager:
         if self._stager is None:
@@ -254,6 +293,8 @@ class TieredStorageWriter(StorageWriter):
         node_of = [node_keys.index(i.node_key) for i in infos]
         _check_space(plans, infos, node_of, self.free_space_margin_bytes)
         save_id = uuid.uuid4().hex[:12]
+        promote = self._remote is not None and infos[0].step not in self.local_only_steps
+        self.local_only_steps.discard(infos[0].step)
         out = []
         for rank, (plan, info) in enumerate(zip(plans, infos)):
             node = node_of[rank]
@@ -265,6 +306,7 @@ class TieredStorageWriter(StorageWriter):
                 node_leader=node_of.index(node) == rank,
                 coordinator_node=node == node_of[0],
                 world_size=len(plans),
+                promote=promote,
             )
             out.append(dataclasses.replace(plan, storage_data=save))
         self._save = (out[0].storage_data, node_of)
@@ -272,6 +314,7 @@ class TieredStorageWriter(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         save: _SaveInfo = plan.storage_data
+        started = time.perf_counter()
         backend = self._tier.backend
         backend.make_dir(save.tmp)
         lock = backend.lock_shared(save.tmp)
@@ -282,6 +325,8 @@ class TieredStorageWriter(StorageWriter):
             for i in range(self.thread_count):  # free the space now (e.g. after ENOSPC)
                 backend.remove_file(save.tmp, layout.data_file_name(save.rank, i))
             raise
+        self._timings[save.step] = {"write_s": time.perf_counter() - started,
+                                    "uploads": float(save.node_leader and save.promote)}
         logger.debug(
             "rank %d wrote %d items of step %s to %s", save.rank, len(results), save.step, self.root
         )
@@ -328,7 +373,7 @@ class TieredStorageWriter(StorageWriter):
                         raise
                 placed.append((item.index, offset, out.position - offset, out.item_crc))
         file_crc = integrity.format_checksum(out.file_crc)
-        if self._remote is not None:
+        if self._remote is not None and save.promote:
             uploader = tiering.uploader_for(self._tier, self._remote)
             uploader.upload_early(save.step, save.save_id, name, file_crc)
         return [
@@ -365,7 +410,7 @@ class TieredStorageWriter(StorageWriter):
                 commit.publish_step(backend, save.step, save.save_id, save.tmp)
             finally:
                 LocalBackend.unlock(lock)
-            self._promote(save.step)
+            self._promote(save)
 
         def abandon(reason: str) -> None:
             LocalBackend.unlock(lock)
@@ -376,6 +421,7 @@ class TieredStorageWriter(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         assert self._save is not None and self._leading is not None
+        started = time.perf_counter()
         (save, node_of), (tmp, lock) = self._save, self._leading
         other_nodes = sorted(set(node_of) - {node_of[0]})
         self._save = None
@@ -390,6 +436,7 @@ class TieredStorageWriter(StorageWriter):
             metadata=metadata,
             locations=locations,
             versions={"dcp_tiered": __version__, "torch": torch.__version__},
+            promote=save.promote,
         )
         metadata_bytes = _vanilla_metadata(metadata, locations, save.step)
         commit.write_step_files(backend, tmp, manifest_bytes, metadata_bytes, sync=self.sync_files)
@@ -405,7 +452,8 @@ class TieredStorageWriter(StorageWriter):
             publish_own()
         self._leading = None
         LocalBackend.unlock(lock)
-        self._promote(save.step)
+        self._timings.setdefault(save.step, {})["commit_s"] = time.perf_counter() - started
+        self._promote(save)
 
 
 # ---------------------------------------------------------------- helpers (no I/O)

@@ -5,6 +5,7 @@ Sits between s3fs and the S3 server and, for a seeded random share of requests, 
 stalls. The Host header is forwarded unchanged, so SigV4 signatures stay valid.
 
 Usage: python tests/faultproxy.py --port P --upstream http://127.0.0.1:Q --rate 0.2 [--seed S]
+       [--deny __1_]   (403 AccessDenied for every write of a key containing "__1_")
 """
 
 from __future__ import annotations
@@ -19,20 +20,26 @@ from aiohttp import ClientSession, ClientTimeout, web
 FAULTS = ("500", "503", "reset-before", "reset-mid-body", "stall")
 SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
             b"<Message>Please reduce your request rate.</Message></Error>")
+DENIED = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>AccessDenied</Code>'
+          b"<Message>Access Denied</Message></Error>")
 INTERNAL = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InternalError</Code>'
             b"<Message>We encountered an internal error.</Message></Error>")
 HOP = {"transfer-encoding", "connection", "keep-alive", "content-length", "content-encoding"}
 
 
-def build_app(upstream: str, rate: float, seed: int, stall_secs: float, max_secs: float) -> web.Application:
+def build_app(upstream: str, rate: float, seed: int, stall_secs: float, max_secs: float,
+              deny: str | None = None) -> web.Application:
     rng = random.Random(seed)
-    counts = {f: 0 for f in FAULTS} | {"ok": 0}
+    counts = {f: 0 for f in FAULTS} | {"ok": 0, "denied": 0}
     session: dict[str, ClientSession] = {}
 
     async def handle(request: web.Request) -> web.StreamResponse:
         if request.path == "/__faults__":  # the test asks what was injected
             return web.json_response(counts)
         body = await request.read()
+        if deny and deny in request.path and request.method in ("PUT", "POST"):
+            counts["denied"] += 1  # a permanent failure for the writes of chosen keys
+            return web.Response(status=403, body=DENIED, content_type="application/xml")
         fault = rng.choice(FAULTS) if rng.random() < rate else None
         counts[fault or "ok"] += 1
         if fault == "500":
@@ -89,9 +96,10 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=0.2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stall-secs", type=float, default=6.0)
+    p.add_argument("--deny", help="answer 403 AccessDenied to writes of keys containing this")
     p.add_argument("--max-secs", type=float, default=1800.0, help="stop by itself after this")
     a = p.parse_args()
-    app = build_app(a.upstream, a.rate, a.seed, a.stall_secs, a.max_secs)
+    app = build_app(a.upstream, a.rate, a.seed, a.stall_secs, a.max_secs, a.deny)
     web.run_app(app, host="127.0.0.1", port=a.port, print=None, access_log=None)
 
 

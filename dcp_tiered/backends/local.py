@@ -46,6 +46,28 @@ def _renameat2_exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(a), None, str(b))
 
 
+def available_memory_bytes() -> int | None:
+    """The kernel's estimate of RAM available without swapping (Linux), else None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def append_line(path: str | os.PathLike[str], line: str) -> None:
+    """Append one line with a single O_APPEND write, so lines of several ranks never mix."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (line.rstrip("\n") + "\n").encode())
+    finally:
+        os.close(fd)
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -144,6 +166,13 @@ class LocalBackend:
         self.write_file(directory, tmp, data)
         os.replace(self._child(directory, tmp), self._child(directory, name))
         fsync_dir(self._child(directory))
+
+    def replace_root_file(self, name: str, data: bytes) -> None:
+        """Write a small file directly under the root via a temporary file and a rename."""
+        self.ensure_root()
+        tmp = self._child(f".{name}.{os.getpid()}{TMP_SUFFIX}")
+        tmp.write_bytes(data)
+        os.replace(tmp, self._child(name))
 
     def sync_dir(self, name: str | None = None) -> None:
         fsync_dir(self._child(name) if name else self.root)

@@ -1,0 +1,545 @@
+"""CheckpointManager: what a training loop calls every step.
+
+A snapshot in host memory every step, the local disk every N steps, the remote tier every M
+(PAI EasyCkpt's hierarchy), each tier with its own retention::
+
+    mgr = CheckpointManager(memory="/dev/shm/run1", local="/nvme/ckpt/run1",
+                            remote="s3://bucket/run1")
+    start = mgr.restore(app_state)        # step to start from, or None for a fresh run
+    for step in range(start or 0, total):
+        train_step()
+        mgr.save(step, app_state)         # returns after staging; never waits for I/O
+    mgr.close()                           # waits for in-flight work; errors surface here
+
+Every rank calls ``save`` with the same step, in the same order. Ranks agree on each save with
+one small all-reduce on a group of their own, so time-based cadence, admission control and
+failures of any rank lead every rank to the same decision, and no rank hangs in a save the
+others skipped.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import time
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from . import cadence, housekeeping, layout, tiering
+from .admission import Admission, Headroom, shortfall
+from .backends.local import LocalBackend, available_memory_bytes
+from .cadence import Decision, SavePolicy
+from .catalog import list_steps
+from .distributed import checkpoint_process_group
+from .errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    DcpTieredError,
+    InsufficientSpaceError,
+    SaveFailedError,
+)
+from .events import EventLog
+from .local_tier import LocalTier
+from .rank_state import RankState
+from .reader import TieredStorageReader
+from .retention import Retention
+from .staging import state_bytes
+from .writer import TieredStorageWriter
+
+logger = logging.getLogger(__name__)
+
+EVENTS_NAME = ".dcp-tiered-events.jsonl"
+TIERS_NAME = ".dcp-tiered-tiers.json"  # where `dcp-tiered status ROOT` finds the other tiers
+KEEPER_LOCK = ".dcp-tiered-retention.lock"
+
+
+def step_name(step: int) -> str:
+    return f"step-{step}"
+
+
+@dataclass
+class _InFlight:
+    step: int
+    tier: str  # "memory" or "local"
+    remote: bool
+    future: Future[Any]
+    started: float  # epoch seconds
+    stall_s: float
+    stage_s: float
+    nbytes: int
+    timings: dict[str, float] = field(default_factory=dict)
+    upload: Future[None] | None = None
+
+    @property
+    def name(self) -> str:
+        return step_name(self.step)
+
+
+class CheckpointManager:
+    """Saves to host memory, local disk and a remote tier on a cadence; restores the newest
+    step that verifies.
+
+    Args:
+        local: the node's local checkpoint directory (NVMe).
+        memory: a directory in host shared memory (``/dev/shm/...``): its snapshots survive
+            the death of the training processes, not of the node. None: no memory tier.
+        remote: an fsspec URL or RemoteConfig; steps due there are copied in the background.
+        storage_options: fsspec options for ``remote``.
+        policy: cadence per tier (:class:`SavePolicy`).
+        retention: what each tier keeps (:class:`Retention`).
+        admission: in-flight cap and space checks (:class:`Admission`).
+        events: JSON-lines file of save events; default ``<local>/.dcp-tiered-events.jsonl``,
+            None for the ``dcp_tiered.events`` logger only.
+        collective_timeout_secs: how long a rank waits for the others in checkpoint
+            collectives before raising instead of hanging.
+        writer_options: more TieredStorageWriter arguments for the local tier
+            (``sync_files``, ``thread_count``, ``commit_timeout_secs`` ...).
+    """
+
+    def __init__(
+        self,
+        *,
+        local: str | os.PathLike[str],
+        memory: str | os.PathLike[str] | None = None,
+        remote: Any = None,
+        storage_options: Mapping[str, Any] | None = None,
+        policy: SavePolicy | None = None,
+        retention: Retention | None = None,
+        admission: Admission | None = None,
+        events: str | os.PathLike[str] | None = "default",
+        collective_timeout_secs: float = 600.0,
+        writer_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.policy = policy or SavePolicy()
+        self.retention = retention or Retention()
+        self.admission = admission or Admission()
+        self._distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self._distributed else 0
+        self._ranks_on_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        # Saves run their collectives on one group, the manager's votes on another: a vote on
+        # the training thread never interleaves with a background save's collectives.
+        self._save_pg = checkpoint_process_group(collective_timeout_secs)
+        self._vote_pg = (
+            dist.new_group(backend="gloo",
+                           timeout=datetime.timedelta(seconds=collective_timeout_secs))
+            if self._distributed else None
+        )
+        options = dict(writer_options or {})
+        options.setdefault("overwrite", True)  # a replayed step replaces its abandoned twin
+        self._local = TieredStorageWriter(local, remote=remote, storage_options=storage_options,
+                                          **options)
+        self._memory = (
+            TieredStorageWriter(memory, overwrite=True, sync_files=False, thread_count=1,
+                                share_staging_with=self._local)
+            if memory is not None else None
+        )
+        if self._memory is not None and os.path.realpath(memory) == os.path.realpath(local):
+            raise ConfigError("memory and local must be different directories")
+        self._remote = self._local.remote_backend
+        # One process per directory applies retention: whoever holds its lock (the kernel
+        # drops it with the process), whatever the node layout.
+        self._local_keeper = self._local.local_tier.backend.try_lock_exclusive(KEEPER_LOCK)
+        self._memory_keeper = (self._memory.local_tier.backend.try_lock_exclusive(KEEPER_LOCK)
+                               if self._memory is not None else None)
+        self._events = EventLog(os.path.join(self._local.root, EVENTS_NAME)
+                                if events == "default" else events)
+        self._last: dict[str, float] = {t: time.time() for t in ("memory", "local", "remote")}
+        self._in_flight: list[_InFlight] = []
+        self._uploading: list[_InFlight] = []
+        self._failures: list[dict[str, Any]] = []
+        self._housekeeper = ThreadPoolExecutor(1, thread_name_prefix="dcp-tiered-retention")
+        self._housekeeping: Future[None] | None = None
+        self.restored_step: int | None = None
+        self.last_stall_secs = 0.0
+        self.skipped_saves = 0
+        self._closed = False
+        if self.rank == 0:
+            self._record_tiers(memory)
+
+    def _record_tiers(self, memory: Any) -> None:
+        tiers = {"memory": os.path.abspath(memory) if memory is not None else None,
+                 "remote": self._remote.config.url if self._remote is not None else None}
+        self._local.local_tier.backend.replace_root_file(TIERS_NAME, json.dumps(tiers).encode())
+
+    # ------------------------------------------------------------ save
+
+    def save(self, step: int, app_state: dict[str, Any], *, force: bool = False) -> Decision:
+        """Save ``app_state`` as ``step-<step>`` to the tiers due now; returns once staged.
+
+        ``force=True`` saves to the local and remote tiers whatever the cadence (end of an
+        epoch, a pre-emption notice). Raises SaveFailedError on every rank if an earlier
+        background save or upload failed on any rank. Returns where this save went.
+        """
+        if self._closed:
+            raise ConfigError("this CheckpointManager is closed")
+        if not isinstance(step, int) or step < 0:
+            raise ConfigError(f"step must be a non-negative int, got {step!r}")
+        t0 = time.perf_counter()
+        now = time.time()
+        self._reap()
+        wanted = cadence.decide(self.policy, step, now, self._last, force=force,
+                                has_memory=self._memory is not None,
+                                has_remote=self._remote is not None)
+        busy = len(self._in_flight) >= self.admission.max_in_flight
+        short = {tier: self._shortfall(app_state, tier) if getattr(wanted, tier) else None
+                 for tier in ("memory", "local")}
+        flags = self._vote(cadence.encode(wanted) + [
+            int(bool(self._failures)), int(busy),
+            int(short["memory"] is not None), int(short["local"] is not None),
+        ])
+        if flags[3]:
+            self._raise_failures()
+        decision = cadence.agree(flags[:3])
+        if not decision.any:
+            self.last_stall_secs = time.perf_counter() - t0
+            return decision
+        tier = "local" if decision.local else "memory"
+        if flags[5 if tier == "memory" else 6]:
+            return self._refuse(step, tier, short[tier] or "another rank's node has no room", t0)
+        if flags[4]:
+            if self.admission.when_busy == "skip":
+                self.skipped_saves += 1
+                logger.warning("skipping the save of step %d: %d saves already in flight "
+                               "(Admission.when_busy='skip')", step, len(self._in_flight))
+                self.last_stall_secs = time.perf_counter() - t0
+                return Decision()
+            while len(self._in_flight) >= self.admission.max_in_flight:
+                self._wait(self._in_flight[0])
+                self._reap()
+        self._start(step, app_state, decision, t0)
+        for t in ("memory", "local", "remote"):
+            if getattr(decision, t):
+                self._last[t] = now
+        return decision
+
+    def _refuse(self, step: int, tier: str, why: str, t0: float) -> Decision:
+        message = (f"step {step} was not saved to the {tier} tier: {why}. Nothing was written; "
+                   "free space, keep fewer steps or lower the cadence.")
+        if self.admission.when_full == "raise":
+            raise InsufficientSpaceError(28, message)
+        self.skipped_saves += 1
+        logger.warning("%s (Admission.when_full='skip')", message)
+        self._events.emit("skipped", step=step, tier=tier, rank=self.rank, reason=why)
+        self.last_stall_secs = time.perf_counter() - t0
+        return Decision()
+
+    def _shortfall(self, app_state: dict[str, Any], tier: str) -> str | None:
+        writer = self._writer(tier)
+        nbytes = writer.last_staged_bytes or _state_bytes(app_state)
+        headroom = Headroom(
+            state_bytes=nbytes,
+            ranks_on_node=self._ranks_on_node,
+            new_staging_bytes=0 if writer.staging_buffers_ready() >= 2 else nbytes,
+            ram_available=available_memory_bytes(),
+            tier_free=writer.local_tier.backend.free_bytes(),
+        )
+        return shortfall(self.admission, headroom, tier)
+
+    def _writer(self, tier: str) -> TieredStorageWriter:
+        if tier == "memory":
+            assert self._memory is not None
+            return self._memory
+        return self._local
+
+    def _start(self, step: int, app_state: dict[str, Any], decision: Decision, t0: float) -> None:
+        tier = "local" if decision.local else "memory"
+        writer = self._writer(tier)
+        name = step_name(step)
+        if tier == "local" and not decision.remote:
+            writer.keep_local(name)
+        started = time.time()
+        future = dcp.async_save(app_state, checkpoint_id=name, storage_writer=writer,
+                                process_group=self._save_pg)
+        stall = time.perf_counter() - t0
+        self.last_stall_secs = stall
+        self._in_flight.append(_InFlight(
+            step=step, tier=tier, remote=decision.remote and self._remote is not None,
+            future=future, started=started, stall_s=stall, stage_s=writer.last_stall_secs,
+            nbytes=writer.last_staged_bytes,
+        ))
+
+    # ------------------------------------------------------------ completion
+
+    def _wait(self, rec: _InFlight) -> None:
+        try:
+            rec.future.result()
+        except BaseException:  # noqa: BLE001 - collected by _reap
+            pass
+
+    def _reap(self) -> None:
+        """Collect finished saves and uploads: record failures, emit events, prune tiers."""
+        finished = False
+        for rec in [r for r in self._in_flight if r.future.done()]:
+            self._in_flight.remove(rec)
+            finished = True
+            rec.timings = self._writer(rec.tier).pop_timings(rec.name)
+            error = rec.future.exception()
+            if error is not None:
+                self._fail(rec, rec.tier, error)
+                continue
+            if rec.timings.get("uploads"):  # this process promotes its node's copy
+                self._uploading.append(rec)
+            else:
+                self._emit(rec)
+        for rec in list(self._uploading):
+            # A follower node publishes (and enqueues its upload) just after the save returns.
+            rec.upload = rec.upload or self._upload_future(rec)
+            if rec.upload is None and time.time() - rec.started > self._local.commit_timeout_secs:
+                self._uploading.remove(rec)
+                self._fail(rec, "remote", TimeoutError("this node never published the step"))
+                continue
+            if rec.upload is None or not rec.upload.done():
+                continue
+            self._uploading.remove(rec)
+            finished = True
+            error = rec.upload.exception()
+            if error is not None:
+                self._fail(rec, "remote", error)
+            else:
+                self._emit(rec)
+        if finished:
+            self._prune_in_background()
+
+    def _upload_future(self, rec: _InFlight) -> Future[None] | None:
+        """This rank's promotion of the step, if this rank's node leader is this process."""
+        if self._remote is None:
+            return None
+        return tiering.uploader_for(self._local.local_tier, self._remote).future(rec.name)
+
+    def _fail(self, rec: _InFlight, tier: str, error: BaseException) -> None:
+        where = (self._remote.config.url if tier == "remote" and self._remote is not None
+                 else self._writer(rec.tier).root)
+        self._failures.append({"rank": self.rank, "step": rec.name, "tier": tier, "where": where,
+                               "error": _describe(error)})
+        self._events.emit("failed", step=rec.step, rank=self.rank, tier=tier, where=where,
+                          error=_describe(error))
+
+    def _emit(self, rec: _InFlight) -> None:
+        fields: dict[str, Any] = {
+            "step": rec.step, "rank": self.rank,
+            "tier": rec.tier, "remote": rec.remote, "bytes": rec.nbytes,
+            "stall_s": round(rec.stall_s, 6), "stage_s": round(rec.stage_s, 6),
+            "local_write_s": _round(rec.timings.get("write_s")),
+            "commit_s": _round(rec.timings.get("commit_s")),
+            "upload_s": None, "durable_at": None, "durable_after_s": None,
+        }
+        times = (tiering.uploader_for(self._local.local_tier, self._remote).times(rec.name)
+                 if rec.upload is not None and self._remote is not None else None)
+        if times is not None:
+            fields.update(upload_s=round(times[1] - times[0], 6), durable_at=round(times[1], 6),
+                          durable_after_s=round(times[1] - rec.started, 6))
+        self._events.emit("saved", **fields)
+
+    # ------------------------------------------------------------ agreement across ranks
+
+    def _vote(self, flags: list[int]) -> list[int]:
+        if self._vote_pg is None:
+            return flags
+        t = torch.tensor(flags, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._vote_pg)
+        return [int(v) for v in t.tolist()]
+
+    def _raise_failures(self) -> None:
+        mine, self._failures = self._failures, []
+        if self._vote_pg is not None:
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, mine, group=self._vote_pg)
+            failures = [f for part in gathered for f in part]
+        else:
+            failures = mine
+        lines = "\n".join(f"  rank {f['rank']}: {f['step']} on the {f['tier']} tier "
+                          f"({f['where']}): {f['error']}" for f in failures)
+        raise SaveFailedError(
+            f"{len(failures)} checkpoint failure(s) since the last save:\n{lines}\n"
+            "Earlier committed steps are intact; fix the cause and keep training, or restore.",
+            failures,
+        )
+
+    # ------------------------------------------------------------ retention
+
+    def _prune_in_background(self) -> None:
+        if self._housekeeping is not None and not self._housekeeping.done():
+            return  # the running pass will be followed by the next completion's
+        self._housekeeping = self._housekeeper.submit(self._prune)
+
+    def _prune(self) -> None:
+        try:
+            if self._memory_keeper is not None:
+                housekeeping.prune_local(self._memory.local_tier, self.retention.memory, None,
+                                         label="memory")
+            if self._local_keeper is not None:
+                housekeeping.prune_local(self._local.local_tier, self.retention.local, self._remote,
+                                         label="local")
+            if self.rank == 0 and self._remote is not None and self.retention.remote is not None:
+                housekeeping.prune_remote(self._remote, self.retention.remote)
+        except Exception as e:  # noqa: BLE001 - retention retries at the next completion
+            logger.warning("retention pass failed (retried after the next save): %s", e)
+
+    # ------------------------------------------------------------ restore
+
+    def restore(self, app_state: dict[str, Any], step: int | None = None) -> int | None:
+        """Load the newest step that verifies (or ``step``) into ``app_state``.
+
+        Looks in memory, then the local disk, then the remote tier, and falls back to older
+        steps when a newer one fails verification, logging why. A step restored from memory
+        only is then saved to the local (and remote) tier. Returns the step to continue
+        from (one past the restored step), or None when there is nothing to restore.
+        """
+        candidates = self._broadcast(self._candidates(step))
+        if not candidates:
+            if step is not None:
+                raise CheckpointNotFoundError(f"step {step} is in no tier of this manager")
+            return None
+        reasons = []
+        for name, tier in candidates:
+            reader = self._reader(tier)
+            try:
+                dcp.load(self._loadable(app_state, reader, name), checkpoint_id=name,
+                         storage_reader=reader, process_group=self._save_pg)
+            except (CheckpointException, DcpTieredError) as e:
+                reasons.append(f"{name} ({tier}): {_describe(e)}")
+                logger.warning("cannot restore %s from the %s tier, trying an older step: %s",
+                               name, tier, _describe(e))
+                continue
+            number = layout.step_number(name)
+            assert number is not None
+            self.restored_step = number
+            logger.info("restored %s from the %s tier", name, tier)
+            self._events.emit("restored", step=number, tier=tier, rank=self.rank)
+            if tier == "memory" and not any(n == name and t != "memory" for n, t in candidates):
+                # Only host memory has it: persist it down the tiers before going on.
+                self._start(number, app_state,
+                            Decision(local=True, remote=self._remote is not None),
+                            time.perf_counter())
+            return number + 1
+        raise CheckpointNotFoundError(
+            "no step could be restored; every candidate failed:\n  " + "\n  ".join(reasons)
+        )
+
+    def _candidates(self, step: int | None) -> list[tuple[str, str]]:
+        """(step name, tier) pairs to try, newest first, nearest tier first."""
+        found: list[tuple[int, int, str, str]] = []
+        order = {"memory": 0, "local": 1}
+        if self._memory is not None:
+            for s in self._memory.local_tier.steps():
+                if s.verified_format:
+                    found.append((layout.step_number(s.name) or -1, s.committed_at_ns,
+                                  s.name, "memory"))
+        for s in list_steps(self._local.local_tier, self._remote):
+            found.append((layout.step_number(s.name) or -1, s.committed_at_ns, s.name, "local"))
+        if step is not None:
+            found = [f for f in found if f[2] == step_name(step)]
+        found.sort(key=lambda f: (-f[0], order[f[3]], -f[1]))
+        return [(name, tier) for _, _, name, tier in found if layout.step_number(name) is not None]
+
+    def _broadcast(self, candidates: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        """Every rank tries the same steps in the same order: rank 0's list."""
+        if self._vote_pg is None:
+            return candidates
+        box: list[Any] = [candidates]
+        dist.broadcast_object_list(box, src=0, group=self._vote_pg)
+        return box[0]
+
+    def _reader(self, tier: str) -> TieredStorageReader:
+        if tier == "memory":
+            assert self._memory is not None
+            return TieredStorageReader(self._memory.root)
+        return TieredStorageReader(self._local.root, remote=self._remote.config
+                                   if self._remote is not None else None)
+
+    def _loadable(self, app_state: dict[str, Any], reader: TieredStorageReader,
+                  name: str) -> dict[str, Any]:
+        """``app_state`` without per-rank states the step lacks (it was saved by fewer ranks)."""
+        rank_states = {k: v for k, v in app_state.items() if isinstance(v, RankState)}
+        if not rank_states:
+            return app_state
+        reader.reset(name)
+        keys = reader.read_metadata().state_dict_metadata
+        out = dict(app_state)
+        for k, rs in rank_states.items():
+            prefix = f"{k}.{rs.key}."
+            if not any(fqn.startswith(prefix) for fqn in keys):
+                logger.warning("%s holds no %s state for rank %d (saved with fewer ranks?): "
+                               "its RNG and data position start fresh", name, k, self.rank)
+                del out[k]
+        return out
+
+    # ------------------------------------------------------------ shutdown and status
+
+    def close(self, timeout_secs: float | None = None) -> None:
+        """Wait for in-flight saves, uploads and retention; raise SaveFailedError on every
+        rank if any of them failed on any rank.
+
+        Ranks poll together: as soon as any rank's save or upload fails, every rank raises,
+        instead of some waiting for work that can no longer finish. ``timeout_secs`` bounds
+        the wait for uploads; uploads still running then are reported as failures.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        deadline = None if timeout_secs is None else time.monotonic() + timeout_secs
+        for rec in list(self._in_flight):
+            self._wait(rec)
+        try:
+            while True:
+                self._reap()
+                if deadline is not None and time.monotonic() > deadline:
+                    for rec in list(self._uploading):
+                        self._uploading.remove(rec)
+                        self._fail(rec, "remote", TimeoutError(
+                            f"not durable after close(timeout_secs={timeout_secs})"))
+                failed, pending = self._vote([int(bool(self._failures)), int(bool(self._uploading))])
+                if failed:
+                    self._raise_failures()
+                if not pending:
+                    break
+                time.sleep(0.05)
+            if self._housekeeping is not None:
+                self._housekeeping.result()
+            self._prune()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        self._housekeeper.shutdown()
+        for writer, keeper in ((self._local, self._local_keeper), (self._memory, self._memory_keeper)):
+            if writer is not None:
+                writer.close()
+                if keeper is not None:
+                    writer.local_tier.backend.unlock(keeper)
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _state_bytes(app_state: dict[str, Any]) -> int:
+    """Tensor bytes of ``app_state`` on this rank, resolving Stateful objects."""
+    return state_bytes({k: v.state_dict() if hasattr(v, "state_dict") else v
+                        for k, v in app_state.items()})
+
+
+def _round(v: float | None) -> float | None:
+    return None if v is None else round(v, 6)
+
+
+def _describe(e: BaseException) -> str:
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        parts = []
+        for rank, f in sorted(failures.items()):
+            exc = f[0] if isinstance(f, tuple) else f
+            parts.append(f"rank {rank}: {type(exc).__name__}: {exc}")
+        return "; ".join(parts)[:2000]
+    return f"{type(e).__name__}: {e}"[:2000]

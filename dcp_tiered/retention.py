@@ -1,0 +1,82 @@
+"""Which committed steps a tier may delete. Pure policy, no I/O.
+
+Invariants, whatever the policy says:
+
+- a step still waiting to become durable on a lower tier (its promotion pending, running or
+  failed) is never evicted: it may be the only copy;
+- the newest committed step of a tier is never evicted, so a tier that holds anything keeps
+  its newest durable step;
+- pinned steps and milestones (step number a multiple of ``keep_every``) are kept;
+- only committed steps are candidates. A save in flight is not a committed step, so it
+  neither counts toward ``keep_latest`` nor makes an older step evictable (the
+  Megatron-Bridge async-overlap bug).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from . import layout
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    """What one tier keeps: the newest ``keep_latest`` steps, every ``keep_every``-th step
+    (milestones, by step number), and the ``pinned`` step names."""
+
+    keep_latest: int = 2
+    keep_every: int | None = None
+    pinned: frozenset[str] = field(default_factory=frozenset)
+
+    def __post_init__(self) -> None:
+        if self.keep_latest < 1:
+            raise ConfigError(
+                f"keep_latest must be >= 1 (the newest step is always kept), got {self.keep_latest}"
+            )
+        if self.keep_every is not None and self.keep_every < 1:
+            raise ConfigError(f"keep_every must be >= 1, got {self.keep_every}")
+        object.__setattr__(self, "pinned", frozenset(self.pinned))
+
+    def pin(self, *steps: str) -> RetentionPolicy:
+        return RetentionPolicy(self.keep_latest, self.keep_every, self.pinned | set(steps))
+
+
+@dataclass(frozen=True)
+class StepState:
+    """A committed step of one tier as retention sees it."""
+
+    name: str
+    committed_at_ns: int
+    awaiting_lower_tier: bool = False  # destined for a lower tier, not durable there yet
+
+
+def order_key(s: StepState) -> tuple[int, int, str]:
+    """Oldest first: by trailing step number, then commit time (as ``layout.newest``)."""
+    num = layout.step_number(s.name)
+    return (num if num is not None else -1, s.committed_at_ns, s.name)
+
+
+def evictions(steps: Iterable[StepState], policy: RetentionPolicy) -> list[str]:
+    """Names of the steps to delete from this tier, oldest first."""
+    ordered: Sequence[StepState] = sorted(steps, key=order_key)
+    latest = {s.name for s in ordered[-policy.keep_latest:]}
+    doomed = []
+    for s in ordered:
+        num = layout.step_number(s.name)
+        milestone = policy.keep_every is not None and num is not None and num % policy.keep_every == 0
+        if s.name in latest or s.name in policy.pinned or milestone or s.awaiting_lower_tier:
+            continue
+        doomed.append(s.name)
+    return doomed
+
+
+@dataclass(frozen=True)
+class Retention:
+    """Retention per tier. Host memory keeps only the newest snapshot by default; the remote
+    tier keeps everything unless told otherwise, because deletes there cannot be undone."""
+
+    memory: RetentionPolicy = field(default_factory=lambda: RetentionPolicy(keep_latest=1))
+    local: RetentionPolicy = field(default_factory=lambda: RetentionPolicy(keep_latest=2))
+    remote: RetentionPolicy | None = None
