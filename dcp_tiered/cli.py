@@ -1,9 +1,10 @@
-"""Command line: ``dcp-tiered ls ROOT`` and ``dcp-tiered verify ROOT [STEP]``."""
+"""Command line: ``dcp-tiered ls ROOT``, ``verify ROOT [STEP]`` and ``status ROOT``."""
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import sys
 from collections.abc import Sequence
 
@@ -11,7 +12,8 @@ from tqdm import tqdm
 
 from . import catalog, integrity, layout
 from .backends.local import LocalBackend
-from .errors import DcpTieredError
+from .backends.remote import remote_backend
+from .errors import DcpTieredError, ManifestError
 from .local_tier import LocalTier
 
 
@@ -83,6 +85,58 @@ def _verify_step(tier: LocalTier, step: str) -> list[str]:
     return problems
 
 
+def _in_progress(tier: LocalTier) -> set[str]:
+    return {p[0] for n in tier.backend.list_names()
+            if (p := layout.parse_hidden_dir(n)) and p[2] == layout.TMP_SUFFIX}
+
+
+def cmd_status(tier: LocalTier, memory: str | None, remote_url: str | None, as_json: bool) -> int:
+    """Every step of every tier, and how durable it is."""
+    recorded = {}
+    if tier.backend.exists(layout.TIERS_RECORD):
+        recorded = json.loads(tier.backend.read_file(layout.TIERS_RECORD))
+    memory = memory or recorded.get("memory")
+    remote = remote_backend(remote_url or recorded.get("remote"))
+    rows: dict[str, dict] = {}
+    mem_tier = LocalTier(LocalBackend(memory)) if memory else None
+    for s in (mem_tier.steps() if mem_tier else []):
+        rows.setdefault(s.name, {})["memory"] = True
+    for s in catalog.list_steps(tier, remote):
+        row = rows.setdefault(s.name, {})
+        row["local"], row["remote"] = s.local, s.remote
+        if s.local and not s.remote and s.verified_format:
+            try:
+                row["promote"] = tier.read_manifest(s.name).promote and remote is not None
+            except ManifestError:
+                row["promote"] = False
+    for name in _in_progress(tier) | (_in_progress(mem_tier) if mem_tier else set()):
+        rows.setdefault(name, {})["saving"] = True
+    for row in rows.values():
+        row["durability"] = ("durable-remote" if row.get("remote") else
+                             "committed-local" if row.get("local") else
+                             "memory" if row.get("memory") else "staged")
+        if row.get("promote"):
+            row["durability"] += " (upload pending)"
+    ordered = sorted(rows.items(), key=lambda kv: (layout.step_number(kv[0]) or -1, kv[0]))
+    if as_json:
+        print(json.dumps({"root": tier.root, "memory": memory,
+                          "remote": remote.config.url if remote else None,
+                          "steps": [{"step": k, **v} for k, v in ordered]}, indent=1))
+        return 0
+    print(f"local:  {tier.root}\nmemory: {memory or '-'}\n"
+          f"remote: {remote.config.url if remote else '-'}")
+    if not ordered:
+        print("no steps")
+        return 0
+    width = max(len(k) for k, _ in ordered)
+    print(f"{'step':<{width}}  memory  local  remote  durability")
+    mark = {True: "yes", False: "-", None: "-"}
+    for name, row in ordered:
+        print(f"{name:<{width}}  {mark[row.get('memory')]:<6}  {mark[row.get('local')]:<5}  "
+              f"{mark[row.get('remote')]:<6}  {row['durability']}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dcp-tiered", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -91,11 +145,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     verify = sub.add_parser("verify", help="check every file against its manifest checksum")
     verify.add_argument("root")
     verify.add_argument("step", nargs="?", help="a step name or 'latest' (default: all steps)")
+    status = sub.add_parser("status", help="steps of every tier (memory, local, remote) and "
+                            "their durability")
+    status.add_argument("root", help="the local tier's directory")
+    status.add_argument("--memory", help="memory-tier directory (default: recorded in ROOT)")
+    status.add_argument("--remote", help="remote URL (default: recorded in ROOT); S3 "
+                        "credentials and endpoint come from the AWS_* environment")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
     tier = LocalTier(LocalBackend(args.root))
     try:
         if args.command == "ls":
             return cmd_ls(tier)
+        if args.command == "status":
+            return cmd_status(tier, args.memory, args.remote, args.json)
         return cmd_verify(tier, args.step)
     except DcpTieredError as e:
         print(f"dcp-tiered: {e}", file=sys.stderr)

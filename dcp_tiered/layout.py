@@ -18,6 +18,10 @@ UPLOAD_SUFFIX = ".dcp-tiered-up"  # bookkeeping of uploads that start before the
 DELETE_SUFFIX = ".dcp-tiered-del"  # a step being deleted: renamed out of sight first
 LOCK_NAME = ".dcp-tiered.lock"
 UPLOADER_LOCK_NAME = ".dcp-tiered-uploader.lock"
+# A CheckpointManager's files next to the local tier's steps.
+TIERS_RECORD = ".dcp-tiered-tiers.json"  # where `dcp-tiered status ROOT` finds the other tiers
+EVENTS_LOG = ".dcp-tiered-events.jsonl"
+RETENTION_LOCK_NAME = ".dcp-tiered-retention.lock"  # held by the process that prunes a root
 
 # Remote tier: a step is committed there once its marker exists (created exclusively, last).
 REMOTE_MARKER = "_COMMITTED.json"

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from . import cadence, housekeeping, layout, tiering
 from .admission import Admission, Headroom, shortfall
-from .backends.local import LocalBackend, available_memory_bytes
+from .backends.local import available_memory_bytes
 from .cadence import Decision, SavePolicy
 from .catalog import list_steps
 from .distributed import checkpoint_process_group
@@ -48,7 +48,6 @@ from .errors import (
     SaveFailedError,
 )
 from .events import EventLog
-from .local_tier import LocalTier
 from .rank_state import RankState
 from .reader import TieredStorageReader
 from .retention import Retention
@@ -57,9 +56,6 @@ from .writer import TieredStorageWriter
 
 logger = logging.getLogger(__name__)
 
-EVENTS_NAME = ".dcp-tiered-events.jsonl"
-TIERS_NAME = ".dcp-tiered-tiers.json"  # where `dcp-tiered status ROOT` finds the other tiers
-KEEPER_LOCK = ".dcp-tiered-retention.lock"
 
 
 def step_name(step: int) -> str:
@@ -147,10 +143,9 @@ class CheckpointManager:
         self._remote = self._local.remote_backend
         # One process per directory applies retention: whoever holds its lock (the kernel
         # drops it with the process), whatever the node layout.
-        self._local_keeper = self._local.local_tier.backend.try_lock_exclusive(KEEPER_LOCK)
-        self._memory_keeper = (self._memory.local_tier.backend.try_lock_exclusive(KEEPER_LOCK)
-                               if self._memory is not None else None)
-        self._events = EventLog(os.path.join(self._local.root, EVENTS_NAME)
+        self._local_keeper = _retention_lock(self._local)
+        self._memory_keeper = _retention_lock(self._memory) if self._memory is not None else None
+        self._events = EventLog(os.path.join(self._local.root, layout.EVENTS_LOG)
                                 if events == "default" else events)
         self._last: dict[str, float] = {t: time.time() for t in ("memory", "local", "remote")}
         self._in_flight: list[_InFlight] = []
@@ -168,7 +163,8 @@ class CheckpointManager:
     def _record_tiers(self, memory: Any) -> None:
         tiers = {"memory": os.path.abspath(memory) if memory is not None else None,
                  "remote": self._remote.config.url if self._remote is not None else None}
-        self._local.local_tier.backend.replace_root_file(TIERS_NAME, json.dumps(tiers).encode())
+        self._local.local_tier.backend.replace_root_file(layout.TIERS_RECORD,
+                                                         json.dumps(tiers).encode())
 
     # ------------------------------------------------------------ save
 
@@ -272,7 +268,7 @@ class CheckpointManager:
     def _wait(self, rec: _InFlight) -> None:
         try:
             rec.future.result()
-        except BaseException:  # noqa: BLE001 - collected by _reap
+        except BaseException:
             pass
 
     def _reap(self) -> None:
@@ -381,7 +377,7 @@ class CheckpointManager:
                                          label="local")
             if self.rank == 0 and self._remote is not None and self.retention.remote is not None:
                 housekeeping.prune_remote(self._remote, self.retention.remote)
-        except Exception as e:  # noqa: BLE001 - retention retries at the next completion
+        except Exception as e:
             logger.warning("retention pass failed (retried after the next save): %s", e)
 
     # ------------------------------------------------------------ restore
@@ -522,6 +518,10 @@ class CheckpointManager:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _retention_lock(writer: TieredStorageWriter) -> int | None:
+    return writer.local_tier.backend.try_lock_exclusive(layout.RETENTION_LOCK_NAME)
 
 
 def _state_bytes(app_state: dict[str, Any]) -> int:

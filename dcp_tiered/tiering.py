@@ -347,6 +347,7 @@ def delete_remote_step(remote: RemoteBackend, step: str, *, reason: str) -> None
             continue
         for key in sorted(remote.sizes(prefix)):
             remote.remove(key, reason=reason)
+    remote.remove_empty_dirs(f"{step}/")
 
 
 def wait_durable(tier: LocalTier, remote: RemoteBackend, steps: list[str],

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.futures import Future
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
 
 from . import __version__, _torch_compat, catalog, commit, integrity, layout, manifest, tiering
 from .backends.local import LocalBackend

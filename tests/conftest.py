@@ -39,6 +39,26 @@ def run_ranks():
     return torchrun
 
 
+@pytest.fixture
+def tmpfs(tmp_path):
+    """Mount a real tmpfs of ``size_mib`` (a small disk that fills up); skip where we cannot."""
+    mounted = []
+
+    def mount(size_mib: int, name: str = "tiny") -> Path:
+        mnt = tmp_path / name
+        mnt.mkdir()
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs",
+                               str(mnt)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+        mounted.append(mnt)
+        return mnt
+
+    yield mount
+    for mnt in mounted:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
 # ---------------------------------------------------------------- S3 (a real server on 127.0.0.1)
 
 import uuid  # noqa: E402

@@ -172,6 +172,24 @@ class RemoteBackend:
         except FileNotFoundError:
             pass
 
+    def remove_empty_dirs(self, prefix: str) -> None:
+        """Directory-backed stores (``file://``) keep a deleted step's empty directories;
+        remove them, bottom up. Only empty directories go, never a file."""
+        if self.is_object_store:
+            return
+        path = self.path(prefix)
+        try:
+            found = self._call("list", prefix, lambda: self.fs.find(path, withdirs=True,
+                                                                    detail=True))
+        except FileNotFoundError:
+            return
+        dirs = [p for p, info in found.items() if info.get("type") == "directory"]
+        for d in sorted(dirs, key=len, reverse=True) + [path]:
+            try:
+                self.fs.rmdir(d)
+            except OSError:
+                pass  # not empty: something else lives there, leave it
+
     def abort_multipart_uploads(self, prefix: str, only: set[str] | None = None) -> int:
         """Abort incomplete multipart uploads under ``prefix`` (S3 only), optionally only
         those of the keys in ``only`` (other nodes may be uploading their own)."""

@@ -12,8 +12,7 @@ import argparse
 import os
 import random
 
-from tests.workers import common  # noqa: F401  (sys.path, threads, warnings)
-
+import common  # noqa: I001  (first: puts the repo on sys.path)
 import numpy as np
 import torch
 import torch.nn.functional as F

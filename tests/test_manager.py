@@ -1,0 +1,250 @@
+"""CheckpointManager in one process: cadence, admission control, restore fallback, events,
+retention on real directories and ``dcp-tiered status``. Multi-rank behaviour (SIGKILL and
+resume, memory-tier recovery, failure propagation) is in test_manager_resume.py."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import warnings
+
+import pytest
+import torch
+
+from dcp_tiered import (
+    Admission,
+    CheckpointManager,
+    CheckpointNotFoundError,
+    Every,
+    InsufficientSpaceError,
+    RankState,
+    Retention,
+    RetentionPolicy,
+    SavePolicy,
+)
+from dcp_tiered import rank_state
+from dcp_tiered.admission import Headroom, shortfall
+from dcp_tiered.cadence import Decision, agree, decide
+from dcp_tiered.cli import main as cli
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+MIB = 2**20
+
+
+def _steps(root) -> list[str]:
+    names = [n for n in os.listdir(root) if n.startswith("step-")]
+    return sorted(names, key=lambda n: int(n.split("-")[1]))
+
+
+def _hidden_dirs(root) -> list[str]:
+    return [n for n in os.listdir(root) if n.startswith(".") and os.path.isdir(root / n)]
+
+
+def _state(mib: float = 0.25, value: float = 0.0) -> dict:
+    return {"w": torch.full((int(mib * 2**18),), value)}
+
+
+def _events(root) -> list[dict]:
+    return [json.loads(line) for line in (root / ".dcp-tiered-events.jsonl").read_text().splitlines()]
+
+
+# ---------------------------------------------------------------- cadence (pure)
+
+
+def test_cadence_by_steps_sends_each_step_to_one_tier():
+    policy = SavePolicy(memory=Every(steps=1), local=Every(steps=5), remote=Every(steps=10))
+    got = [decide(policy, s, 0.0, {}) for s in range(11)]
+    assert [d.local for d in got] == [s % 5 == 0 for s in range(11)]
+    assert [d.remote for d in got] == [s % 10 == 0 for s in range(11)]
+    assert all(d.memory != d.local for d in got)  # disk steps are not written twice
+
+
+def test_cadence_by_seconds_and_force():
+    policy = SavePolicy(memory=None, local=Every(secs=60), remote=None)
+    assert not decide(policy, 7, now=100.0, last={"local": 50.0}).any
+    assert decide(policy, 7, now=111.0, last={"local": 50.0}).local
+    forced = decide(policy, 7, now=100.0, last={"local": 99.0}, force=True)
+    assert forced.local and forced.remote
+    assert not decide(policy, 7, 0, {}, force=True, has_remote=False).remote
+
+
+def test_ranks_agree_on_the_union_of_what_any_rank_found_due():
+    # rank A's clock says memory, rank B's says local: everyone saves to local, once.
+    assert agree([1, 1, 0]) == Decision(memory=False, local=True, remote=False)
+    assert agree([0, 0, 1]) == Decision(memory=False, local=True, remote=True)
+
+
+def test_every_needs_a_period():
+    with pytest.raises(ValueError, match="steps= or secs="):
+        Every()
+
+
+# ---------------------------------------------------------------- admission (pure)
+
+
+def test_shortfall_names_the_tier_and_the_numbers():
+    adm = Admission(memory_margin_bytes=0, disk_margin_bytes=10 * MIB)
+    h = Headroom(state_bytes=40 * MIB, ranks_on_node=2, new_staging_bytes=0,
+                 ram_available=None, tier_free=85 * MIB)
+    why = shortfall(adm, h, "local")
+    assert why is not None and "85 MiB free" in why and "80 MiB" in why and "10 MiB" in why
+    assert shortfall(adm, Headroom(40 * MIB, 2, 0, None, 95 * MIB), "local") is None
+    # The memory tier and new staging buffers both take RAM.
+    h = Headroom(40 * MIB, 1, new_staging_bytes=40 * MIB, ram_available=70 * MIB,
+                 tier_free=10**12)
+    assert "host RAM" in (shortfall(adm, h, "memory") or "")
+    assert shortfall(adm, h, "local") is None
+
+
+# ---------------------------------------------------------------- the manager, for real
+
+
+@pytest.fixture
+def tiers(tmp_path):
+    return {"memory": tmp_path / "shm", "local": tmp_path / "disk",
+            "remote": f"file://{tmp_path / 'remote'}"}
+
+
+def test_saves_follow_the_cadence_and_retention_per_tier(tmp_path, tiers):
+    mgr = CheckpointManager(
+        **tiers, writer_options={"sync_files": False},
+        policy=SavePolicy(memory=Every(steps=1), local=Every(steps=3), remote=Every(steps=6)),
+        retention=Retention(memory=RetentionPolicy(keep_latest=1),
+                            local=RetentionPolicy(keep_latest=1, keep_every=6),
+                            remote=RetentionPolicy(keep_latest=1, pinned={"step-0"})),
+    )
+    for step in range(14):
+        mgr.save(step, _state(value=step))
+    mgr.close()
+    assert _steps(tiers["memory"]) == ["step-13"]
+    assert _steps(tiers["local"]) == ["step-0", "step-6", "step-12"]  # milestones + newest
+    assert _steps(tmp_path / "remote") == ["step-0", "step-12"]  # pinned + newest
+    assert not _hidden_dirs(tiers["local"]) and not _hidden_dirs(tiers["memory"])
+
+
+def test_restore_takes_the_newest_step_and_persists_a_memory_only_one(tmp_path, tiers):
+    with CheckpointManager(**tiers, policy=SavePolicy(local=Every(steps=4))) as mgr:
+        for step in range(7):
+            mgr.save(step, _state(value=step))
+    assert _steps(tiers["memory"]) == ["step-6"] and "step-6" not in _steps(tiers["local"])
+    target = _state()
+    with CheckpointManager(**tiers) as mgr:
+        assert mgr.restore(target) == 7
+        assert mgr.restored_step == 6
+    assert torch.equal(target["w"], _state(value=6)["w"])
+    assert "step-6" in _steps(tiers["local"])  # persisted down the tiers
+    assert (tmp_path / "remote" / "step-6" / "_COMMITTED.json").exists()
+
+
+def test_restore_falls_back_past_a_corrupt_step_and_says_why(tiers, caplog):
+    with CheckpointManager(**tiers, policy=SavePolicy(local=Every(steps=4))) as mgr:
+        for step in range(7):
+            mgr.save(step, _state(value=step))
+    data = next(p for p in (tiers["memory"] / "step-6").iterdir() if p.suffix == ".distcp")
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    target = _state()
+    with caplog.at_level(logging.WARNING), CheckpointManager(**tiers) as mgr:
+        assert mgr.restore(target) == 5
+    assert torch.equal(target["w"], _state(value=4)["w"])
+    assert any("step-6" in r.message and "memory" in r.message and "older" in r.message
+               for r in caplog.records)
+
+
+def test_restore_of_nothing_and_of_nothing_valid(tiers):
+    with CheckpointManager(**tiers) as mgr:
+        assert mgr.restore(_state()) is None
+    with CheckpointManager(**tiers, policy=SavePolicy(memory=None)) as mgr:
+        mgr.save(0, _state())
+    with CheckpointManager(**tiers) as mgr, pytest.raises(CheckpointNotFoundError) as e:
+        mgr.restore({"other": torch.zeros(3)})  # a different model: nothing fits
+    assert "step-0" in str(e.value)
+
+
+def test_a_save_that_does_not_fit_is_skipped_or_refused_and_writes_nothing(tmp_path, tmpfs):
+    shm = tmpfs(4)
+    adm = Admission(memory_margin_bytes=0)
+    with CheckpointManager(memory=shm, local=tmp_path / "disk", admission=adm) as mgr:
+        assert mgr.save(1, _state(8)) == Decision()  # 8 MiB into a 4 MiB memory tier
+        assert mgr.skipped_saves == 1
+        assert mgr.save(10, _state(8)).local  # the disk still takes it
+    assert _steps(shm) == [] and not _hidden_dirs(shm)
+    assert [e["reason"] for e in _events(tmp_path / "disk") if e["event"] == "skipped"]
+    strict = Admission(memory_margin_bytes=0, when_full="raise")
+    with CheckpointManager(memory=shm, local=tmp_path / "disk", admission=strict) as mgr:
+        with pytest.raises(InsufficientSpaceError, match="memory tier has 4 MiB free"):
+            mgr.save(1, _state(8))
+    assert _steps(shm) == [] and not _hidden_dirs(shm)
+
+
+def test_in_flight_cap_skips_or_blocks(tiers):
+    with CheckpointManager(**tiers, policy=SavePolicy(local=None, remote=None),
+                           admission=Admission(max_in_flight=1, when_busy="skip")) as mgr:
+        mgr.save(0, _state(64))
+        assert mgr.save(1, _state(64)) == Decision()  # the first is still being written
+        assert mgr.skipped_saves == 1
+    with CheckpointManager(**tiers, policy=SavePolicy(local=None, remote=None),
+                           admission=Admission(max_in_flight=1, when_busy="block")) as mgr:
+        mgr.save(2, _state(64))
+        assert mgr.save(3, _state(64)).memory  # waited for step 2 instead
+        assert mgr.skipped_saves == 0
+
+
+def test_every_save_emits_an_event_with_timings_and_durability(tmp_path, tiers):
+    with CheckpointManager(**tiers, policy=SavePolicy(local=Every(steps=2), remote=Every(steps=4))
+                           ) as mgr:
+        for step in range(5):
+            mgr.save(step, _state(1))
+    saved = {e["step"]: e for e in _events(tiers["local"]) if e["event"] == "saved"}
+    assert sorted(saved) == [0, 1, 2, 3, 4]
+    for e in saved.values():
+        assert e["bytes"] == MIB and e["rank"] == 0
+        assert e["stall_s"] >= e["stage_s"] > 0 and e["local_write_s"] > 0 and e["commit_s"] > 0
+    assert [s for s, e in saved.items() if e["tier"] == "memory"] == [1, 3]
+    for step in (0, 4):  # due remotely: upload time and when it became durable
+        e = saved[step]
+        assert e["remote"] and e["upload_s"] > 0 and e["durable_at"] >= e["time"] - 60
+        assert e["durable_after_s"] >= e["upload_s"]
+    assert saved[2]["durable_at"] is None
+
+
+def test_status_shows_every_tier_and_its_durability(tmp_path, tiers, capsys):
+    with CheckpointManager(**tiers, policy=SavePolicy(local=Every(steps=2), remote=Every(steps=4))
+                           ) as mgr:
+        for step in range(4):
+            mgr.save(step, _state())
+    assert cli(["status", str(tiers["local"])]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.startswith("step-")}
+    assert rows["step-0"] == ["-", "yes", "yes", "durable-remote"]
+    assert rows["step-2"] == ["-", "yes", "-", "committed-local"]
+    assert rows["step-3"] == ["yes", "-", "-", "memory"]
+    assert cli(["status", str(tiers["local"]), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["memory"] == str(tiers["memory"]) and len(data["steps"]) == 3
+
+
+def test_rank_state_round_trips_and_tolerates_a_step_saved_by_fewer_ranks(tiers, monkeypatch,
+                                                                          caplog):
+    sched_opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(sched_opt, step_size=1, gamma=0.5)
+    sched.step()
+    app = {"m": _state(), "rank": RankState(lr_scheduler=sched)}
+    torch.manual_seed(7)
+    with CheckpointManager(**tiers) as mgr:
+        mgr.save(0, app)
+    expected = torch.rand(3)
+    fresh = torch.optim.lr_scheduler.StepLR(sched_opt, step_size=1, gamma=0.5)
+    app = {"m": _state(), "rank": RankState(lr_scheduler=fresh)}
+    with CheckpointManager(**tiers) as mgr:
+        mgr.restore(app)
+    assert torch.equal(torch.rand(3), expected) and fresh.last_epoch == sched.last_epoch
+    monkeypatch.setattr(rank_state, "_rank", lambda: 1)  # a rank the step never had
+    app = {"m": _state(), "rank": RankState()}
+    with caplog.at_level(logging.WARNING), CheckpointManager(**tiers) as mgr:
+        assert mgr.restore(app) == 1
+    assert not app["rank"].restored
+    assert any("no rank state for rank" in r.message or "holds no rank" in r.message
+               for r in caplog.records)

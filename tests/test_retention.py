@@ -1,0 +1,194 @@
+"""Retention under random sequences of saves, promotions, failures and deletions.
+
+A hypothesis state machine drives a model of the three tiers through saves (some in flight
+while retention runs), promotions that succeed or fail, and deletions by someone else, and
+runs the real policy (``retention.evictions``) on every tier. A second test runs the real
+deletes (``housekeeping.prune_local``) on real directories written by the real writer.
+"""
+
+from __future__ import annotations
+
+import os
+
+import hypothesis.strategies as st
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from hypothesis import HealthCheck, given, settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from dcp_tiered import (
+    RemoteConfig,
+    RetentionPolicy,
+    RetryConfig,
+    TieredStorageWriter,
+    UploadFailedError,
+    housekeeping,
+    layout,
+)
+from dcp_tiered.retention import StepState, evictions
+
+POLICIES = st.builds(
+    RetentionPolicy,
+    keep_latest=st.integers(1, 3),
+    keep_every=st.none() | st.integers(2, 5),
+    pinned=st.frozensets(st.sampled_from([f"step-{n}" for n in range(12)]), max_size=2),
+)
+
+
+class Tiers(RuleBasedStateMachine):
+    """memory, local and remote hold committed steps; local steps may await the remote."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.policy = RetentionPolicy()
+        self.tiers: dict[str, dict[str, int]] = {"memory": {}, "local": {}, "remote": {}}
+        self.awaiting: set[str] = set()  # committed locally, to be promoted, not durable yet
+        self.in_flight: tuple[str, str, bool] | None = None
+        self.step = 0
+        self.clock = 0
+        self.evicted: list[tuple[str, str, bool]] = []
+
+    @rule(policy=POLICIES)
+    def set_policy(self, policy: RetentionPolicy) -> None:
+        self.policy = policy
+
+    def _next(self) -> str:
+        self.step += 1
+        self.clock += 1
+        return f"step-{self.step}"
+
+    @rule(tier=st.sampled_from(["memory", "local"]), promote=st.booleans(), wait=st.booleans())
+    def save(self, tier: str, promote: bool, wait: bool) -> None:
+        if self.in_flight is not None:
+            self.commit()
+        name = self._next()
+        self.in_flight = (tier, name, promote and tier == "local")
+        if not wait:
+            self.commit()
+
+    @precondition(lambda self: self.in_flight is not None)
+    @rule()
+    def commit(self) -> None:
+        assert self.in_flight is not None
+        tier, name, promote = self.in_flight
+        self.in_flight = None
+        self.tiers[tier][name] = self.clock
+        if promote:
+            self.awaiting.add(name)
+
+    @precondition(lambda self: bool(self.awaiting))
+    @rule(data=st.data(), ok=st.booleans())
+    def promotion(self, data: st.DataObject, ok: bool) -> None:
+        name = data.draw(st.sampled_from(sorted(self.awaiting)))
+        if ok:
+            self.awaiting.discard(name)
+            self.tiers["remote"][name] = self.tiers["local"].get(name, self.clock)
+        # a failed promotion leaves the step awaiting: it is retried at the next start
+
+    @rule(data=st.data(), tier=st.sampled_from(["memory", "local", "remote"]))
+    def deleted_by_someone_else(self, data: st.DataObject, tier: str) -> None:
+        if self.tiers[tier]:
+            name = data.draw(st.sampled_from(sorted(self.tiers[tier])))
+            del self.tiers[tier][name]
+            if tier == "local":
+                self.awaiting.discard(name)  # nothing left to promote
+
+    @rule(tier=st.sampled_from(["memory", "local", "remote"]))
+    def retention(self, tier: str) -> None:
+        before = dict(self.tiers[tier])
+        states = [StepState(n, t, awaiting_lower_tier=n in self.awaiting and tier == "local")
+                  for n, t in before.items()]
+        doomed = evictions(states, self.policy)
+        assert set(doomed) <= set(before), "evicted a step the tier does not hold"
+        if self.in_flight is not None:
+            assert self.in_flight[1] not in doomed
+        for name in doomed:
+            assert not (tier == "local" and name in self.awaiting), f"evicted {name} before durable"
+            del self.tiers[tier][name]
+        if before:
+            newest = layout.newest(before.items())
+            assert newest in self.tiers[tier], f"evicted the newest step {newest} of {tier}"
+        for name in before:
+            num = layout.step_number(name)
+            protected = (name in self.policy.pinned
+                         or (self.policy.keep_every and num % self.policy.keep_every == 0)
+                         or (tier == "local" and name in self.awaiting))
+            if protected:
+                assert name in self.tiers[tier], f"evicted protected {name}"
+        # It did its job: besides protected steps, at most keep_latest remain.
+        unprotected = [n for n in self.tiers[tier]
+                       if n not in self.policy.pinned
+                       and not (self.policy.keep_every
+                                and layout.step_number(n) % self.policy.keep_every == 0)
+                       and not (tier == "local" and n in self.awaiting)]
+        assert len(unprotected) <= self.policy.keep_latest
+
+    @invariant()
+    def newest_durable_step_survives(self) -> None:
+        # The newest step ever committed anywhere is only gone if someone else deleted it.
+        every = {n for t in self.tiers.values() for n in t}
+        if every:
+            newest = max(every, key=layout.step_number)
+            assert any(newest in t for t in self.tiers.values())
+
+
+TestRetentionStateMachine = Tiers.TestCase
+TestRetentionStateMachine.settings = settings(max_examples=300, stateful_step_count=40,
+                                              deadline=None)
+
+
+@pytest.mark.parametrize("keep_latest", [1, 2])
+def test_evictions_keep_milestones_pins_and_the_newest(keep_latest):
+    steps = [StepState(f"step-{n}", n) for n in range(1, 11)]
+    policy = RetentionPolicy(keep_latest=keep_latest, keep_every=5, pinned={"step-3"})
+    kept = {s.name for s in steps} - set(evictions(steps, policy))
+    assert kept == {"step-3", "step-5", "step-10"} | {f"step-{10 - i}" for i in range(keep_latest)}
+
+
+def test_keep_latest_zero_is_refused():
+    with pytest.raises(ValueError, match="keep_latest must be >= 1"):
+        RetentionPolicy(keep_latest=0)
+
+
+# ---------------------------------------------------------------- real directories
+
+
+def _save(writer: TieredStorageWriter, step: int, promote: bool) -> None:
+    if not promote:
+        writer.keep_local(f"step-{step}")
+    dcp.save({"w": torch.full((64,), float(step))}, checkpoint_id=f"step-{step}",
+             storage_writer=writer, no_dist=True)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(st.tuples(st.booleans(), st.booleans()), min_size=2, max_size=7),
+       policy=POLICIES)
+def test_prune_local_on_real_directories(tmp_path_factory, ops, policy):
+    """Saves that are promoted or not, uploads that succeed or not (a remote we break):
+    the real prune never deletes a step whose upload did not finish, nor the newest."""
+    tmp = tmp_path_factory.mktemp("prune")
+    remote_dir = tmp / "remote"
+    remote_dir.mkdir()
+    remote = RemoteConfig(url=f"file://{remote_dir}",
+                          retry=RetryConfig(max_attempts=1, initial_backoff_secs=0.01))
+    writer = TieredStorageWriter(tmp / "local", remote=remote, sync_files=False)
+    awaiting = set()
+    for step, (promote, upload_ok) in enumerate(ops):
+        if not upload_ok:  # a file where the step's directory must go: its upload fails
+            (remote_dir / f"step-{step}").write_bytes(b"")
+        _save(writer, step, promote)
+        if promote:
+            try:
+                writer.wait_durable(f"step-{step}", timeout_secs=30)
+            except UploadFailedError:
+                awaiting.add(f"step-{step}")
+        assert (f"step-{step}" in awaiting) == (promote and not upload_ok)
+    before = {s.name for s in writer.local_tier.steps()}
+    deleted = housekeeping.prune_local(writer.local_tier, policy, writer.remote_backend,
+                                       label="local")
+    after = {s.name for s in writer.local_tier.steps()}
+    assert after == before - set(deleted)
+    assert not set(deleted) & awaiting
+    assert f"step-{len(ops) - 1}" in after
+    assert not [n for n in os.listdir(tmp / "local") if n.endswith(layout.DELETE_SUFFIX)]
