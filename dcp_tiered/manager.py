@@ -265,6 +265,13 @@ class CheckpointManager:
 
     # ------------------------------------------------------------ completion
 
+    def wait(self) -> None:
+        """Block until this rank's saves in flight are committed on their tier (uploads go
+        on in the background). Their failures are raised at the next ``save`` or ``close``."""
+        for rec in list(self._in_flight):
+            self._wait(rec)
+        self._reap()
+
     def _wait(self, rec: _InFlight) -> None:
         try:
             rec.future.result()

@@ -1,9 +1,12 @@
-"""FSDP2 training on CPU ranks with asynchronous tiered checkpoints.
+"""FSDP2 training on CPU ranks with a CheckpointManager: memory, local disk and remote tiers.
 
 Run under torchrun, e.g. ``torchrun --nproc_per_node=2 examples/fsdp2_train.py --root runs/x``.
-Resumes from the newest committed step if there is one. ``--kill-at N`` SIGKILLs every rank
-at step N (a node failure), to show the resume.
+A snapshot goes to host memory every step, to the local disk every --save-every steps and to
+the remote tier every 2 x --save-every steps. At start it resumes from the newest step that
+verifies in any tier. ``--kill-at N`` SIGKILLs every rank at step N (a node failure): the
+restart then resumes from the newest in-memory snapshot.
 """
+
 
 from __future__ import annotations
 
@@ -16,19 +19,13 @@ import warnings
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from dcp_tiered import (
-    CheckpointNotFoundError,
-    TieredStorageReader,
-    TieredStorageWriter,
-    checkpoint_process_group,
-)
+from dcp_tiered import CheckpointManager, Every, RankState, SavePolicy
 
 warnings.filterwarnings("ignore", category=UserWarning)
 DIM = 128
@@ -36,22 +33,22 @@ DIM = 128
 
 class TrainState(Stateful):
     def __init__(self, model: nn.Module, opt: torch.optim.Optimizer) -> None:
-        self.model, self.opt, self.step = model, opt, 0
+        self.model, self.opt = model, opt
 
     def state_dict(self):
         msd, osd = get_state_dict(self.model, self.opt)
-        return {"model": msd, "optim": osd, "step": self.step}
+        return {"model": msd, "optim": osd}
 
     def load_state_dict(self, sd) -> None:
         set_state_dict(self.model, self.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-        self.step = sd["step"]
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--root", required=True, help="local checkpoint directory")
+    p.add_argument("--memory", help="memory-tier directory (default: under /dev/shm)")
     p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--save-every", type=int, default=3)
+    p.add_argument("--save-every", type=int, default=3, help="local-disk cadence in steps")
     p.add_argument("--kill-at", type=int, default=-1)
     p.add_argument("--remote", help="remote tier: any fsspec URL (s3://..., file://...)")
     p.add_argument("--losses", required=True, help="JSON file for this run's losses")
@@ -67,71 +64,48 @@ def main() -> None:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    state = TrainState(model, opt)
+    torch.manual_seed(1 + rank)  # each rank draws its own batches: its RNG state is saved
+    app_state = {"train": TrainState(model, opt), "rank": RankState()}
 
-    try:
-        reader = TieredStorageReader(a.root, remote=a.remote)
-        dcp.load({"train": state}, checkpoint_id="latest", storage_reader=reader)
-        if rank == 0:
-            print(f"resumed from {reader.checkpoint_id} (step {state.step})", flush=True)
-    except BaseException as e:  # CheckpointException is a BaseException
-        if not _is_not_found(e):
-            raise
-        if rank == 0:
-            print("no checkpoint yet: starting from scratch", flush=True)
-
-    # Steps committed locally but not yet uploaded by a crashed run are re-enqueued here.
-    writer = TieredStorageWriter(a.root, remote=a.remote)
-    group = checkpoint_process_group()  # async saves never share the training group
-    pending = None
+    memory = a.memory or f"/dev/shm/dcp-tiered-{os.path.basename(os.path.abspath(a.root))}"
+    mgr = CheckpointManager(
+        memory=memory, local=a.root, remote=a.remote,
+        policy=SavePolicy(memory=Every(steps=1), local=Every(steps=a.save_every),
+                          remote=Every(steps=2 * a.save_every)),
+    )
+    start = mgr.restore(app_state)  # newest step that verifies in memory, on disk or remote
+    if rank == 0:
+        print("no checkpoint yet: starting from scratch" if start is None else
+              f"resumed from step-{mgr.restored_step}", flush=True)
     losses = {}
-    while state.step < a.steps:
-        if state.step == a.kill_at:
+    for step in range(start or 0, a.steps):
+        if step == a.kill_at:
+            mgr.wait()  # let step-{kill_at - 1}'s snapshot land, so the demo shows it restored
             if rank == 0:
-                print(f"step {state.step}: simulating a node failure (SIGKILL)", flush=True)
+                print(f"step {step}: simulating a node failure (SIGKILL of every rank)", flush=True)
             dist.barrier()
             os.kill(os.getpid(), signal.SIGKILL)
-        g = torch.Generator().manual_seed(state.step)
-        x = torch.randn(32, DIM, generator=g)
+        x = torch.randn(32, DIM)
         loss = (model(x) - x.roll(1, dims=1)).pow(2).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
-        state.step += 1
-        losses[state.step] = loss.item()
-        if state.step % a.save_every == 0:
-            if pending is not None:
-                pending.result()  # errors of the previous save surface here
-            pending = dcp.async_save({"train": state}, checkpoint_id=f"step-{state.step}",
-                                     storage_writer=writer, process_group=group)
-            if rank == 0:
-                print(f"step {state.step}: loss {loss.item():.6f}  async save started "
-                      f"(stall {writer.last_stall_secs * 1e3:.1f} ms)", flush=True)
-    if pending is not None:
-        pending.result()
-    if a.remote:
-        writer.wait_durable(timeout_secs=300)  # only at the end: training never waited for it
-    dist.barrier()
+        losses[step] = loss.item()
+        where = mgr.save(step, app_state)  # returns once staged; the I/O runs in the background
+        if rank == 0:
+            tiers = "+".join(t for t in ("memory", "local", "remote") if getattr(where, t))
+            print(f"step {step}: loss {loss.item():.6f}  saved to {tiers or 'nothing'} "
+                  f"(stall {mgr.last_stall_secs * 1e3:.1f} ms)", flush=True)
+    mgr.close()  # waits for saves and uploads; any rank's failure is raised on every rank
     if rank == 0:
         with open(a.losses, "w") as f:
             json.dump(losses, f)
-        if a.remote:
-            for step in sorted(os.listdir(a.root), key=lambda s: (len(s), s)):
-                if not step.startswith("."):
-                    print(f"  {step}: {writer.durability(step).value}", flush=True)
+    dist.barrier()
     dist.destroy_process_group()
     # torch 2.13's gloo can abort during interpreter teardown on CPU after all work is done;
     # everything is saved and flushed, so leave without it.
     sys.stdout.flush()
     os._exit(0)
-
-
-def _is_not_found(e: BaseException) -> bool:
-    failures = getattr(e, "failures", {})
-    return isinstance(e, CheckpointNotFoundError) or any(
-        isinstance(f[0] if isinstance(f, tuple) else f, CheckpointNotFoundError)
-        for f in failures.values()
-    )
 
 
 if __name__ == "__main__":

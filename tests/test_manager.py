@@ -230,6 +230,7 @@ def test_rank_state_round_trips_and_tolerates_a_step_saved_by_fewer_ranks(tiers,
                                                                           caplog):
     sched_opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     sched = torch.optim.lr_scheduler.StepLR(sched_opt, step_size=1, gamma=0.5)
+    sched_opt.step()
     sched.step()
     app = {"m": _state(), "rank": RankState(lr_scheduler=sched)}
     torch.manual_seed(7)
