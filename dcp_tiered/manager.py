@@ -156,6 +156,10 @@ class CheckpointManager:
         self.restored_step: int | None = None
         self.last_stall_secs = 0.0
         self.skipped_saves = 0
+        self._ram_checked: tuple[float, int | None] = (-1e9, None)
+        self._first_estimate: int | None = None
+        self._time_based = any(e is not None and e.secs is not None
+                               for e in (self.policy.memory, self.policy.local, self.policy.remote))
         self._closed = False
         if self.rank == 0:
             self._record_tiers(memory)
@@ -186,7 +190,10 @@ class CheckpointManager:
                                 has_memory=self._memory is not None,
                                 has_remote=self._remote is not None)
         busy = len(self._in_flight) >= self.admission.max_in_flight
-        short = {tier: self._shortfall(app_state, tier) if getattr(wanted, tier) else None
+        # With time-based cadence another rank may find a tier due that this one does not:
+        # then every rank checks its own node's room for both tiers.
+        check = wanted.any or self._time_based
+        short = {tier: self._shortfall(app_state, tier) if check and self._has(tier) else None
                  for tier in ("memory", "local")}
         flags = self._vote(cadence.encode(wanted) + [
             int(bool(self._failures)), int(busy),
@@ -206,6 +213,8 @@ class CheckpointManager:
                 self.skipped_saves += 1
                 logger.warning("skipping the save of step %d: %d saves already in flight "
                                "(Admission.when_busy='skip')", step, len(self._in_flight))
+                self._events.emit("skipped", step=step, tier=tier, rank=self.rank,
+                                  reason="saves in flight at the cap")
                 self.last_stall_secs = time.perf_counter() - t0
                 return Decision()
             while len(self._in_flight) >= self.admission.max_in_flight:
@@ -230,15 +239,28 @@ class CheckpointManager:
 
     def _shortfall(self, app_state: dict[str, Any], tier: str) -> str | None:
         writer = self._writer(tier)
-        nbytes = writer.last_staged_bytes or _state_bytes(app_state)
+        if not writer.last_staged_bytes and self._first_estimate is None:
+            self._first_estimate = _state_bytes(app_state)  # once: it calls state_dict()
+        nbytes = writer.last_staged_bytes or self._first_estimate or 0
         headroom = Headroom(
             state_bytes=nbytes,
             ranks_on_node=self._ranks_on_node,
             new_staging_bytes=0 if writer.staging_buffers_ready() >= 2 else nbytes,
-            ram_available=available_memory_bytes(),
+            ram_available=self._ram_available(),
             tier_free=writer.local_tier.backend.free_bytes(),
         )
         return shortfall(self.admission, headroom, tier)
+
+    def _ram_available(self) -> int | None:
+        # Reading /proc/meminfo costs about a millisecond: at one save per step, once a second
+        # is often enough (the tmpfs free-space check bounds the memory tier exactly anyway).
+        now = time.monotonic()
+        if now - self._ram_checked[0] > 1.0:
+            self._ram_checked = (now, available_memory_bytes())
+        return self._ram_checked[1]
+
+    def _has(self, tier: str) -> bool:
+        return tier == "local" or self._memory is not None
 
     def _writer(self, tier: str) -> TieredStorageWriter:
         if tier == "memory":
@@ -275,7 +297,7 @@ class CheckpointManager:
     def _wait(self, rec: _InFlight) -> None:
         try:
             rec.future.result()
-        except BaseException:
+        except (Exception, CheckpointException):  # noqa: S110 - _reap records it
             pass
 
     def _reap(self) -> None:

@@ -189,6 +189,11 @@ class TieredStorageWriter(StorageWriter):
         empty once read or if the save ran in another process."""
         return self._timings.pop(step, {})
 
+    def _record_timing(self, step: str, **secs: float) -> None:
+        self._timings.setdefault(step, {}).update(secs)
+        while len(self._timings) > 64:  # nobody reads them without a manager: stay bounded
+            self._timings.pop(next(iter(self._timings)))
+
     def _promote(self, save: _SaveInfo) -> None:
         if self._remote is not None and save.promote:
             tiering.uploader_for(self._tier, self._remote).submit(save.step)
@@ -325,8 +330,9 @@ class TieredStorageWriter(StorageWriter):
             for i in range(self.thread_count):  # free the space now (e.g. after ENOSPC)
                 backend.remove_file(save.tmp, layout.data_file_name(save.rank, i))
             raise
-        self._timings[save.step] = {"write_s": time.perf_counter() - started,
-                                    "uploads": float(save.node_leader and save.promote)}
+        self.local_only_steps.discard(save.step)
+        self._record_timing(save.step, write_s=time.perf_counter() - started,
+                            uploads=float(save.node_leader and save.promote))
         logger.debug(
             "rank %d wrote %d items of step %s to %s", save.rank, len(results), save.step, self.root
         )
@@ -452,7 +458,7 @@ class TieredStorageWriter(StorageWriter):
             publish_own()
         self._leading = None
         LocalBackend.unlock(lock)
-        self._timings.setdefault(save.step, {})["commit_s"] = time.perf_counter() - started
+        self._record_timing(save.step, commit_s=time.perf_counter() - started)
         self._promote(save)
 
 

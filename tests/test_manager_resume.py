@@ -87,7 +87,10 @@ def _restores(tmp: Path) -> list[dict]:
     return [e for e in map(json.loads, events) if e["event"] == "restored" and e["rank"] == 0]
 
 
-@pytest.mark.parametrize("seed", [11, 12])
+SOAK = [pytest.param(seed, marks=pytest.mark.slow) for seed in range(100, 130)]
+
+
+@pytest.mark.parametrize("seed", [11, 12, *SOAK])  # `scripts/test -m slow -k killed`: 30 more
 def test_killed_repeatedly_at_random_moments_then_resumed_bit_exact(tmp_path, shm, reference, seed):
     rng = random.Random(seed)
     at = sorted(rng.sample(range(3, STEPS - 3), 3))
