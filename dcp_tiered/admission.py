@@ -46,24 +46,23 @@ class Admission:
 class Headroom:
     """What one rank measured just before staging."""
 
-    state_bytes: int  # this rank's tensor bytes
     ranks_on_node: int  # ranks writing to the same filesystems
-    new_staging_bytes: int  # host RAM that staging will allocate (0 once buffers exist)
+    new_tier_bytes: int  # this rank's bytes the tier must newly hold (0: reused slots)
+    new_ram_bytes: int  # host RAM this rank's save will newly take (buffers, tmpfs slots)
     ram_available: int | None  # None: unknown (not Linux)
     tier_free: int  # free bytes on the target tier's filesystem
 
 
 def shortfall(adm: Admission, h: Headroom, tier: str) -> str | None:
     """Why a save to ``tier`` ("memory" or "local") does not fit, or None if it does."""
-    node_bytes = h.state_bytes * h.ranks_on_node
+    need = h.new_tier_bytes * h.ranks_on_node
     margin = adm.memory_margin_bytes if tier == "memory" else adm.disk_margin_bytes
-    if h.tier_free < node_bytes + margin:
+    if need and h.tier_free < need + margin:
         return (f"the {tier} tier has {h.tier_free / _MIB:.0f} MiB free; this node's save needs "
-                f"{node_bytes / _MIB:.0f} MiB plus a {margin / _MIB:.0f} MiB margin")
-    # A memory-tier snapshot lives in RAM too (tmpfs), on top of any new staging buffers.
-    ram_need = h.new_staging_bytes * h.ranks_on_node + (node_bytes if tier == "memory" else 0)
-    if h.ram_available is not None and ram_need and h.ram_available < ram_need + adm.memory_margin_bytes:
-        return (f"host RAM has {h.ram_available / _MIB:.0f} MiB available; staging"
-                f"{' and the memory tier' if tier == 'memory' else ''} need {ram_need / _MIB:.0f} "
-                f"MiB plus a {adm.memory_margin_bytes / _MIB:.0f} MiB margin")
+                f"{need / _MIB:.0f} MiB more plus a {margin / _MIB:.0f} MiB margin")
+    ram = h.new_ram_bytes * h.ranks_on_node
+    if h.ram_available is not None and ram and h.ram_available < ram + adm.memory_margin_bytes:
+        what = "the memory tier's slots" if tier == "memory" else "staging buffers"
+        return (f"host RAM has {h.ram_available / _MIB:.0f} MiB available; {what} need "
+                f"{ram / _MIB:.0f} MiB more plus a {adm.memory_margin_bytes / _MIB:.0f} MiB margin")
     return None

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
-from . import catalog, integrity, layout
+from . import catalog, integrity, layout, memory_tier
 from .backends.local import LocalBackend
 from .backends.remote import remote_backend
 from .errors import DcpTieredError, ManifestError
@@ -98,9 +98,8 @@ def cmd_status(tier: LocalTier, memory: str | None, remote_url: str | None, as_j
     memory = memory or recorded.get("memory")
     remote = remote_backend(remote_url or recorded.get("remote"))
     rows: dict[str, dict] = {}
-    mem_tier = LocalTier(LocalBackend(memory)) if memory else None
-    for s in (mem_tier.steps() if mem_tier else []):
-        rows.setdefault(s.name, {})["memory"] = True
+    for name in (memory_tier.list_steps(memory) if memory else {}):
+        rows.setdefault(name, {})["memory"] = True
     for s in catalog.list_steps(tier, remote):
         row = rows.setdefault(s.name, {})
         row["local"], row["remote"] = s.local, s.remote
@@ -109,7 +108,7 @@ def cmd_status(tier: LocalTier, memory: str | None, remote_url: str | None, as_j
                 row["promote"] = tier.read_manifest(s.name).promote and remote is not None
             except ManifestError:
                 row["promote"] = False
-    for name in _in_progress(tier) | (_in_progress(mem_tier) if mem_tier else set()):
+    for name in _in_progress(tier):
         rows.setdefault(name, {})["saving"] = True
     for row in rows.values():
         row["durability"] = ("durable-remote" if row.get("remote") else

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.stateful import Stateful
 
 from . import cadence, housekeeping, layout, tiering
 from .admission import Admission, Headroom, shortfall
@@ -48,6 +49,7 @@ from .errors import (
     SaveFailedError,
 )
 from .events import EventLog
+from .memory_tier import MemoryTier
 from .rank_state import RankState
 from .reader import TieredStorageReader
 from .retention import Retention
@@ -133,18 +135,14 @@ class CheckpointManager:
         options.setdefault("overwrite", True)  # a replayed step replaces its abandoned twin
         self._local = TieredStorageWriter(local, remote=remote, storage_options=storage_options,
                                           **options)
-        self._memory = (
-            TieredStorageWriter(memory, overwrite=True, sync_files=False, thread_count=1,
-                                share_staging_with=self._local)
-            if memory is not None else None
-        )
-        if self._memory is not None and os.path.realpath(memory) == os.path.realpath(local):
+        if memory is not None and os.path.realpath(memory) == os.path.realpath(local):
             raise ConfigError("memory and local must be different directories")
+        self._memory = MemoryTier(memory, self.rank) if memory is not None else None
         self._remote = self._local.remote_backend
         # One process per directory applies retention: whoever holds its lock (the kernel
         # drops it with the process), whatever the node layout.
-        self._local_keeper = _retention_lock(self._local)
-        self._memory_keeper = _retention_lock(self._memory) if self._memory is not None else None
+        self._local_keeper = self._local.local_tier.backend.try_lock_exclusive(
+            layout.RETENTION_LOCK_NAME)
         self._events = EventLog(os.path.join(self._local.root, layout.EVENTS_LOG)
                                 if events == "default" else events)
         self._last: dict[str, float] = {t: time.time() for t in ("memory", "local", "remote")}
@@ -238,17 +236,24 @@ class CheckpointManager:
         return Decision()
 
     def _shortfall(self, app_state: dict[str, Any], tier: str) -> str | None:
-        writer = self._writer(tier)
-        if not writer.last_staged_bytes and self._first_estimate is None:
+        known = self._memory.last_bytes if self._memory is not None else 0
+        known = known or self._local.last_staged_bytes
+        if not known and self._first_estimate is None:
             self._first_estimate = _state_bytes(app_state)  # once: it calls state_dict()
-        nbytes = writer.last_staged_bytes or self._first_estimate or 0
-        headroom = Headroom(
-            state_bytes=nbytes,
-            ranks_on_node=self._ranks_on_node,
-            new_staging_bytes=0 if writer.staging_buffers_ready() >= 2 else nbytes,
-            ram_available=self._ram_available(),
-            tier_free=writer.local_tier.backend.free_bytes(),
-        )
+        nbytes = known or self._first_estimate or 0
+        if tier == "memory":
+            assert self._memory is not None
+            # Two slots, allocated once in tmpfs (which is RAM), then reused.
+            new = 0 if self._memory.buffers_ready() else 2 * nbytes
+            headroom = Headroom(self._ranks_on_node, new_tier_bytes=new, new_ram_bytes=new,
+                                ram_available=self._ram_available(),
+                                tier_free=self._memory.backend.free_bytes())
+        else:
+            headroom = Headroom(
+                self._ranks_on_node, new_tier_bytes=nbytes,
+                new_ram_bytes=0 if self._local.staging_buffers_ready() >= 2 else nbytes,
+                ram_available=self._ram_available(),
+                tier_free=self._local.local_tier.backend.free_bytes())
         return shortfall(self.admission, headroom, tier)
 
     def _ram_available(self) -> int | None:
@@ -262,28 +267,35 @@ class CheckpointManager:
     def _has(self, tier: str) -> bool:
         return tier == "local" or self._memory is not None
 
-    def _writer(self, tier: str) -> TieredStorageWriter:
-        if tier == "memory":
-            assert self._memory is not None
-            return self._memory
-        return self._local
-
     def _start(self, step: int, app_state: dict[str, Any], decision: Decision, t0: float) -> None:
-        tier = "local" if decision.local else "memory"
-        writer = self._writer(tier)
         name = step_name(step)
-        if tier == "local" and not decision.remote:
-            writer.keep_local(name)
         started = time.time()
-        future = dcp.async_save(app_state, checkpoint_id=name, storage_writer=writer,
-                                process_group=self._save_pg)
+        if decision.local:
+            if not decision.remote:
+                self._local.keep_local(name)
+            future = dcp.async_save(app_state, checkpoint_id=name, storage_writer=self._local,
+                                    process_group=self._save_pg)
+            stage_s, nbytes = self._local.last_stall_secs, self._local.last_staged_bytes
+        else:
+            assert self._memory is not None
+            future = self._start_memory(name, app_state)
+            stage_s, nbytes = self._memory.last_copy_secs, self._memory.last_bytes
         stall = time.perf_counter() - t0
         self.last_stall_secs = stall
         self._in_flight.append(_InFlight(
-            step=step, tier=tier, remote=decision.remote and self._remote is not None,
-            future=future, started=started, stall_s=stall, stage_s=writer.last_stall_secs,
-            nbytes=writer.last_staged_bytes,
+            step=step, tier="local" if decision.local else "memory",
+            remote=decision.remote and self._remote is not None, future=future,
+            started=started, stall_s=stall, stage_s=stage_s, nbytes=nbytes,
         ))
+
+    def _start_memory(self, name: str, app_state: dict[str, Any]) -> Future[dict[str, float]]:
+        assert self._memory is not None
+        try:
+            return self._memory.save(name, _resolve(app_state))
+        except (DcpTieredError, OSError) as e:  # this rank only: reported to all at next save
+            failed: Future[dict[str, float]] = Future()
+            failed.set_exception(e)
+            return failed
 
     # ------------------------------------------------------------ completion
 
@@ -306,11 +318,12 @@ class CheckpointManager:
         for rec in [r for r in self._in_flight if r.future.done()]:
             self._in_flight.remove(rec)
             finished = True
-            rec.timings = self._writer(rec.tier).pop_timings(rec.name)
             error = rec.future.exception()
             if error is not None:
                 self._fail(rec, rec.tier, error)
                 continue
+            rec.timings = (rec.future.result() if rec.tier == "memory"
+                           else self._local.pop_timings(rec.name))
             if rec.timings.get("uploads"):  # this process promotes its node's copy
                 self._uploading.append(rec)
             else:
@@ -342,7 +355,8 @@ class CheckpointManager:
 
     def _fail(self, rec: _InFlight, tier: str, error: BaseException) -> None:
         where = (self._remote.config.url if tier == "remote" and self._remote is not None
-                 else self._writer(rec.tier).root)
+                 else self._memory.root if tier == "memory" and self._memory is not None
+                 else self._local.root)
         self._failures.append({"rank": self.rank, "step": rec.name, "tier": tier, "where": where,
                                "error": _describe(error)})
         self._events.emit("failed", step=rec.step, rank=self.rank, tier=tier, where=where,
@@ -398,9 +412,6 @@ class CheckpointManager:
 
     def _prune(self) -> None:
         try:
-            if self._memory_keeper is not None:
-                housekeeping.prune_local(self._memory.local_tier, self.retention.memory, None,
-                                         label="memory")
             if self._local_keeper is not None:
                 housekeeping.prune_local(self._local.local_tier, self.retention.local, self._remote,
                                          label="local")
@@ -426,14 +437,12 @@ class CheckpointManager:
             return None
         reasons = []
         for name, tier in candidates:
-            reader = self._reader(tier)
-            try:
-                dcp.load(self._loadable(app_state, reader, name), checkpoint_id=name,
-                         storage_reader=reader, process_group=self._save_pg)
-            except (CheckpointException, DcpTieredError) as e:
-                reasons.append(f"{name} ({tier}): {_describe(e)}")
+            problem = (self._load_memory(name, app_state) if tier == "memory"
+                       else self._load_dcp(name, app_state))
+            if problem is not None:
+                reasons.append(f"{name} ({tier}): {problem}")
                 logger.warning("cannot restore %s from the %s tier, trying an older step: %s",
-                               name, tier, _describe(e))
+                               name, tier, problem)
                 continue
             number = layout.step_number(name)
             assert number is not None
@@ -450,15 +459,36 @@ class CheckpointManager:
             "no step could be restored; every candidate failed:\n  " + "\n  ".join(reasons)
         )
 
+    def _load_dcp(self, name: str, app_state: dict[str, Any]) -> str | None:
+        reader = TieredStorageReader(self._local.root, remote=self._remote.config
+                                     if self._remote is not None else None)
+        try:
+            dcp.load(self._loadable(app_state, reader, name), checkpoint_id=name,
+                     storage_reader=reader, process_group=self._save_pg)
+        except (CheckpointException, DcpTieredError) as e:  # DCP told every rank already
+            return _describe(e)
+        return None
+
+    def _load_memory(self, name: str, app_state: dict[str, Any]) -> str | None:
+        """Every rank loads its own snapshot; all succeed, or every rank moves on."""
+        assert self._memory is not None
+        problem = None
+        try:
+            self._memory.load(name, app_state)
+        except (DcpTieredError, OSError) as e:
+            problem = f"rank {self.rank}: {type(e).__name__}: {e}"
+        failed = self._vote([int(problem is not None)])[0]
+        if failed and problem is None:
+            problem = "another rank's snapshot is missing or fails verification"
+        return problem
+
     def _candidates(self, step: int | None) -> list[tuple[str, str]]:
         """(step name, tier) pairs to try, newest first, nearest tier first."""
         found: list[tuple[int, int, str, str]] = []
         order = {"memory": 0, "local": 1}
         if self._memory is not None:
-            for s in self._memory.local_tier.steps():
-                if s.verified_format:
-                    found.append((layout.step_number(s.name) or -1, s.committed_at_ns,
-                                  s.name, "memory"))
+            for name, committed_at in self._memory.steps().items():
+                found.append((layout.step_number(name) or -1, committed_at, name, "memory"))
         for s in list_steps(self._local.local_tier, self._remote):
             found.append((layout.step_number(s.name) or -1, s.committed_at_ns, s.name, "local"))
         if step is not None:
@@ -473,13 +503,6 @@ class CheckpointManager:
         box: list[Any] = [candidates]
         dist.broadcast_object_list(box, src=0, group=self._vote_pg)
         return box[0]
-
-    def _reader(self, tier: str) -> TieredStorageReader:
-        if tier == "memory":
-            assert self._memory is not None
-            return TieredStorageReader(self._memory.root)
-        return TieredStorageReader(self._local.root, remote=self._remote.config
-                                   if self._remote is not None else None)
 
     def _loadable(self, app_state: dict[str, Any], reader: TieredStorageReader,
                   name: str) -> dict[str, Any]:
@@ -536,11 +559,11 @@ class CheckpointManager:
 
     def _release(self) -> None:
         self._housekeeper.shutdown()
-        for writer, keeper in ((self._local, self._local_keeper), (self._memory, self._memory_keeper)):
-            if writer is not None:
-                writer.close()
-                if keeper is not None:
-                    writer.local_tier.backend.unlock(keeper)
+        if self._memory is not None:
+            self._memory.close()
+        self._local.close()
+        if self._local_keeper is not None:
+            self._local.local_tier.backend.unlock(self._local_keeper)
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -549,14 +572,14 @@ class CheckpointManager:
         self.close()
 
 
-def _retention_lock(writer: TieredStorageWriter) -> int | None:
-    return writer.local_tier.backend.try_lock_exclusive(layout.RETENTION_LOCK_NAME)
+def _resolve(app_state: dict[str, Any]) -> dict[str, Any]:
+    """``app_state`` with Stateful objects replaced by their state dicts (as DCP does)."""
+    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in app_state.items()}
 
 
 def _state_bytes(app_state: dict[str, Any]) -> int:
-    """Tensor bytes of ``app_state`` on this rank, resolving Stateful objects."""
-    return state_bytes({k: v.state_dict() if hasattr(v, "state_dict") else v
-                        for k, v in app_state.items()})
+    """Tensor bytes of ``app_state`` on this rank."""
+    return state_bytes(_resolve(app_state))
 
 
 def _round(v: float | None) -> float | None:

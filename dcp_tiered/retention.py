@@ -74,9 +74,9 @@ def evictions(steps: Iterable[StepState], policy: RetentionPolicy) -> list[str]:
 
 @dataclass(frozen=True)
 class Retention:
-    """Retention per tier. Host memory keeps only the newest snapshot by default; the remote
-    tier keeps everything unless told otherwise, because deletes there cannot be undone."""
+    """Retention of the disk and remote tiers (the memory tier always holds the newest two
+    snapshots, in its two slots). The remote tier keeps everything unless told otherwise,
+    because deletes there cannot be undone."""
 
-    memory: RetentionPolicy = field(default_factory=lambda: RetentionPolicy(keep_latest=1))
     local: RetentionPolicy = field(default_factory=lambda: RetentionPolicy(keep_latest=2))
     remote: RetentionPolicy | None = None

@@ -89,9 +89,6 @@ class TieredStorageWriter(StorageWriter):
             :class:`RemoteConfig`. Committed steps are then copied there in the background;
             steps committed locally but not yet durable are re-enqueued when a writer starts.
         storage_options: fsspec options for ``remote`` (ignored with a RemoteConfig).
-        share_staging_with: another writer whose staging buffers and save order this one
-            shares. Saves of both then never overlap on the process group and one pair of
-            buffer sets serves both (a checkpoint manager's memory and local tiers).
     """
 
     def __init__(
@@ -107,7 +104,6 @@ class TieredStorageWriter(StorageWriter):
         commit_timeout_secs: float = 1800.0,
         remote: str | RemoteConfig | None = None,
         storage_options: Mapping[str, Any] | None = None,
-        share_staging_with: TieredStorageWriter | None = None,
     ) -> None:
         super().__init__()
         if thread_count < 1:
@@ -120,12 +116,9 @@ class TieredStorageWriter(StorageWriter):
         self.thread_count = thread_count
         self.free_space_margin_bytes = free_space_margin_bytes
         self.commit_timeout_secs = commit_timeout_secs
-        if share_staging_with is not None:
-            self._stager = share_staging_with._require_stager()
-        else:
-            self._stager = DoubleBufferStager(
-                share_memory=staging_share_memory, timeout_secs=staging_timeout_secs
-            )
+        self._stager = DoubleBufferStager(
+            share_memory=staging_share_memory, timeout_secs=staging_timeout_secs
+        )
         # Steps saved here but not promoted to the remote tier (see keep_local).
         self.local_only_steps: set[str] = set()
         self._timings: dict[str, dict[str, float]] = {}

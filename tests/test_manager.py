@@ -23,7 +23,7 @@ from dcp_tiered import (
     RetentionPolicy,
     SavePolicy,
 )
-from dcp_tiered import rank_state
+from dcp_tiered import memory_tier, rank_state
 from dcp_tiered.admission import Headroom, shortfall
 from dcp_tiered.cadence import Decision, agree, decide
 from dcp_tiered.cli import main as cli
@@ -37,12 +37,17 @@ def _steps(root) -> list[str]:
     return sorted(names, key=lambda n: int(n.split("-")[1]))
 
 
+def _in_memory(root) -> list[str]:
+    """Steps every rank's slots hold in a memory tier."""
+    return sorted(memory_tier.list_steps(root), key=lambda n: int(n.split("-")[1]))
+
+
 def _hidden_dirs(root) -> list[str]:
     return [n for n in os.listdir(root) if n.startswith(".") and os.path.isdir(root / n)]
 
 
 def _state(mib: float = 0.25, value: float = 0.0) -> dict:
-    return {"w": torch.full((int(mib * 2**18),), value)}
+    return {"w": torch.full((int(mib * 2**18),), float(value))}
 
 
 def _events(root) -> list[dict]:
@@ -85,16 +90,16 @@ def test_every_needs_a_period():
 
 def test_shortfall_names_the_tier_and_the_numbers():
     adm = Admission(memory_margin_bytes=0, disk_margin_bytes=10 * MIB)
-    h = Headroom(state_bytes=40 * MIB, ranks_on_node=2, new_staging_bytes=0,
+    h = Headroom(ranks_on_node=2, new_tier_bytes=40 * MIB, new_ram_bytes=0,
                  ram_available=None, tier_free=85 * MIB)
     why = shortfall(adm, h, "local")
     assert why is not None and "85 MiB free" in why and "80 MiB" in why and "10 MiB" in why
-    assert shortfall(adm, Headroom(40 * MIB, 2, 0, None, 95 * MIB), "local") is None
-    # The memory tier and new staging buffers both take RAM.
-    h = Headroom(40 * MIB, 1, new_staging_bytes=40 * MIB, ram_available=70 * MIB,
+    assert shortfall(adm, Headroom(2, 40 * MIB, 0, None, 95 * MIB), "local") is None
+    # Slots already allocated: nothing new to find room for, however full the tmpfs is.
+    assert shortfall(adm, Headroom(2, 0, 0, 0, 0), "memory") is None
+    h = Headroom(1, new_tier_bytes=80 * MIB, new_ram_bytes=80 * MIB, ram_available=70 * MIB,
                  tier_free=10**12)
     assert "host RAM" in (shortfall(adm, h, "memory") or "")
-    assert shortfall(adm, h, "local") is None
 
 
 # ---------------------------------------------------------------- the manager, for real
@@ -110,24 +115,26 @@ def test_saves_follow_the_cadence_and_retention_per_tier(tmp_path, tiers):
     mgr = CheckpointManager(
         **tiers, writer_options={"sync_files": False},
         policy=SavePolicy(memory=Every(steps=1), local=Every(steps=3), remote=Every(steps=6)),
-        retention=Retention(memory=RetentionPolicy(keep_latest=1),
-                            local=RetentionPolicy(keep_latest=1, keep_every=6),
+        retention=Retention(local=RetentionPolicy(keep_latest=1, keep_every=6),
                             remote=RetentionPolicy(keep_latest=1, pinned={"step-0"})),
     )
     for step in range(14):
         mgr.save(step, _state(value=step))
     mgr.close()
-    assert _steps(tiers["memory"]) == ["step-13"]
+    assert _in_memory(tiers["memory"]) == ["step-11", "step-13"]  # its two slots
+    assert sorted(os.listdir(tiers["memory"] / "rank-0")) == [
+        "slot-0.data", "slot-0.json", "slot-1.data", "slot-1.json"]  # reused, never more
     assert _steps(tiers["local"]) == ["step-0", "step-6", "step-12"]  # milestones + newest
     assert _steps(tmp_path / "remote") == ["step-0", "step-12"]  # pinned + newest
-    assert not _hidden_dirs(tiers["local"]) and not _hidden_dirs(tiers["memory"])
+    assert not _hidden_dirs(tiers["local"])
 
 
 def test_restore_takes_the_newest_step_and_persists_a_memory_only_one(tmp_path, tiers):
     with CheckpointManager(**tiers, policy=SavePolicy(local=Every(steps=4))) as mgr:
         for step in range(7):
             mgr.save(step, _state(value=step))
-    assert _steps(tiers["memory"]) == ["step-6"] and "step-6" not in _steps(tiers["local"])
+    assert _in_memory(tiers["memory"]) == ["step-5", "step-6"]
+    assert "step-6" not in _steps(tiers["local"])
     target = _state()
     with CheckpointManager(**tiers) as mgr:
         assert mgr.restore(target) == 7
@@ -141,14 +148,16 @@ def test_restore_falls_back_past_a_corrupt_step_and_says_why(tiers, caplog):
     with CheckpointManager(**tiers, policy=SavePolicy(local=Every(steps=4))) as mgr:
         for step in range(7):
             mgr.save(step, _state(value=step))
-    data = next(p for p in (tiers["memory"] / "step-6").iterdir() if p.suffix == ".distcp")
+    slot = next(p for p in (tiers["memory"] / "rank-0").glob("slot-*.json")
+                if json.loads(p.read_text())["step"] == "step-6")
+    data = slot.with_suffix(".data")
     raw = bytearray(data.read_bytes())
-    raw[len(raw) // 2] ^= 0xFF
+    raw[len(raw) // 3] ^= 0xFF
     data.write_bytes(bytes(raw))
     target = _state()
     with caplog.at_level(logging.WARNING), CheckpointManager(**tiers) as mgr:
-        assert mgr.restore(target) == 5
-    assert torch.equal(target["w"], _state(value=4)["w"])
+        assert mgr.restore(target) == 6  # step-5, the memory tier's other slot
+    assert torch.equal(target["w"], _state(value=5)["w"])
     assert any("step-6" in r.message and "memory" in r.message and "older" in r.message
                for r in caplog.records)
 
@@ -170,26 +179,29 @@ def test_a_save_that_does_not_fit_is_skipped_or_refused_and_writes_nothing(tmp_p
         assert mgr.save(1, _state(8)) == Decision()  # 8 MiB into a 4 MiB memory tier
         assert mgr.skipped_saves == 1
         assert mgr.save(10, _state(8)).local  # the disk still takes it
-    assert _steps(shm) == [] and not _hidden_dirs(shm)
+    assert _in_memory(shm) == [] and not list(shm.rglob("*.data"))
     assert [e["reason"] for e in _events(tmp_path / "disk") if e["event"] == "skipped"]
     strict = Admission(memory_margin_bytes=0, when_full="raise")
     with CheckpointManager(memory=shm, local=tmp_path / "disk", admission=strict) as mgr:
-        with pytest.raises(InsufficientSpaceError, match="memory tier has 4 MiB free"):
+        with pytest.raises(InsufficientSpaceError, match="memory tier has 4 MiB free; .* 16 MiB"):
             mgr.save(1, _state(8))
-    assert _steps(shm) == [] and not _hidden_dirs(shm)
+    assert _in_memory(shm) == [] and not list(shm.rglob("*.data"))
 
 
 def test_in_flight_cap_skips_or_blocks(tiers):
-    with CheckpointManager(**tiers, policy=SavePolicy(local=None, remote=None),
+    state = _state(64)
+    every_step = SavePolicy(memory=None, local=Every(steps=1), remote=None)
+    with CheckpointManager(**tiers, policy=every_step, writer_options={"sync_files": False},
                            admission=Admission(max_in_flight=1, when_busy="skip")) as mgr:
-        mgr.save(0, _state(64))
-        assert mgr.save(1, _state(64)) == Decision()  # the first is still being written
+        mgr.save(0, state)
+        assert mgr.save(1, state) == Decision()  # the first is still being written
         assert mgr.skipped_saves == 1
-    with CheckpointManager(**tiers, policy=SavePolicy(local=None, remote=None),
+    with CheckpointManager(**tiers, policy=every_step, writer_options={"sync_files": False},
                            admission=Admission(max_in_flight=1, when_busy="block")) as mgr:
-        mgr.save(2, _state(64))
-        assert mgr.save(3, _state(64)).memory  # waited for step 2 instead
+        mgr.save(2, state)
+        assert mgr.save(3, state).local  # waited for step 2 instead
         assert mgr.skipped_saves == 0
+    assert {"step-2", "step-3"} <= set(_steps(tiers["local"]))
 
 
 def test_every_save_emits_an_event_with_timings_and_durability(tmp_path, tiers):
@@ -223,7 +235,7 @@ def test_status_shows_every_tier_and_its_durability(tmp_path, tiers, capsys):
     assert rows["step-3"] == ["yes", "-", "-", "memory"]
     assert cli(["status", str(tiers["local"]), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["memory"] == str(tiers["memory"]) and len(data["steps"]) == 3
+    assert data["memory"] == str(tiers["memory"]) and len(data["steps"]) == 4  # step-1 too
 
 
 def test_rank_state_round_trips_and_tolerates_a_step_saved_by_fewer_ranks(tiers, monkeypatch,

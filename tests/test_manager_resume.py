@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dcp_tiered import memory_tier
 from tests._model import mismatches
 from tests.conftest import REPO, WORKERS, read_json, torchrun
 
@@ -108,8 +109,9 @@ def test_memory_tier_recovery_after_sigkill_of_every_rank(tmp_path, shm, referen
     # Disk and remote saves only at step 0: everything newer lives in host memory alone.
     rare = ("--disk-every", "steps:1000", "--remote-every", "steps:1000")
     _kill_job_at(tmp_path, shm, 15, 0.05, *rare)
-    in_memory = sorted(n for n in os.listdir(shm) if n.startswith("step-"))
-    assert in_memory and int(in_memory[-1].split("-")[1]) >= 14, in_memory
+    in_memory = memory_tier.list_steps(shm)
+    newest = max(int(n.split("-")[1]) for n in in_memory)
+    assert newest >= 14 and in_memory[f"step-{newest}"] == [0, 1], in_memory
     assert sorted(n for n in os.listdir(tmp_path / "disk") if n.startswith("step-")) == ["step-0"]
 
     torchrun("managed_train.py", 2, *_args(tmp_path, shm, "final.pt", *rare), timeout=180)

@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+import torch
+
 from .. import integrity
 from ..errors import ConfigError, InsufficientSpaceError
 from ..layout import LOCK_NAME as LOCK_FILE
@@ -166,6 +168,29 @@ class LocalBackend:
         self.write_file(directory, tmp, data)
         os.replace(self._child(directory, tmp), self._child(directory, name))
         fsync_dir(self._child(directory))
+
+    def map_file(self, name: str, nbytes: int) -> torch.Tensor:
+        """A uint8 tensor backed by root-level file ``name`` of exactly ``nbytes`` bytes, shared
+        with the file (writes go to it). The space is reserved up front, so a full tmpfs fails
+        here with InsufficientSpaceError rather than with SIGBUS on a later write."""
+        self.ensure_root()
+        path = self._child(name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size != nbytes:
+                os.ftruncate(fd, 0)
+                os.posix_fallocate(fd, 0, nbytes)
+        except OSError as e:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise InsufficientSpaceError(
+                    e.errno, f"cannot reserve {nbytes / 2**20:.1f} MiB for {path}: the "
+                    f"filesystem of {self.root} is full; free space or make the tmpfs larger",
+                ) from e
+            raise
+        os.close(fd)
+        return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
 
     def replace_root_file(self, name: str, data: bytes) -> None:
         """Write a small file directly under the root via a temporary file and a rename."""

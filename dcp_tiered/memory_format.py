@@ -1,0 +1,196 @@
+"""The memory tier's snapshot format: where each tensor sits in a slot, and the header that
+commits it. Pure: no I/O.
+
+A rank's snapshot is its own local state (the local shards of DTensors and ShardedTensors,
+plain tensors, and small non-tensor values), laid out at 64-byte aligned offsets of one
+reusable buffer. The JSON header records each tensor's path, dtype, shape, offset and CRC32C,
+the non-tensor values (``torch.save`` bytes, read back with ``weights_only=True``), and a
+checksum of itself. Restoring fills the application's own state-dict template in place, so it
+needs the same ranks and sharding as the save; anything else is left to the disk and remote
+tiers, which reshard.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.tensor import DTensor
+
+from . import integrity
+from .errors import ConfigError, IntegrityError, ManifestError
+
+FORMAT = "dcp-tiered-memory"
+VERSION = 1
+ALIGN = 64
+_DTYPES = {str(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+Path = tuple[str | int, ...]
+
+
+def leaves(obj: Any, path: Path = ()) -> Iterator[tuple[Path, Any]]:
+    """(path, leaf) of a nested state dict; a ShardedTensor yields each local shard."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if not isinstance(k, (str, int)):
+                raise ConfigError(f"state dict key {k!r} at {list(path)} is not a str or int")
+            yield from leaves(v, (*path, k))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from leaves(v, (*path, i))
+    elif isinstance(obj, ShardedTensor):
+        for i, shard in enumerate(obj.local_shards()):
+            yield (*path, f"#shard{i}"), shard.tensor
+    elif isinstance(obj, DTensor):
+        yield path, obj.to_local()
+    else:
+        yield path, obj
+
+
+def key(path: Path) -> str:
+    return json.dumps(list(path))
+
+
+@dataclass(frozen=True)
+class Region:
+    key: str
+    dtype: str
+    shape: list[int]
+    offset: int
+    nbytes: int
+
+
+def layout(tensors: list[tuple[Path, torch.Tensor]]) -> tuple[list[Region], int]:
+    """Aligned regions for ``tensors``, and the buffer size they need."""
+    regions, offset = [], 0
+    for path, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        regions.append(Region(key(path), str(t.dtype), list(t.shape), offset, nbytes))
+        offset += -(-nbytes // ALIGN) * ALIGN
+    return regions, max(offset, ALIGN)
+
+
+def signature(regions: list[Region]) -> tuple[Any, ...]:
+    return tuple((r.key, r.dtype, tuple(r.shape)) for r in regions)
+
+
+def view(buffer: torch.Tensor, r: Region) -> torch.Tensor:
+    """The tensor a region holds, as a view of the uint8 ``buffer``."""
+    dtype = _DTYPES.get(r.dtype)
+    if dtype is None:
+        raise ManifestError(f"unknown dtype {r.dtype!r} for {r.key}")
+    return buffer[r.offset: r.offset + r.nbytes].view(dtype).view(r.shape)
+
+
+def encode_objects(objects: dict[str, Any]) -> bytes:
+    buf = io.BytesIO()
+    torch.save(objects, buf)
+    return buf.getvalue()
+
+
+def decode_objects(data: bytes) -> dict[str, Any]:
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def encode_header(*, step: str, rank: int, committed_at_ns: int, data_size: int,
+                  regions: list[Region], checksums: list[str], objects: bytes) -> bytes:
+    body = {
+        "format": FORMAT, "version": VERSION, "step": step, "rank": rank,
+        "committed_at_ns": committed_at_ns, "data_size": data_size,
+        "tensors": [{"key": r.key, "dtype": r.dtype, "shape": r.shape, "offset": r.offset,
+                     "nbytes": r.nbytes, "checksum": c} for r, c in zip(regions, checksums)],
+        "objects": base64.b64encode(objects).decode(),
+    }
+    body["header_checksum"] = _checksum(body)
+    return json.dumps(body).encode()
+
+
+@dataclass(frozen=True)
+class Header:
+    step: str
+    rank: int
+    committed_at_ns: int
+    data_size: int
+    regions: list[Region]
+    checksums: list[str]
+    objects: bytes
+
+
+def decode_header(data: bytes, *, where: str) -> Header:
+    try:
+        body = json.loads(data)
+        expected = body.pop("header_checksum")
+        if body.get("format") != FORMAT or body.get("version") != VERSION:
+            raise ManifestError(f"{where}: not a version-{VERSION} memory-tier header")
+        if expected != _checksum(body):
+            raise ManifestError(f"{where}: header checksum mismatch (modified or torn)")
+        regions = [Region(str(t["key"]), str(t["dtype"]), [int(s) for s in t["shape"]],
+                          int(t["offset"]), int(t["nbytes"])) for t in body["tensors"]]
+        size = int(body["data_size"])
+        if any(r.offset % ALIGN or r.offset + r.nbytes > size for r in regions):
+            raise ManifestError(f"{where}: a tensor lies outside the {size}-byte buffer")
+        return Header(str(body["step"]), int(body["rank"]), int(body["committed_at_ns"]), size,
+                      regions, [str(t["checksum"]) for t in body["tensors"]],
+                      base64.b64decode(body["objects"]))
+    except ManifestError:
+        raise
+    except (ValueError, KeyError, TypeError) as e:
+        raise ManifestError(f"{where}: unreadable memory-tier header ({e!r})") from e
+
+
+def _checksum(body: dict[str, Any]) -> str:
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return integrity.format_checksum(integrity.checksum(canonical))
+
+
+def region_checksum(buffer: torch.Tensor, r: Region) -> str:
+    data = buffer[r.offset: r.offset + r.nbytes].numpy()
+    return integrity.format_checksum(integrity.checksum(memoryview(data)))
+
+
+def fill(template: Any, tensors: dict[str, torch.Tensor], objects: dict[str, Any],
+         where: str, path: Path = ()) -> Any:
+    """``template`` with every tensor copied in place from ``tensors`` and every other value
+    taken from ``objects``; raises IntegrityError naming the first path that does not fit."""
+    if isinstance(template, dict):
+        for k in list(template):
+            template[k] = fill(template[k], tensors, objects, where, (*path, k))
+        return template
+    if isinstance(template, list):
+        for i in range(len(template)):
+            template[i] = fill(template[i], tensors, objects, where, (*path, i))
+        return template
+    if isinstance(template, tuple):
+        return tuple(fill(v, tensors, objects, where, (*path, i)) for i, v in enumerate(template))
+    if isinstance(template, ShardedTensor):
+        for i, shard in enumerate(template.local_shards()):
+            _copy(shard.tensor, tensors, key((*path, f"#shard{i}")), where)
+        return template
+    if isinstance(template, DTensor):
+        _copy(template.to_local(), tensors, key(path), where)
+        return template
+    if isinstance(template, torch.Tensor):
+        _copy(template, tensors, key(path), where)
+        return template
+    k = key(path)
+    if k not in objects:
+        raise IntegrityError(f"{where} has no value for {k}: saved with another state layout")
+    return objects[k]
+
+
+def _copy(dst: torch.Tensor, tensors: dict[str, torch.Tensor], k: str, where: str) -> None:
+    src = tensors.get(k)
+    if src is None or src.shape != dst.shape or src.dtype != dst.dtype:
+        got = "nothing" if src is None else f"{src.dtype} {list(src.shape)}"
+        raise IntegrityError(
+            f"{where}: {k} is {dst.dtype} {list(dst.shape)} here but {got} in the snapshot "
+            "(another model, world size or sharding); the disk and remote tiers reshard"
+        )
+    with torch.no_grad():
+        dst.copy_(src)
