@@ -14,8 +14,9 @@ class Admission:
     """What a checkpoint manager does when a save cannot start or cannot fit.
 
     Args:
-        max_in_flight: saves staged but not yet committed, per rank. Two staging buffer sets
-            alternate, so more than 2 in flight would wait for buffers anyway.
+        max_in_flight: disk saves staged but not yet committed, per rank. Two staging buffer
+            sets alternate, so more than 2 in flight would wait for buffers anyway. (Memory
+            snapshots are not counted: each waits only for the previous one's checksums.)
         when_busy: at the cap, ``"block"`` waits for the oldest save (the wait counts as the
             caller's stall) and ``"skip"`` skips this save with a WARNING.
         when_full: if the save would not fit in host memory or on the tier's filesystem,

@@ -187,7 +187,9 @@ class CheckpointManager:
         wanted = cadence.decide(self.policy, step, now, self._last, force=force,
                                 has_memory=self._memory is not None,
                                 has_remote=self._remote is not None)
-        busy = len(self._in_flight) >= self.admission.max_in_flight
+        # The cap is on disk saves, which hold staging buffers; a memory snapshot waits only
+        # for the previous snapshot's checksum pass.
+        busy = sum(r.tier == "local" for r in self._in_flight) >= self.admission.max_in_flight
         # With time-based cadence another rank may find a tier due that this one does not:
         # then every rank checks its own node's room for both tiers.
         check = wanted.any or self._time_based
@@ -206,17 +208,19 @@ class CheckpointManager:
         tier = "local" if decision.local else "memory"
         if flags[5 if tier == "memory" else 6]:
             return self._refuse(step, tier, short[tier] or "another rank's node has no room", t0)
-        if flags[4]:
+        if flags[4] and tier == "local":
             if self.admission.when_busy == "skip":
                 self.skipped_saves += 1
-                logger.warning("skipping the save of step %d: %d saves already in flight "
-                               "(Admission.when_busy='skip')", step, len(self._in_flight))
+                logger.warning("skipping the save of step %d: %d disk saves already in flight "
+                               "(Admission.when_busy='skip')", step,
+                               self.admission.max_in_flight)
                 self._events.emit("skipped", step=step, tier=tier, rank=self.rank,
                                   reason="saves in flight at the cap")
                 self.last_stall_secs = time.perf_counter() - t0
                 return Decision()
-            while len(self._in_flight) >= self.admission.max_in_flight:
-                self._wait(self._in_flight[0])
+            while (local := [r for r in self._in_flight if r.tier == "local"]) and \
+                    len(local) >= self.admission.max_in_flight:
+                self._wait(local[0])
                 self._reap()
         self._start(step, app_state, decision, t0)
         for t in ("memory", "local", "remote"):

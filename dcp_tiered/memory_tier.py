@@ -27,6 +27,7 @@ import torch
 
 from . import memory_format as fmt
 from . import layout
+from ._priority import lower_this_thread
 from .backends.local import LocalBackend
 from .errors import CheckpointNotFoundError, IntegrityError, ManifestError
 
@@ -51,7 +52,8 @@ class MemoryTier:
         self.rank = rank
         self.backend = LocalBackend(os.path.join(self.root, f"rank-{rank}"))
         self._buffers: dict[int, tuple[tuple[Any, ...], torch.Tensor]] = {}
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="dcp-tiered-memory")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="dcp-tiered-memory",
+                                        initializer=lower_this_thread)
         self._pending: Future[dict[str, float]] | None = None
         self._next_slot: int | None = None
         self.last_copy_secs = 0.0

@@ -23,6 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from . import integrity, layout
+from ._priority import lower_this_thread
 from .backends.remote import RemoteBackend
 from .errors import (
     CheckpointNotFoundError,
@@ -215,8 +216,10 @@ class Uploader:
 
     def __init__(self, tier: LocalTier, remote: RemoteBackend) -> None:
         self.tier, self.remote = tier, remote
-        self._steps = ThreadPoolExecutor(1, thread_name_prefix="dcp-tiered-upload")
+        self._steps = ThreadPoolExecutor(1, thread_name_prefix="dcp-tiered-upload",
+                                         initializer=lower_this_thread)
         self._files = ThreadPoolExecutor(remote.config.max_concurrency,
+                                         initializer=lower_this_thread,
                                          thread_name_prefix="dcp-tiered-upload-file")
         self._futures: dict[str, Future[None]] = {}
         self._lock = threading.Lock()

@@ -33,6 +33,7 @@ from .backends.local import LocalBackend
 from .backends.remote import RemoteBackend, remote_backend
 from .config import RemoteConfig
 from .errors import CheckpointExistsError, ConfigError, InsufficientSpaceError
+from ._priority import lower_this_thread
 from .local_tier import LocalTier
 from .staging import DoubleBufferStager
 
@@ -313,6 +314,7 @@ class TieredStorageWriter(StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         save: _SaveInfo = plan.storage_data
         started = time.perf_counter()
+        lower_this_thread()  # an async save's thread; the trainer's own thread is left alone
         backend = self._tier.backend
         backend.make_dir(save.tmp)
         lock = backend.lock_shared(save.tmp)
@@ -348,7 +350,8 @@ class TieredStorageWriter(StorageWriter):
         ]
         if len(jobs) <= 1:
             return [r for name, b in jobs for r in self._write_file(save, name, b, planner)]
-        with ThreadPoolExecutor(len(jobs), thread_name_prefix="dcp-tiered-write") as pool:
+        with ThreadPoolExecutor(len(jobs), thread_name_prefix="dcp-tiered-write",
+                                initializer=lower_this_thread) as pool:
             futures = [pool.submit(self._write_file, save, n, b, planner) for n, b in jobs]
             return [r for f in futures for r in f.result()]
 

@@ -1,0 +1,29 @@
+"""CPU priority of checkpoint threads: background saves yield the CPU to training.
+
+On Linux the nice value is per thread, so a checkpoint thread can run at a lower priority than
+the training thread of the same process. When a core is idle the save runs at full speed;
+when training needs the CPU, the save waits (Megatron's ``async_ckpt_cpu_priority`` does the
+same for its checkpoint process).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+BACKGROUND_NICE = 10
+
+
+def lower_this_thread(nice: int = BACKGROUND_NICE) -> None:
+    """Raise the calling thread's nice value to ``nice`` (never lower it); a no-op on the
+    main thread, whose priority is the trainer's, and where threads cannot be reniced."""
+    if nice <= 0 or threading.current_thread() is threading.main_thread():
+        return
+    if not hasattr(os, "setpriority"):
+        return
+    tid = threading.get_native_id()
+    try:
+        if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+    except OSError:
+        pass  # not permitted here: run at normal priority
