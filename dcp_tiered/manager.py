@@ -313,7 +313,7 @@ class CheckpointManager:
     def _wait(self, rec: _InFlight) -> None:
         try:
             rec.future.result()
-        except (Exception, CheckpointException):  # noqa: S110 - _reap records it
+        except (Exception, CheckpointException):
             pass
 
     def _reap(self) -> None:
@@ -572,7 +572,7 @@ class CheckpointManager:
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 

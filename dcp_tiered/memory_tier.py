@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from . import memory_format as fmt
 from . import layout
+from . import memory_format as fmt
 from ._priority import lower_this_thread
 from .backends.local import LocalBackend
 from .errors import CheckpointNotFoundError, IntegrityError, ManifestError
@@ -124,7 +124,7 @@ class MemoryTier:
         if self._pending is not None:
             try:
                 self._pending.result()
-            except Exception:  # noqa: BLE001, S110 - the caller got this future
+            except Exception:
                 pass
             self._pending = None
 

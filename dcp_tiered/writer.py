@@ -29,11 +29,11 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from . import __version__, _torch_compat, catalog, commit, integrity, layout, manifest, tiering
+from ._priority import lower_this_thread
 from .backends.local import LocalBackend
 from .backends.remote import RemoteBackend, remote_backend
 from .config import RemoteConfig
 from .errors import CheckpointExistsError, ConfigError, InsufficientSpaceError
-from ._priority import lower_this_thread
 from .local_tier import LocalTier
 from .staging import DoubleBufferStager
 

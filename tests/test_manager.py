@@ -22,8 +22,9 @@ from dcp_tiered import (
     Retention,
     RetentionPolicy,
     SavePolicy,
+    memory_tier,
+    rank_state,
 )
-from dcp_tiered import memory_tier, rank_state
 from dcp_tiered.admission import Headroom, shortfall
 from dcp_tiered.cadence import Decision, agree, decide
 from dcp_tiered.cli import main as cli

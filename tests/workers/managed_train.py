@@ -12,7 +12,7 @@ import argparse
 import os
 import random
 
-import common  # noqa: I001  (first: puts the repo on sys.path)
+import common
 import numpy as np
 import torch
 import torch.nn.functional as F
