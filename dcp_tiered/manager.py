@@ -313,7 +313,7 @@ class CheckpointManager:
     def _wait(self, rec: _InFlight) -> None:
         try:
             rec.future.result()
-        except (Exception, CheckpointException):
+        except (Exception, CheckpointException):  # _reap records it
             pass
 
     def _reap(self) -> None:

@@ -12,7 +12,7 @@ import argparse
 import os
 import random
 
-import common
+import common  # before dcp_tiered: puts the repo on sys.path
 import numpy as np
 import torch
 import torch.nn.functional as F
