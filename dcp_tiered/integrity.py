@@ -7,6 +7,9 @@ from typing import BinaryIO
 import crc32c
 
 ALGORITHM = "crc32c"
+# Smallest tensor whose raw bytes are located for in-place reads; torch.save's own framing
+# writes (headers, pickle, central directory) are all far smaller, so they never match.
+RAW_MIN_BYTES = 4096
 
 
 def checksum(data: bytes | bytearray | memoryview, value: int = 0) -> int:
@@ -30,12 +33,23 @@ class ChecksummingWriter:
         self.position = 0
         self.file_crc = 0
         self.item_crc = 0
+        # Position and length of every write of at least RAW_MIN_BYTES in the current item:
+        # torch.save hands a tensor's storage to the stream in one write, so the reader can
+        # later view those bytes in place instead of running torch.load (see raw_offset).
+        self.item_large_writes: list[tuple[int, int]] = []
         # torch.save reports a failed write only as a position mismatch; keep the real error.
         self.error: OSError | None = None
 
     def start_item(self) -> int:
         self.item_crc = 0
+        self.item_large_writes = []
         return self.position
+
+    def raw_offset(self, start: int, nbytes: int) -> int | None:
+        """Offset, from the item's ``start``, of the single write of exactly ``nbytes`` (the
+        tensor's raw storage), or None when there is not exactly one such write."""
+        found = [pos for pos, length in self.item_large_writes if length == nbytes]
+        return found[0] - start if nbytes >= RAW_MIN_BYTES and len(found) == 1 else None
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
         view = memoryview(data).cast("B")
@@ -48,6 +62,8 @@ class ChecksummingWriter:
         except OSError as e:
             self.error = e
             raise
+        if len(view) >= RAW_MIN_BYTES:
+            self.item_large_writes.append((self.position, len(view)))
         self.position += len(view)
         return len(view)
 

@@ -41,6 +41,9 @@ class ItemLocation:
     rank: int
     file_size: int
     file_checksum: str
+    # Offset of a tensor's raw row-major bytes inside the item (torch.save's data record),
+    # when the writer located them; None for byte items and for tensors read via torch.load.
+    raw_offset: int | None = None
 
 
 @dataclass(frozen=True)
@@ -154,15 +157,16 @@ def build(
             loc.relative_path,
             {"size": loc.file_size, "checksum": loc.file_checksum, "rank": loc.rank},
         )
-        items.append(
-            {
-                "index": _index_key(index),
-                "file": loc.relative_path,
-                "offset": loc.offset,
-                "length": loc.length,
-                "checksum": loc.checksum,
-            }
-        )
+        entry = {
+            "index": _index_key(index),
+            "file": loc.relative_path,
+            "offset": loc.offset,
+            "length": loc.length,
+            "checksum": loc.checksum,
+        }
+        if loc.raw_offset is not None:
+            entry["raw_offset"] = loc.raw_offset
+        items.append(entry)
     planner_data = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
     storage_meta = metadata.storage_meta
     body: dict[str, Any] = {
@@ -239,9 +243,12 @@ def _decode(body: dict[str, Any]) -> Manifest:
             rank=int(info["rank"]),
             file_size=int(info["size"]),
             file_checksum=str(info["checksum"]),
+            raw_offset=int(item["raw_offset"]) if item.get("raw_offset") is not None else None,
         )
         if locations[index].offset + locations[index].length > locations[index].file_size:
             raise ManifestError(f"item {fqn!r} extends past the end of {path!r}")
+        if not 0 <= (locations[index].raw_offset or 0) < locations[index].length:
+            raise ManifestError(f"item {fqn!r} has a raw offset outside the item")
     sdm = {str(k): _decode_entry(v) for k, v in body["state_dict_metadata"].items()}
     planner_data = {
         str(k): tuple(p if isinstance(p, int) else str(p) for p in v)

@@ -10,13 +10,15 @@ from __future__ import annotations
 import io
 import json
 import logging
+import math
 import os
+import warnings
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
@@ -77,6 +79,10 @@ class TieredStorageReader(StorageReader):
         self._dir: tuple[str, ...] = ()
         self._manifest: manifest.Manifest | None = None
         self._locations: dict[Any, ItemLocation] = {}
+        # Stored chunk shape and dtype of each tensor item, for in-place views of raw bytes.
+        self._chunks: dict[MetadataIndex, tuple[torch.Size, torch.dtype]] = {}
+        # Two buffers reused for every local item (one being read, one being delivered).
+        self._read_buffers = [bytearray(), bytearray()]
         self._deferred_error: DcpTieredError | None = None
         self._strategy: str | None = None  # the step's remote key layout, read from its marker
         self.files_read_remotely: set[str] = set()
@@ -123,6 +129,12 @@ class TieredStorageReader(StorageReader):
             return self._read_vanilla_metadata()
         self._manifest = self._load_manifest(self._step)
         self._locations = dict(self._manifest.metadata.storage_data)
+        self._chunks = {
+            MetadataIndex(fqn, chunk.offsets): (chunk.sizes, md.properties.dtype)
+            for fqn, md in self._manifest.metadata.state_dict_metadata.items()
+            if isinstance(md, TensorStorageMetadata)
+            for chunk in md.chunks
+        }
         return self._manifest.metadata
 
     def _load_manifest(self, step: catalog.StepLocation) -> manifest.Manifest:
@@ -150,6 +162,7 @@ class TieredStorageReader(StorageReader):
             self._tier.backend.read_file(*self._dir, layout.DCP_METADATA_NAME), where=where
         )
         self._manifest = None
+        self._chunks = {}
         self._locations = {
             idx: ItemLocation(info.relative_path, info.offset, info.length, "", -1, -1, "")
             for idx, info in md.storage_data.items()
@@ -186,7 +199,9 @@ class TieredStorageReader(StorageReader):
         fut.set_result(None)
         return fut
 
-    def _payloads(self, name: str, items: list[ReadItem]) -> Iterator[tuple[ReadItem, bytes]]:
+    def _payloads(
+        self, name: str, items: list[ReadItem]
+    ) -> Iterator[tuple[ReadItem, bytes | memoryview]]:
         """Each item's verified bytes, from the nearest tier holding a valid copy."""
         can_fetch = self._remote is not None and self._manifest is not None
         here = bool(self._step and self._step.local) and self._tier.backend.exists(*self._dir, name)
@@ -212,12 +227,31 @@ class TieredStorageReader(StorageReader):
             )
         yield from self._remote_payloads(name, items)
 
-    def _local_payloads(self, name: str, items: list[ReadItem]) -> Iterator[tuple[ReadItem, bytes]]:
-        with self._tier.backend.open_read(*self._dir, name) as f:
-            for index, group in _by_storage_index(items):
+    def _local_payloads(
+        self, name: str, items: list[ReadItem]
+    ) -> Iterator[tuple[ReadItem, bytes | memoryview]]:
+        """Each item read into one of two reused buffers: a helper thread reads the next item
+        while this one is checksummed and copied out (both release the GIL). A yielded view
+        is valid until the generator is resumed."""
+        groups = list(_by_storage_index(items))
+        if not groups:
+            return
+        with self._tier.backend.open_read(*self._dir, name) as f, ThreadPoolExecutor(
+            1, thread_name_prefix="dcp-tiered-read"
+        ) as pool:
+
+            def read(n: int) -> memoryview:
+                loc = self._locations[groups[n][0]]
+                return self._tier.backend.read_range_into(
+                    f, loc.offset, self._read_buffer(n % 2, loc.length)
+                )
+
+            pending = pool.submit(read, 0)
+            for n, (index, group) in enumerate(groups):
                 loc = self._locations[index]
-                f.seek(loc.offset)
-                data = f.read(loc.length)
+                data: bytes | memoryview = pending.result()
+                if n + 1 < len(groups):
+                    pending = pool.submit(read, n + 1)
                 problem = self._problem(loc, data)
                 if problem and self._remote is not None and self._manifest is not None:
                     logger.warning(
@@ -271,8 +305,13 @@ class TieredStorageReader(StorageReader):
             self._strategy = str(marker.get("prefix_strategy", "none"))
         return self._strategy
 
+    def _read_buffer(self, which: int, length: int) -> memoryview:
+        if len(self._read_buffers[which]) < length:
+            self._read_buffers[which] = bytearray(length)
+        return memoryview(self._read_buffers[which])[:length]
+
     @staticmethod
-    def _problem(loc: ItemLocation, data: bytes) -> str | None:
+    def _problem(loc: ItemLocation, data: bytes | memoryview) -> str | None:
         if len(data) != loc.length:
             return f"expected {loc.length} bytes at offset {loc.offset}, got {len(data)}"
         if loc.checksum:
@@ -293,11 +332,13 @@ class TieredStorageReader(StorageReader):
 
     # ------------------------------------------------------------ delivery
 
-    def _deliver(self, item: ReadItem, data: bytes, planner: LoadPlanner) -> None:
+    def _deliver(self, item: ReadItem, data: bytes | memoryview, planner: LoadPlanner) -> None:
         if item.type == LoadItemType.BYTE_IO:
             planner.load_bytes(item, self._vetted_bytes(data))
             return
-        tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        tensor = self._raw_view(item.storage_index, data)
+        if tensor is None:
+            tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
             tensor = tensor.narrow(dim, start, length)
         target = planner.resolve_tensor(item).detach()
@@ -309,7 +350,26 @@ class TieredStorageReader(StorageReader):
         target.copy_(tensor)
         planner.commit_tensor(item, target)
 
-    def _vetted_bytes(self, data: bytes) -> io.BytesIO:
+    def _raw_view(self, index: MetadataIndex, data: bytes | memoryview) -> torch.Tensor | None:
+        """The stored chunk as a view of its verified raw bytes (no torch.load, no copy), when
+        the manifest says where they are. The shape and dtype come from the manifest too."""
+        loc = self._locations[index]
+        if loc.raw_offset is None or index not in self._chunks:
+            return None
+        sizes, dtype = self._chunks[index]
+        count = math.prod(sizes)
+        if loc.raw_offset + count * dtype.itemsize > len(data):
+            raise IntegrityError(
+                f"item {index.fqn!r} of step {self.checkpoint_id!r}: the manifest places "
+                f"{count} x {dtype} past the end of the item's {len(data)} bytes; the manifest "
+                "does not match the data. Restore the step from another tier."
+            )
+        with warnings.catch_warnings():  # bytes from a remote are read-only; we only read them
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            raw = torch.frombuffer(data, dtype=dtype, count=count, offset=loc.raw_offset)
+        return raw.view(sizes)
+
+    def _vetted_bytes(self, data: bytes | memoryview) -> io.BytesIO:
         """Non-tensor values: weights_only unless the caller trusts the checkpoint.
 
         The value is decoded with the restricted unpickler, then re-encoded, so the planner's

@@ -358,22 +358,27 @@ class TieredStorageWriter(StorageWriter):
     def _write_file(
         self, save: _SaveInfo, name: str, items: Sequence[WriteItem], planner: SavePlanner
     ) -> list[WriteResult]:
-        placed: list[tuple[MetadataIndex, int, int, int]] = []
+        placed: list[tuple[MetadataIndex, int, int, int, int | None]] = []
         with self._tier.backend.open_write(save.tmp, name, sync=self.sync_files) as f:
             out = integrity.ChecksummingWriter(f)
             for item in items:
                 offset = out.start_item()
                 data = planner.resolve_data(item)
+                raw_offset = None
                 if item.type == WriteItemType.BYTE_IO:
                     out.write(data.getbuffer())
                 else:
+                    tensor = _as_saveable(data)
                     try:
-                        torch.save(_as_saveable(data), out)
+                        _torch_compat.save_tensor(tensor, out)
                     except RuntimeError as e:
                         if out.error is not None:
                             raise out.error from e
                         raise
-                placed.append((item.index, offset, out.position - offset, out.item_crc))
+                    raw_offset = out.raw_offset(offset, tensor.numel() * tensor.element_size())
+                placed.append(
+                    (item.index, offset, out.position - offset, out.item_crc, raw_offset)
+                )
         file_crc = integrity.format_checksum(out.file_crc)
         if self._remote is not None and save.promote:
             uploader = tiering.uploader_for(self._tier, self._remote)
@@ -390,9 +395,10 @@ class TieredStorageWriter(StorageWriter):
                     rank=save.rank,
                     file_size=out.position,
                     file_checksum=file_crc,
+                    raw_offset=raw_offset,
                 ),
             )
-            for index, offset, length, crc in placed
+            for index, offset, length, crc, raw_offset in placed
         ]
 
     def _follow_commit(self, save: _SaveInfo, lock: int) -> None:
@@ -462,10 +468,13 @@ class TieredStorageWriter(StorageWriter):
 
 
 def _as_saveable(tensor: torch.Tensor) -> torch.Tensor:
-    """A CPU tensor whose storage holds only its own bytes (torch.save writes whole storages)."""
+    """A contiguous CPU tensor whose storage holds only its own bytes: torch.save writes whole
+    storages, and a row-major layout lets the reader view the raw bytes in place."""
     tensor = tensor.detach()
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
     if tensor.untyped_storage().size() != tensor.numel() * tensor.element_size():
         tensor = tensor.clone()
     return tensor

@@ -200,6 +200,49 @@ def test_tampered_manifest_is_refused(tmp_path, edit):
     assert isinstance(failure(e), ManifestError)
 
 
+def big_state() -> dict:
+    torch.manual_seed(3)
+    return {
+        "f32": torch.randn(300, 70),
+        "bf16": torch.randn(64, 128).to(torch.bfloat16),
+        "i64": torch.arange(5000),
+        "transposed": torch.randn(96, 80).t(),  # not contiguous: saved row-major
+        "u8": torch.randint(0, 255, (10000,), dtype=torch.uint8),
+        "small": torch.randn(3),  # under 4 KiB: read through torch.load
+    }
+
+
+def test_large_tensors_are_read_in_place_bit_exact(tmp_path):
+    src = big_state()
+    save(tmp_path, "step-1", src)
+    items = json.loads((tmp_path / "step-1" / "manifest.json").read_text())["items"]
+    in_place = {i["index"][0] for i in items if "raw_offset" in i}
+    assert in_place == set(src) - {"small"}
+    for reader in (TieredStorageReader(tmp_path), FileSystemReader(tmp_path / "step-1")):
+        out = {k: torch.zeros_like(v) for k, v in src.items()}
+        dcp.load(out, storage_reader=reader, no_dist=True)
+        for k, v in src.items():
+            assert out[k].dtype == v.dtype and torch.equal(out[k], v), k
+
+
+def test_raw_offset_that_does_not_fit_the_item_is_refused(tmp_path):
+    from dcp_tiered import manifest
+
+    save(tmp_path, "step-1", big_state())
+    path = tmp_path / "step-1" / "manifest.json"
+    body = json.loads(path.read_text())
+    entry = next(i for i in body["items"] if i["index"][0] == "f32")
+    entry["raw_offset"] = entry["length"] - 8  # consistent checksum, inconsistent layout
+    body.pop("manifest_checksum")
+    body["manifest_checksum"] = manifest._self_checksum(body)
+    path.write_text(json.dumps(body))
+    with pytest.raises(CheckpointException) as e:
+        dcp.load({k: torch.zeros_like(v) for k, v in big_state().items()},
+                 checkpoint_id="step-1", storage_reader=TieredStorageReader(tmp_path),
+                 no_dist=True)
+    assert isinstance(failure(e), IntegrityError) and "f32" in str(failure(e))
+
+
 class Boom:
     def __init__(self, marker: str) -> None:
         self.marker = marker

@@ -240,6 +240,15 @@ class LocalBackend:
     def open_read(self, *names: str) -> BinaryIO:
         return open(self._child(*names), "rb")
 
+    @staticmethod
+    def read_range_into(f: BinaryIO, offset: int, buffer: memoryview) -> memoryview:
+        """Read ``len(buffer)`` bytes at ``offset`` of an open file without moving its position
+        (safe from a helper thread); returns the part filled, shorter only at end of file."""
+        got = 0
+        while got < len(buffer) and (n := os.preadv(f.fileno(), [buffer[got:]], offset + got)):
+            got += n
+        return buffer[:got]
+
     def file_checksum(self, *names: str, progress: Callable[[int], object] | None = None) -> str:
         """CRC32C of a whole file, read in large chunks."""
         crc = 0
