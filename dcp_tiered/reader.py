@@ -7,6 +7,7 @@ warning), is read from the remote tier with ranged GETs of just the needed bytes
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
@@ -189,9 +190,14 @@ class TieredStorageReader(StorageReader):
         by_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             by_file.setdefault(self._locations[item.storage_index].relative_path, []).append(item)
+        local, remote = [], []
         for name, items in sorted(by_file.items()):
             items.sort(key=lambda i: self._locations[i.storage_index].offset)
-            for item, payload in self._payloads(name, items):
+            (local if self._valid_locally(name) else remote).append((name, items))
+        for item, payload in self._local_payloads(local):
+            self._deliver(item, payload, planner)
+        for name, items in remote:
+            for item, payload in self._remote_payloads(name, items):
                 self._deliver(item, payload, planner)
         if self.hydrate and self.files_read_remotely:
             self._hydrate(sorted(self.files_read_remotely))
@@ -199,18 +205,16 @@ class TieredStorageReader(StorageReader):
         fut.set_result(None)
         return fut
 
-    def _payloads(
-        self, name: str, items: list[ReadItem]
-    ) -> Iterator[tuple[ReadItem, bytes | memoryview]]:
-        """Each item's verified bytes, from the nearest tier holding a valid copy."""
+    def _valid_locally(self, name: str) -> bool:
+        """Whether to read ``name`` from the local tier (present, with the manifest's size);
+        False means the remote, and raises when there is none to fall back on."""
         can_fetch = self._remote is not None and self._manifest is not None
         here = bool(self._step and self._step.local) and self._tier.backend.exists(*self._dir, name)
         if here:
             size = self._tier.backend.file_size(*self._dir, name)
             expected = int(self._manifest.files[name]["size"]) if self._manifest else size
             if size == expected:
-                yield from self._local_payloads(name, items)
-                return
+                return True
             problem = f"local copy has {size} bytes, manifest says {expected}"
             if not can_fetch:
                 raise IntegrityError(
@@ -225,32 +229,41 @@ class TieredStorageReader(StorageReader):
                 f"{os.path.join(self.root, *self._dir)} and no remote tier holds the step; "
                 "restore it from another tier or load an earlier step"
             )
-        yield from self._remote_payloads(name, items)
+        return False
 
     def _local_payloads(
-        self, name: str, items: list[ReadItem]
+        self, files: list[tuple[str, list[ReadItem]]]
     ) -> Iterator[tuple[ReadItem, bytes | memoryview]]:
-        """Each item read into one of two reused buffers: a helper thread reads the next item
-        while this one is checksummed and copied out (both release the GIL). A yielded view
-        is valid until the generator is resumed."""
-        groups = list(_by_storage_index(items))
-        if not groups:
+        """Each item's verified bytes from the local tier, read into one of two reused buffers.
+
+        A helper thread reads the next item (across file boundaries) while this one is
+        checksummed and copied out; both release the GIL. A yielded view is valid until the
+        generator is resumed.
+        """
+        jobs = [(name, index, group) for name, items in files
+                for index, group in _by_storage_index(items)]
+        if not jobs:
             return
-        with self._tier.backend.open_read(*self._dir, name) as f, ThreadPoolExecutor(
+        opened: dict[str, Any] = {}
+        # The pool is left first, so a read still in flight finishes before any file closes.
+        with contextlib.ExitStack() as files, ThreadPoolExecutor(
             1, thread_name_prefix="dcp-tiered-read"
         ) as pool:
 
-            def read(n: int) -> memoryview:
-                loc = self._locations[groups[n][0]]
-                return self._tier.backend.read_range_into(
-                    f, loc.offset, self._read_buffer(n % 2, loc.length)
-                )
+            def read(n: int) -> memoryview:  # runs on the helper thread only
+                name, index, _ = jobs[n]
+                if name not in opened:
+                    opened[name] = files.enter_context(
+                        self._tier.backend.open_read(*self._dir, name))
+                loc = self._locations[index]
+                buffer = self._read_buffer(n % 2, loc.length)
+                return self._tier.backend.read_range_into(opened[name], loc.offset, buffer)
 
             pending = pool.submit(read, 0)
-            for n, (index, group) in enumerate(groups):
+            for n, (name, index, group) in enumerate(jobs):
                 loc = self._locations[index]
                 data: bytes | memoryview = pending.result()
-                if n + 1 < len(groups):
+                if n + 1 < len(jobs):
                     pending = pool.submit(read, n + 1)
                 problem = self._problem(loc, data)
                 if problem and self._remote is not None and self._manifest is not None:
