@@ -194,8 +194,11 @@ class TieredStorageReader(StorageReader):
         for name, items in sorted(by_file.items()):
             items.sort(key=lambda i: self._locations[i.storage_index].offset)
             (local if self._valid_locally(name) else remote).append((name, items))
-        for item, payload in self._local_payloads(local):
-            self._deliver(item, payload, planner)
+        try:
+            for item, payload in self._local_payloads(local):
+                self._deliver(item, payload, planner)
+        finally:
+            self._read_buffers = [bytearray(), bytearray()]  # as large as the largest item
         for name, items in remote:
             for item, payload in self._remote_payloads(name, items):
                 self._deliver(item, payload, planner)
