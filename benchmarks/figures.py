@@ -110,6 +110,7 @@ class Bench:
         self.bytes = nbytes(self.state)
         self.pg = checkpoint_process_group()
         self.writer = TieredStorageWriter(self.work / "ours")
+        self.part_mib, self.concurrency = a.part_mib, a.concurrency
         self.seq = 0
         self.samples: dict[str, list[float]] = {}
         # Restores load into one set of tensors, as into a model that already exists; zeroed
@@ -235,7 +236,9 @@ class Bench:
     def s3_round(self, endpoint: str, bucket: str, run: int) -> None:
         opts = s3fs_options(endpoint, read_timeout=300)
         prefix = f"{bucket}/w{self.world}-{int(self.bytes * self.world / 2**20)}m-r{run}"
-        cfg = RemoteConfig(url=f"s3://{prefix}/ours", storage_options=opts)
+        cfg = RemoteConfig(url=f"s3://{prefix}/ours", storage_options=opts,
+                           part_size_bytes=self.part_mib * 2**20,
+                           max_concurrency=self.concurrency)
         local = self.work / f"s3local-{run}"
         writer = TieredStorageWriter(local, remote=cfg)
 
@@ -297,6 +300,8 @@ def main() -> None:
     p.add_argument("--dir", required=True, help="a directory on the disk under test")
     p.add_argument("--s3-endpoint", default=None)
     p.add_argument("--s3-bucket", default=None, help="an existing bucket on --s3-endpoint")
+    p.add_argument("--part-mib", type=int, default=16, help="multipart part size")
+    p.add_argument("--concurrency", type=int, default=8, help="parts in flight per file")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     torch.set_num_threads(1)

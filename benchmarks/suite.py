@@ -64,13 +64,14 @@ def machine(directory: Path) -> dict:
     }
 
 
-def run_config(gib: float, ranks: int, runs: int, work: Path, s3: tuple[str, str] | None) -> dict:
+def run_config(gib: float, ranks: int, runs: int, work: Path, s3: tuple[str, str] | None,
+               s3_args: list[str]) -> dict:
     out = work / f"figures-{gib}-{ranks}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
            "--standalone", str(HERE / "figures.py"), "--gib", str(gib), "--runs", str(runs),
            "--dir", str(work / f"w-{gib}-{ranks}"), "--out", str(out)]
     if s3:
-        cmd += ["--s3-endpoint", s3[0], "--s3-bucket", s3[1]]
+        cmd += ["--s3-endpoint", s3[0], "--s3-bucket", s3[1], *s3_args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     t = time.perf_counter()
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
@@ -137,6 +138,8 @@ def main() -> None:
                    help="sizes that also run the S3 figures (moto moves ~25 MB/s here)")
     p.add_argument("--s3-ranks", default="1,2")
     p.add_argument("--endpoint", help="an S3 endpoint (default: start moto on 127.0.0.1)")
+    p.add_argument("--part-mib", type=int, default=16, help="our multipart part size")
+    p.add_argument("--concurrency", type=int, default=8, help="our parts in flight per file")
     p.add_argument("--no-training", action="store_true", help="skip figure 9")
     p.add_argument("--dir", default=None, help="directory on the disk under test (default: tmp)")
     p.add_argument("--out", default=str(HERE / "results" / "suite.json"))
@@ -165,7 +168,8 @@ def main() -> None:
         for gib in sizes:
             for r in ranks:
                 use_s3 = s3 if gib in s3_sizes and r in s3_ranks else None
-                res = run_config(gib, r, a.runs, work, use_s3)
+                res = run_config(gib, r, a.runs, work, use_s3,
+                                 ["--part-mib", str(a.part_mib), "--concurrency", str(a.concurrency)])
                 configs.append({
                     "gib": gib, "world": r, "bytes": res["bytes"], "samples": res["samples"],
                     "figures": {k: summary(v) for k, v in res["samples"].items()},
