@@ -270,6 +270,14 @@ class TieredStorageWriter(StorageWriter):
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         step = self._step
         assert step is not None
+        if not plan.usable:
+            # DCP's plan caching sends no plan when it is unchanged and replays the cached
+            # global plan, storage data included: that data names one save's step and id.
+            raise ConfigError(
+                "TieredStorageWriter does not support DefaultSavePlanner(enable_plan_caching="
+                "True): a cached plan would replay an earlier save's step and save id. Use the "
+                "default planner (planning costs a few ms of the caller's stall)."
+            )
         if self._tier.has_step(step) and not self.overwrite:
             raise CheckpointExistsError(
                 f"step {step!r} is already committed in {self.root}; choose a new step name "

@@ -243,6 +243,21 @@ def test_raw_offset_that_does_not_fit_the_item_is_refused(tmp_path):
     assert isinstance(failure(e), IntegrityError) and "f32" in str(failure(e))
 
 
+def test_plan_caching_is_refused_with_a_clear_error(tmp_path):
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    planner = DefaultSavePlanner(enable_plan_caching=True)
+    writer = TieredStorageWriter(tmp_path)
+    dcp.save(state(), checkpoint_id="step-1", storage_writer=writer, planner=planner,
+             no_dist=True)
+    with pytest.raises(CheckpointException) as e:
+        dcp.save(state(2), checkpoint_id="step-2", storage_writer=writer, planner=planner,
+                 no_dist=True)
+    assert isinstance(failure(e), ConfigError) and "enable_plan_caching" in str(failure(e))
+    assert not (tmp_path / "step-2").exists()
+    assert_state_equal(load(tmp_path, "step-1"), state())
+
+
 class Boom:
     def __init__(self, marker: str) -> None:
         self.marker = marker
