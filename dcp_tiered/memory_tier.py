@@ -124,7 +124,7 @@ class MemoryTier:
         if self._pending is not None:
             try:
                 self._pending.result()
-            except Exception:
+            except Exception:  # the caller got this future and sees its error there
                 pass
             self._pending = None
 
