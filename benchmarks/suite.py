@@ -148,6 +148,8 @@ def main() -> None:
     ranks = [int(r) for r in a.ranks.split(",")]
     s3_sizes = {float(s) for s in a.s3_sizes.split(",") if s}
     s3_ranks = {int(r) for r in a.s3_ranks.split(",") if r}
+    if a.dir:
+        Path(a.dir).mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="dcp-tiered-suite-", dir=a.dir))
     info = machine(work)
     print(f"machine: {info}", flush=True)

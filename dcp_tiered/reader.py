@@ -8,6 +8,7 @@ warning), is read from the remote tier with ranged GETs of just the needed bytes
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import io
 import json
 import logging
@@ -16,6 +17,7 @@ import os
 import warnings
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -195,8 +197,7 @@ class TieredStorageReader(StorageReader):
             items.sort(key=lambda i: self._locations[i.storage_index].offset)
             (local if self._valid_locally(name) else remote).append((name, items))
         try:
-            for item, payload in self._local_payloads(local):
-                self._deliver(item, payload, planner)
+            self._load_local(local, planner)
         finally:
             self._read_buffers = [bytearray(), bytearray()]  # as large as the largest item
         for name, items in remote:
@@ -234,52 +235,97 @@ class TieredStorageReader(StorageReader):
             )
         return False
 
-    def _local_payloads(
-        self, files: list[tuple[str, list[ReadItem]]]
-    ) -> Iterator[tuple[ReadItem, bytes | memoryview]]:
-        """Each item's verified bytes from the local tier, read into one of two reused buffers.
+    def _load_local(self, files: list[tuple[str, list[ReadItem]]], planner: LoadPlanner) -> None:
+        """Loads items from the local tier, verifying each against its checksum.
 
         A helper thread reads the next item (across file boundaries) while this one is
-        checksummed and copied out; both release the GIL. A yielded view is valid until the
-        generator is resumed.
+        checksummed and delivered; both release the GIL. A tensor whose raw bytes the manifest
+        locates, and whose target is a plain CPU tensor of the stored shape, is read straight
+        into the target (no staging buffer, no copy). Other items go through one of two
+        reused buffers.
         """
-        jobs = [(name, index, group) for name, items in files
+        jobs = [_Job(name, index, group) for name, items in files
                 for index, group in _by_storage_index(items)]
         if not jobs:
             return
         opened: dict[str, Any] = {}
         # The pool is left first, so a read still in flight finishes before any file closes.
-        with contextlib.ExitStack() as files, ThreadPoolExecutor(
+        with contextlib.ExitStack() as open_files, ThreadPoolExecutor(
             1, thread_name_prefix="dcp-tiered-read"
         ) as pool:
 
-            def read(n: int) -> memoryview:  # runs on the helper thread only
-                name, index, _ = jobs[n]
-                if name not in opened:
-                    opened[name] = files.enter_context(
-                        self._tier.backend.open_read(*self._dir, name))
-                loc = self._locations[index]
-                buffer = self._read_buffer(n % 2, loc.length)
-                return self._tier.backend.read_range_into(opened[name], loc.offset, buffer)
+            def read(n: int) -> list[memoryview]:  # runs on the helper thread only
+                job = jobs[n]
+                if job.name not in opened:
+                    opened[job.name] = open_files.enter_context(
+                        self._tier.backend.open_read(*self._dir, job.name))
+                loc = self._locations[job.index]
+                if job.direct:
+                    parts = self._direct_parts(loc, job.target)
+                else:
+                    parts = [self._read_buffer(n % 2, loc.length)]
+                offset, filled = loc.offset, []
+                for part in parts:
+                    got = self._tier.backend.read_range_into(opened[job.name], offset, part)
+                    filled.append(got)
+                    offset += len(got)
+                    if len(got) < len(part):
+                        break
+                return filled
 
+            self._resolve_direct(jobs[0], planner)
             pending = pool.submit(read, 0)
-            for n, (name, index, group) in enumerate(jobs):
-                loc = self._locations[index]
-                data: bytes | memoryview = pending.result()
+            for n, job in enumerate(jobs):
+                parts = pending.result()
                 if n + 1 < len(jobs):
+                    self._resolve_direct(jobs[n + 1], planner)
                     pending = pool.submit(read, n + 1)
-                problem = self._problem(loc, data)
+                loc = self._locations[job.index]
+                problem = self._problem(loc, parts)
                 if problem and self._remote is not None and self._manifest is not None:
                     logger.warning(
                         "local copy of %s in step %s is corrupt (%s, item %s); reading it from %s",
-                        name, self.checkpoint_id, problem, index.fqn, self._remote.config.url,
+                        job.name, self.checkpoint_id, problem, job.index.fqn,
+                        self._remote.config.url,
                     )
-                    data = self._fetch(name, loc.offset, loc.offset + loc.length)
-                    problem = self._problem(loc, data)
+                    parts = [memoryview(self._fetch(job.name, loc.offset, loc.offset + loc.length))]
+                    problem = self._problem(loc, parts)
+                    job.direct = False
                 if problem:
-                    raise self._integrity_error(name, index.fqn, loc, problem)
-                for item in group:
-                    yield item, data
+                    raise self._integrity_error(job.name, job.index.fqn, loc, problem)
+                if job.direct:
+                    planner.commit_tensor(job.group[0], job.target)
+                    continue
+                for item in job.group:
+                    self._deliver(item, parts[0] if len(parts) == 1 else b"".join(parts), planner,
+                                  job.target)
+
+    def _resolve_direct(self, job: _Job, planner: LoadPlanner) -> None:
+        """Sets ``job.target`` when the item can be read straight into its target tensor."""
+        loc = self._locations[job.index]
+        if loc.raw_offset is None or job.index not in self._chunks or len(job.group) != 1:
+            return
+        item = job.group[0]
+        sizes, dtype = self._chunks[job.index]
+        if item.type != LoadItemType.TENSOR or any(item.storage_offsets) or (
+            tuple(item.lengths) != tuple(sizes)
+        ):
+            return  # only part of the stored chunk is wanted (resharding)
+        target = planner.resolve_tensor(item).detach()
+        job.target = target
+        job.direct = (
+            type(target) is torch.Tensor and target.device.type == "cpu" and target.dtype == dtype
+            and target.size() == sizes and target.is_contiguous() and target.layout == torch.strided
+            and loc.raw_offset + target.nbytes <= loc.length
+        )
+
+    @staticmethod
+    def _direct_parts(loc: ItemLocation, target: torch.Tensor | None) -> list[memoryview]:
+        """The item's bytes as [framing before, the target's own memory, framing after]."""
+        assert loc.raw_offset is not None and target is not None
+        body = memoryview((ctypes.c_char * target.nbytes).from_address(target.data_ptr())).cast("B")
+        tail = loc.length - loc.raw_offset - target.nbytes
+        return [memoryview(bytearray(loc.raw_offset)), body, memoryview(bytearray(tail))]
 
     def _remote_payloads(self, name: str, items: list[ReadItem]) -> Iterator[tuple[ReadItem, bytes]]:
         """Coalesced ranged GETs, a few in flight at once, delivered in file order."""
@@ -299,7 +345,7 @@ class TieredStorageReader(StorageReader):
                     index, group = groups[g]
                     loc = self._locations[index]
                     data = blob[loc.offset - start : loc.offset - start + loc.length]
-                    problem = self._problem(loc, data)
+                    problem = self._problem(loc, [data])
                     if problem:
                         raise self._integrity_error(name, index.fqn, loc, problem, remote=True)
                     for item in group:
@@ -327,11 +373,16 @@ class TieredStorageReader(StorageReader):
         return memoryview(self._read_buffers[which])[:length]
 
     @staticmethod
-    def _problem(loc: ItemLocation, data: bytes | memoryview) -> str | None:
-        if len(data) != loc.length:
-            return f"expected {loc.length} bytes at offset {loc.offset}, got {len(data)}"
+    def _problem(loc: ItemLocation, parts: list[memoryview] | list[bytes]) -> str | None:
+        """Why the item's bytes (consecutive ``parts``) do not match the manifest, or None."""
+        got = sum(len(p) for p in parts)
+        if got != loc.length:
+            return f"expected {loc.length} bytes at offset {loc.offset}, got {got}"
         if loc.checksum:
-            actual = integrity.format_checksum(integrity.checksum(data))
+            crc = 0
+            for part in parts:
+                crc = integrity.checksum(part, crc)
+            actual = integrity.format_checksum(crc)
             if actual != loc.checksum:
                 return f"{integrity.ALGORITHM} {actual} != manifest {loc.checksum}"
         return None
@@ -342,13 +393,17 @@ class TieredStorageReader(StorageReader):
         tier = self._remote.config.url if remote and self._remote else self.root
         return IntegrityError(
             f"corrupt data in step {self.checkpoint_id!r}, file {name!r} (rank {loc.rank}) on "
-            f"{tier}, item {fqn!r}: {problem}. Nothing from this item was loaded; restore the "
-            "file from another tier or load an earlier step."
+            f"{tier}, item {fqn!r}: {problem}. The load failed and the state it was loading into is incomplete; restore "
+            "the file from another tier or load an earlier step."
         )
 
     # ------------------------------------------------------------ delivery
 
-    def _deliver(self, item: ReadItem, data: bytes | memoryview, planner: LoadPlanner) -> None:
+    def _deliver(
+        self, item: ReadItem, data: bytes | memoryview, planner: LoadPlanner,
+        target: torch.Tensor | None = None,
+    ) -> None:
+        """Hands one item's verified bytes to the planner (``target``: already resolved)."""
         if item.type == LoadItemType.BYTE_IO:
             planner.load_bytes(item, self._vetted_bytes(data))
             return
@@ -357,7 +412,8 @@ class TieredStorageReader(StorageReader):
             tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
             tensor = tensor.narrow(dim, start, length)
-        target = planner.resolve_tensor(item).detach()
+        if target is None:
+            target = planner.resolve_tensor(item).detach()
         if target.size() != tensor.size():
             raise IntegrityError(
                 f"item {item.storage_index.fqn!r} of step {self.checkpoint_id!r}: saved chunk "
@@ -423,6 +479,17 @@ class TieredStorageReader(StorageReader):
                 raise IntegrityError(f"remote copy of {name!r} in step {step!r} is corrupt")
             backend.write_atomically(step, name, data)
             logger.info("hydrated %s/%s from %s", step, name, self._remote.config.url)
+
+
+@dataclass
+class _Job:
+    """One local read: a saved item and the read items it serves."""
+
+    name: str
+    index: MetadataIndex
+    group: list[ReadItem]
+    target: torch.Tensor | None = None  # resolved ahead of the read
+    direct: bool = False  # the read goes straight into ``target``
 
 
 def _by_storage_index(items: list[ReadItem]) -> Iterator[tuple[Any, list[ReadItem]]]:

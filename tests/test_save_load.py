@@ -225,6 +225,33 @@ def test_large_tensors_are_read_in_place_bit_exact(tmp_path):
             assert out[k].dtype == v.dtype and torch.equal(out[k], v), k
 
 
+def test_flipped_byte_inside_a_tensor_read_in_place_is_caught(tmp_path):
+    save(tmp_path, "step-1", big_state())
+    items = json.loads((tmp_path / "step-1" / "manifest.json").read_text())["items"]
+    entry = next(i for i in items if i["index"][0] == "f32")
+    path = tmp_path / "step-1" / entry["file"]
+    data = bytearray(path.read_bytes())
+    data[entry["offset"] + entry["raw_offset"] + 1000] ^= 0x01  # inside the tensor's own bytes
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointException) as e:
+        dcp.load({k: torch.zeros_like(v) for k, v in big_state().items()},
+                 checkpoint_id="step-1", storage_reader=TieredStorageReader(tmp_path),
+                 no_dist=True)
+    assert isinstance(failure(e), IntegrityError) and "f32" in str(failure(e))
+
+
+def test_targets_that_cannot_take_the_bytes_directly_still_load_exactly(tmp_path):
+    src = big_state()
+    save(tmp_path, "step-1", src)
+    out = {k: torch.zeros_like(v) for k, v in src.items()}
+    out["f32"] = torch.zeros(70, 300).t()  # same shape, not contiguous
+    out["i64"] = torch.zeros(5000, dtype=torch.float64)  # another dtype: converted by copy_
+    dcp.load(out, checkpoint_id="step-1", storage_reader=TieredStorageReader(tmp_path),
+             no_dist=True)
+    assert torch.equal(out["f32"], src["f32"]) and torch.equal(out["bf16"], src["bf16"])
+    assert torch.equal(out["i64"], src["i64"].double())
+
+
 def test_raw_offset_that_does_not_fit_the_item_is_refused(tmp_path):
     from dcp_tiered import manifest
 
