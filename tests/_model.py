@@ -112,4 +112,6 @@ def mismatches(a: Any, b: Any, path: str = "") -> list[str]:
         if len(a) != len(b):
             return [f"{path}: len"]
         return [m for i, (x, y) in enumerate(zip(a, b)) for m in mismatches(x, y, f"{path}[{i}]")]
+    if hasattr(a, "__dict__") and type(a) is type(b):  # plain objects: by their attributes
+        return mismatches(vars(a), vars(b), path)
     return [] if a == b else [f"{path}: {a!r} != {b!r}"]

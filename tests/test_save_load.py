@@ -212,6 +212,13 @@ def big_state() -> dict:
     }
 
 
+def assert_big_state_load_fails_on(root, fqn: str) -> None:
+    with pytest.raises(CheckpointException) as e:
+        dcp.load({k: torch.zeros_like(v) for k, v in big_state().items()},
+                 checkpoint_id="step-1", storage_reader=TieredStorageReader(root), no_dist=True)
+    assert isinstance(failure(e), IntegrityError) and fqn in str(failure(e))
+
+
 def test_large_tensors_are_read_in_place_bit_exact(tmp_path):
     src = big_state()
     save(tmp_path, "step-1", src)
@@ -233,11 +240,7 @@ def test_flipped_byte_inside_a_tensor_read_in_place_is_caught(tmp_path):
     data = bytearray(path.read_bytes())
     data[entry["offset"] + entry["raw_offset"] + 1000] ^= 0x01  # inside the tensor's own bytes
     path.write_bytes(bytes(data))
-    with pytest.raises(CheckpointException) as e:
-        dcp.load({k: torch.zeros_like(v) for k, v in big_state().items()},
-                 checkpoint_id="step-1", storage_reader=TieredStorageReader(tmp_path),
-                 no_dist=True)
-    assert isinstance(failure(e), IntegrityError) and "f32" in str(failure(e))
+    assert_big_state_load_fails_on(tmp_path, "f32")
 
 
 def test_targets_that_cannot_take_the_bytes_directly_still_load_exactly(tmp_path):
@@ -263,11 +266,7 @@ def test_raw_offset_that_does_not_fit_the_item_is_refused(tmp_path):
     body.pop("manifest_checksum")
     body["manifest_checksum"] = manifest._self_checksum(body)
     path.write_text(json.dumps(body))
-    with pytest.raises(CheckpointException) as e:
-        dcp.load({k: torch.zeros_like(v) for k, v in big_state().items()},
-                 checkpoint_id="step-1", storage_reader=TieredStorageReader(tmp_path),
-                 no_dist=True)
-    assert isinstance(failure(e), IntegrityError) and "f32" in str(failure(e))
+    assert_big_state_load_fails_on(tmp_path, "f32")
 
 
 def test_plan_caching_is_refused_with_a_clear_error(tmp_path):

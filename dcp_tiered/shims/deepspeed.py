@@ -1,0 +1,441 @@
+"""DeepSpeed: ``engine.save_checkpoint`` / ``load_checkpoint`` through DCP and the tiers.
+
+One line before ``deepspeed.initialize`` (this also covers HF Trainer, which builds the engine
+itself)::
+
+    from dcp_tiered.shims import deepspeed as ds_tiers
+    ds_tiers.install(mode="async", remote="s3://bucket/run-1")
+
+or ``ds_tiers.attach(engine, ...)`` after it. Then, at the end of training, on every rank::
+
+    ds_tiers.flush(engine)   # waits for the last save and publishes it
+
+How it maps onto DeepSpeed's checkpoint-engine protocol (deepspeed/runtime/engine.py):
+
+- ``save(state, path)``, once per DeepSpeed file, only records the file's state (tensors plus a
+  skeleton, see :mod:`dcp_tiered.shims.skeleton`) under the file's name.
+- ``commit`` (sync and async modes) writes every rank's files as one DCP step named after the
+  tag, ``SAVE_DIR/TAG``, on a dedicated gloo group. ``decoupled`` mode launches the write when
+  ``save_checkpoint`` returns and lets DeepSpeed's ``get_commit_info`` poll for completion at
+  step boundaries, with a consensus on the training group.
+- DeepSpeed writes ``latest`` right after ``commit`` returns, with a plain ``open``: for an
+  async save that is before the data exists. ``save_checkpoint`` is therefore wrapped to pass
+  ``save_latest=False``, and rank 0 publishes ``latest`` itself, atomically, once the step is
+  committed (the DCP coordinator finishes only after every rank's data is written).
+- DeepSpeed's loader globs for its own file names, so small JSON stubs with those names are
+  written into the committed step before ``latest`` moves. ``load(path)`` reads just that
+  file's keys, non-collectively, as DeepSpeed expects.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import time
+from collections.abc import Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+from ..backends.local import LocalBackend
+from ..config import RemoteConfig
+from ..distributed import checkpoint_process_group
+from ..errors import ConfigError, SaveFailedError
+from ..layout import validate_step_name
+from ..local_tier import LocalTier
+from ..reader import TieredStorageReader
+from ..writer import TieredStorageWriter
+from . import skeleton
+
+try:
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
+        CheckpointCommitInfo,
+        CheckpointEngine,
+    )
+except ImportError as e:  # pragma: no cover - exercised only without DeepSpeed
+    raise ImportError(
+        "dcp_tiered.shims.deepspeed needs DeepSpeed: pip install 'dcp-tiered[deepspeed]'"
+    ) from e
+
+logger = logging.getLogger(__name__)
+
+MODES = ("sync", "async", "decoupled")
+STUB_FORMAT = "dcp_tiered.deepspeed-stub/1"
+LATEST_NAME = "latest"
+
+
+def _deepspeed_classes() -> list[type]:
+    """Plain-data classes DeepSpeed puts in its checkpoint files (beside tensors and dicts)."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+@dataclass
+class Options:
+    """What :func:`install` and :func:`attach` configure (see :func:`install`)."""
+
+    mode: str = "async"
+    remote: str | RemoteConfig | None = None
+    storage_options: Mapping[str, Any] | None = None
+    trusted_classes: tuple[type, ...] = ()
+    writer_options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"mode must be one of {MODES}, got {self.mode!r}")
+
+
+class TieredCheckpointEngine(CheckpointEngine):
+    """A DeepSpeed ``CheckpointEngine`` that saves each checkpoint as one tiered DCP step.
+
+    Built on every rank (DeepSpeed builds it in ``initialize``): it creates the dedicated
+    gloo group for DCP's collectives there, collectively.
+    """
+
+    def __init__(self, options: Options | None = None, config_params: Any = None) -> None:
+        super().__init__(config_params)
+        self.name = "dcp_tiered"
+        self.options = options or Options()
+        self._group = checkpoint_process_group()
+        self._rank = dist.get_rank() if dist.is_initialized() else 0
+        self._writers: dict[str, TieredStorageWriter] = {}
+        self._files: dict[str, dict[str, Any]] = {}  # DeepSpeed file name -> split state
+        self._info: CheckpointCommitInfo | None = None
+        self._want_latest = True  # what the caller passed to save_checkpoint
+        self._inflight: tuple[CheckpointCommitInfo, bool, Future[Any]] | None = None
+        self._publisher = ThreadPoolExecutor(1, thread_name_prefix="dcp-tiered-ds-publish")
+        self._published: Future[None] | None = None
+
+    # -------------------------------------------------------------- DeepSpeed protocol
+
+    def create(self, info: CheckpointCommitInfo) -> None:
+        self.wait()  # one save in flight at a time; an earlier failure surfaces here
+        validate_step_name(info.tag)
+        self._info, self._files = info, {}
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        # The tag directory appears with the DCP step's atomic rename, not before.
+        if self._info is not None and _inside(path, self._tag_dir(self._info)):
+            return
+        os.makedirs(path, exist_ok=exist_ok)
+
+    def save(self, state_dict: Any, path: str) -> None:
+        if self._info is None:
+            raise ConfigError("save() called outside save_checkpoint (no create() first)")
+        name = os.path.relpath(path, self._tag_dir(self._info))
+        if name.startswith(os.pardir) or os.path.isabs(name):
+            raise ConfigError(f"DeepSpeed asked to save {path!r} outside {self._tag_dir(self._info)}")
+        self._files[name] = skeleton.split(state_dict)
+
+    def commit(self, info: CheckpointCommitInfo) -> bool:
+        if self.options.mode == "decoupled":
+            # DeepSpeed calls this once get_commit_info() said every rank is done.
+            assert self._inflight is not None
+            _, want_latest, fut = self._inflight
+            self._inflight = None
+            _result(fut, info, self._rank)
+            if self._rank == 0:
+                publish(info.save_dir, info.tag, latest=want_latest)
+            return True
+        if self.options.mode == "sync":
+            dcp.save(self._state(), checkpoint_id=info.tag, process_group=self._group,
+                     storage_writer=self._writer(info.save_dir))
+            if self._rank == 0:
+                publish(info.save_dir, info.tag, latest=self._want_latest)
+            return True
+        self._launch(info)
+        return True
+
+    def is_decoupled(self) -> bool:
+        return self.options.mode == "decoupled"
+
+    def get_commit_info(self) -> CheckpointCommitInfo | None:
+        """Decoupled mode, at every step boundary: the info once every rank's write is done.
+
+        Every rank has the same save in flight, so they all take the collective or none does.
+        It runs on the training group, in step with training (the DCP group may be busy).
+        """
+        if self._inflight is None:
+            return None
+        info, _, fut = self._inflight
+        status = torch.tensor([0 if fut.done() else 1, 1 if _failed(fut) else 0])
+        dist.all_reduce(status, op=dist.ReduceOp.MAX)
+        if int(status[1]):
+            self._inflight = None
+            raise _save_failed(info, fut.exception() if _failed(fut) else None, self._rank)
+        return None if int(status[0]) else info
+
+    def cleanup(self) -> None:
+        self.flush()
+
+    def preserves_storage_sharing(self) -> bool:
+        return False  # every tensor is written on its own; no need for DeepSpeed's clones
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        tag_dir = os.path.dirname(path)
+        save_dir, tag = os.path.dirname(tag_dir), os.path.basename(tag_dir)
+        if os.path.exists(path) and not _is_stub(path):
+            return self._load_native(path)
+        name = os.path.basename(path)
+        reader = TieredStorageReader(save_dir, remote=self.options.remote,
+                                     storage_options=self.options.storage_options)
+        reader.reset(tag)
+        out: dict[str, Any] = {}
+        _load_state_dict(out, storage_reader=reader, no_dist=True,
+                         planner=_EmptyStateDictLoadPlanner(keys={name}))
+        if name not in out:
+            raise FileNotFoundError(f"step {tag!r} in {save_dir} holds no DeepSpeed file {name!r}")
+        state = skeleton.join(out[name], where=f"{path} (step {tag!r})",
+                              trusted=[*_deepspeed_classes(), *self.options.trusted_classes])
+        if map_location is not None and not callable(map_location):
+            state = _to(state, map_location)
+        return state
+
+    # -------------------------------------------------------------- ours
+
+    def launch_decoupled(self) -> None:
+        """Starts the write of the checkpoint just saved (decoupled mode)."""
+        if self._info is not None and self.options.mode == "decoupled":
+            self._launch(self._info)
+
+    def wait(self) -> None:
+        """Finishes the save in flight and its publication. Collective in decoupled mode."""
+        if self._inflight is not None:
+            info, _, fut = self._inflight
+            if self.options.mode == "decoupled":
+                _result(fut, info, self._rank)
+                while (ready := self.get_commit_info()) is None:
+                    time.sleep(0.01)  # another rank is still writing
+                self.commit(ready)
+            else:
+                self._inflight = None
+                _result(fut, info, self._rank)
+        if self._published is not None:
+            published, self._published = self._published, None
+            published.result()
+
+    def flush(self) -> None:
+        """Call on every rank at the end of training: finishes and publishes the last save."""
+        self.wait()
+        if dist.is_initialized():
+            dist.barrier()
+
+    def _launch(self, info: CheckpointCommitInfo) -> None:
+        fut = dcp.async_save(self._state(), checkpoint_id=info.tag, process_group=self._group,
+                             storage_writer=self._writer(info.save_dir))
+        self._inflight = (info, self._want_latest, fut)
+        if self._rank == 0 and self.options.mode == "async":
+            self._published = self._publisher.submit(self._publish_when_done, info,
+                                                     self._want_latest, fut)
+
+    def _publish_when_done(
+        self, info: CheckpointCommitInfo, latest: bool, fut: Future[Any]
+    ) -> None:
+        _result(fut, info, self._rank)
+        publish(info.save_dir, info.tag, latest=latest)
+
+    def _state(self) -> dict[str, Any]:
+        files, self._files = self._files, {}
+        return files
+
+    def _writer(self, save_dir: str) -> TieredStorageWriter:
+        # One writer per directory, kept: its staging buffers are reused save after save.
+        if save_dir not in self._writers:
+            self._writers[save_dir] = TieredStorageWriter(
+                save_dir, remote=self.options.remote,
+                storage_options=self.options.storage_options, **self.options.writer_options)
+        return self._writers[save_dir]
+
+    @staticmethod
+    def _tag_dir(info: CheckpointCommitInfo) -> str:
+        return os.path.join(info.save_dir, info.tag)
+
+    def _load_native(self, path: str) -> Any:
+        """A file DeepSpeed wrote itself: torch's weights_only loader, DeepSpeed's classes only."""
+        with torch.serialization.safe_globals(
+            [*_deepspeed_classes(), *self.options.trusted_classes]
+        ):
+            return torch.load(path, map_location="cpu", weights_only=True)
+
+
+# ------------------------------------------------------------------ publishing
+
+
+def publish(save_dir: str, tag: str, *, latest: bool) -> None:
+    """Writes DeepSpeed's file stubs into the committed step, then (optionally) ``latest``.
+
+    The stub names come from the committed step's own metadata, so they can be rebuilt from
+    any copy of the step (for instance one restored from the remote tier).
+    """
+    step_dir = os.path.join(save_dir, tag)
+    planner_data = LocalTier(LocalBackend(save_dir)).read_manifest(tag).metadata.planner_data
+    names = sorted({str(path[0]) for path in (planner_data or {}).values() if path})
+    for name in names:
+        body = {
+            "format": STUB_FORMAT,
+            "tag": tag,
+            "file": name,
+            "note": "Placeholder written by dcp_tiered: this file's data is in the DCP step of "
+                    "this directory. DeepSpeed loads it with dcp_tiered.shims.deepspeed "
+                    "installed; for full fp32 weights run: dcp-tiered convert deepspeed "
+                    f"{step_dir} OUT",
+        }
+        _write_atomically(os.path.join(step_dir, name), json.dumps(body, indent=1).encode())
+    if latest:
+        _write_atomically(os.path.join(save_dir, LATEST_NAME), tag.encode())
+        logger.info("published %s as the latest DeepSpeed checkpoint in %s", tag, save_dir)
+
+
+def _write_atomically(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------------------------ installing
+
+
+def install(
+    *,
+    mode: str = "async",
+    remote: str | RemoteConfig | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    trusted_classes: Iterable[type] = (),
+    **writer_options: Any,
+) -> None:
+    """Makes every DeepSpeed engine built from now on checkpoint through dcp_tiered.
+
+    Call before ``deepspeed.initialize`` (or before ``Trainer.train`` for HF + DeepSpeed).
+
+    Args:
+        mode: ``"sync"`` (``save_checkpoint`` returns once committed), ``"async"`` (it returns
+            once the state is staged; ``latest`` moves when the write is done) or
+            ``"decoupled"`` (DeepSpeed's own async protocol: completion is polled at step
+            boundaries).
+        remote: a remote tier (fsspec URL or RemoteConfig) each step is promoted to.
+        trusted_classes: extra classes your ``client_state`` holds, allowed when loading.
+        writer_options: passed to :class:`TieredStorageWriter` (``thread_count``, ...).
+    """
+    import deepspeed.runtime.engine as ds_engine
+
+    options = Options(mode, remote, storage_options, tuple(trusted_classes), writer_options)
+    _patch_save_checkpoint(ds_engine.DeepSpeedEngine)
+    ds_engine.create_checkpoint_engine = functools.partial(_factory, options)
+
+
+def uninstall() -> None:
+    """Undoes :func:`install` for engines built from now on."""
+    import deepspeed.runtime.engine as ds_engine
+    from deepspeed.runtime.checkpoint_engine import create_checkpoint_engine
+
+    ds_engine.create_checkpoint_engine = create_checkpoint_engine
+
+
+def attach(engine: Any, **kwargs: Any) -> TieredCheckpointEngine:
+    """Switches an engine that ``deepspeed.initialize`` already built (same arguments as
+    :func:`install`). Call on every rank."""
+    trusted = tuple(kwargs.pop("trusted_classes", ()))
+    options = Options(kwargs.pop("mode", "async"), kwargs.pop("remote", None),
+                      kwargs.pop("storage_options", None), trusted, kwargs)
+    _patch_save_checkpoint(type(engine))
+    engine.checkpoint_engine = TieredCheckpointEngine(options)
+    return engine.checkpoint_engine
+
+
+def flush(engine: Any) -> None:
+    """Call on every rank at the end of training: the last checkpoint is committed and
+    ``latest`` names it when this returns."""
+    if isinstance(engine.checkpoint_engine, TieredCheckpointEngine):
+        engine.checkpoint_engine.flush()
+
+
+def _factory(options: Options, config_params: Any = None, **_: Any) -> TieredCheckpointEngine:
+    return TieredCheckpointEngine(options, config_params)
+
+
+def _patch_save_checkpoint(cls: type) -> None:
+    original = cls.save_checkpoint
+    if getattr(original, "_dcp_tiered", False):
+        return
+
+    @functools.wraps(original)
+    def save_checkpoint(self: Any, save_dir: str, tag: Any = None, client_state: Any = None,
+                        save_latest: bool = True, **kwargs: Any) -> Any:
+        engine = getattr(self, "checkpoint_engine", None)
+        if not isinstance(engine, TieredCheckpointEngine):
+            return original(self, save_dir, tag, client_state or {}, save_latest, **kwargs)
+        engine._want_latest = save_latest  # we publish it, atomically, once committed
+        done = original(self, save_dir, tag, client_state or {}, False, **kwargs)
+        engine.launch_decoupled()
+        return done
+
+    save_checkpoint._dcp_tiered = True  # type: ignore[attr-defined]
+    cls.save_checkpoint = save_checkpoint  # type: ignore[method-assign]
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def _inside(path: str, directory: str) -> bool:
+    path, directory = os.path.abspath(path), os.path.abspath(directory)
+    return path == directory or path.startswith(directory + os.sep)
+
+
+def _is_stub(path: str) -> bool:
+    with open(path, "rb") as f:
+        head = f.read(256)
+    return head.lstrip().startswith(b"{") and STUB_FORMAT.encode() in head
+
+
+def _failed(fut: Future[Any]) -> bool:
+    return fut.done() and fut.exception() is not None
+
+
+def _result(fut: Future[Any], info: CheckpointCommitInfo, rank: int) -> None:
+    try:
+        fut.result()
+    except Exception as e:
+        raise _save_failed(info, e, rank) from e
+
+
+def _save_failed(info: CheckpointCommitInfo, error: BaseException | None,
+                 rank: int) -> SaveFailedError:
+    where = os.path.join(info.save_dir, info.tag)
+    what = f"failed on rank {rank}: {error!r}" if error else "failed on another rank"
+    return SaveFailedError(
+        f"DeepSpeed checkpoint {info.tag!r} in {info.save_dir} {what}. 'latest' still names "
+        "the previous checkpoint; fix the cause (see the error) and save again.",
+        [{"rank": rank if error else -1, "step": info.tag, "tier": "local", "where": where,
+          "error": repr(error)}],
+    )
+
+
+def _to(value: Any, device: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        for k in list(value):
+            value[k] = _to(value[k], device)
+        return value
+    if isinstance(value, list):
+        return [_to(v, device) for v in value]
+    return value

@@ -1,0 +1,161 @@
+"""DeepSpeed round trip through dcp_tiered's checkpoint engine (real DeepSpeed, CPU, gloo).
+
+    DS_ACCELERATOR=cpu torchrun --nproc_per_node=2 tests/workers/ds_roundtrip.py --out DIR --stage S
+        [--bf16] [--mode sync|async|decoupled]
+
+Trains 3 steps, saves (tag ``global_step3``), then trains 2 more steps while an async save is
+written, and records the losses. A second engine, initialised differently, then loads the
+checkpoint: its params and per-rank optimizer state must equal the state at the save, and its
+next 2 losses must equal the first engine's. Writes ``result-R.json`` per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import time
+from pathlib import Path
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from common import finish, write_json  # also puts the repo on sys.path
+
+from dcp_tiered.shims import deepspeed as ds_tiers
+from tests._model import mismatches
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(32, 16)
+        self.l1 = torch.nn.Linear(16, 24)
+        self.norm = torch.nn.LayerNorm(24)
+        self.l2 = torch.nn.Linear(24, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(self.norm(torch.relu(self.l1(self.emb(x)))))
+
+
+def build(seed: int, stage: int, bf16: bool) -> deepspeed.DeepSpeedEngine:
+    torch.manual_seed(seed)
+    model = Tiny()
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+        "steps_per_print": 10**9,
+    }
+    if bf16:
+        config["bf16"] = {"enabled": True}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=config)
+    return engine
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randint(0, 32, (4, 8), generator=gen)
+    return x, torch.randint(0, 32, (4, 8), generator=gen)
+
+
+def train_step(engine: deepspeed.DeepSpeedEngine, step: int, rank: int) -> float:
+    x, y = batch(step, rank)
+    logits = engine(x)
+    loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, 32), y.reshape(-1))
+    engine.backward(loss)
+    engine.step()
+    return float(loss.detach())
+
+
+def snapshot(engine: deepspeed.DeepSpeedEngine) -> dict:
+    """Params (fp32 master copies where ZeRO keeps them) and this rank's optimizer state."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    params = {}
+    for name, p in engine.module.named_parameters():
+        full = safe_get_full_fp32_param(p) if engine.zero_optimization_stage() else None
+        params[name] = (full if full is not None else p.detach()).clone().float()
+    return {"params": params, "optim": clone(engine.optimizer.state_dict())}
+
+
+def clone(value: object) -> object:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: clone(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(clone(v) for v in value) if not hasattr(value, "_fields") else value
+    return value
+
+
+def kill_while_writing() -> None:
+    """SIGKILL this rank as soon as its background write of a data file starts."""
+    import dcp_tiered.writer as writer_module
+
+    original = writer_module.TieredStorageWriter._write_file
+
+    def write_then_die(self, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+        return original(self, *args, **kwargs)
+
+    writer_module.TieredStorageWriter._write_file = write_then_die
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--stage", type=int, required=True)
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--mode", default="sync", choices=ds_tiers.MODES)
+    p.add_argument("--phase", default="roundtrip", choices=["roundtrip", "kill", "resume"],
+                   help="kill: save global_step3, then SIGKILL every rank during the async "
+                        "write of global_step5; resume: load 'latest' and train 2 steps")
+    a = p.parse_args()
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    save_dir = Path(a.out) / "ckpt"
+    ds_tiers.install(mode=a.mode)
+
+    if a.phase == "resume":
+        engine = build(2, a.stage, a.bf16)
+        path, _ = engine.load_checkpoint(str(save_dir))
+        write_json(Path(a.out) / f"resume-{rank}.json", {
+            "tag": os.path.basename(os.path.dirname(path)), "resumed": [train_step(engine, s, rank) for s in (3, 4)]
+        })
+        finish()
+    engine = build(1, a.stage, a.bf16)
+    for step in range(3):
+        train_step(engine, step, rank)
+    at_save = snapshot(engine)
+    engine.save_checkpoint(str(save_dir), tag="global_step3", client_state={"note": "hi", "n": 3})
+    live = [train_step(engine, step, rank) for step in (3, 4)]  # while the write runs
+    ds_tiers.flush(engine)
+    latest = (save_dir / "latest").read_text()
+    if a.phase == "kill":
+        write_json(Path(a.out) / f"live-{rank}.json", {"live": live})
+        dist.barrier()
+        kill_while_writing()
+        engine.save_checkpoint(str(save_dir), tag="global_step5")
+        time.sleep(60)  # the kill comes from the write thread
+        raise SystemExit("not killed")
+
+    resumed = build(2, a.stage, a.bf16)
+    _, client = resumed.load_checkpoint(str(save_dir))
+    loaded = snapshot(resumed)
+    diffs = mismatches(at_save, loaded)
+    after = [train_step(resumed, step, rank) for step in (3, 4)]
+    write_json(Path(a.out) / f"result-{rank}.json", {
+        "latest": latest, "diffs": diffs[:20], "live": live, "resumed": after,
+        "client": {k: client.get(k) for k in ("note", "n")},
+        "engine": type(engine.checkpoint_engine).__name__,
+        "files": sorted(os.listdir(save_dir / "global_step3")),
+    })
+    finish()
+
+
+if __name__ == "__main__":
+    main()
