@@ -80,16 +80,17 @@ class AppState(Stateful):
 def full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     """Unsharded copies (cloned: full_state_dict may alias live tensors on CPU)."""
     msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
-    return _clone({"model": msd, "optim": osd})
+    return clone({"model": msd, "optim": osd})
 
 
-def _clone(obj: Any) -> Any:
+def clone(obj: Any) -> Any:
+    """A copy of every tensor in nested dicts, lists and tuples (namedtuples are kept)."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().clone()
     if isinstance(obj, dict):
-        return {k: _clone(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_clone(v) for v in obj)
+        return {k: clone(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(clone(v) for v in obj)
     return obj
 
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from common import finish, write_json  # also puts the repo on sys.path
 
 from dcp_tiered.shims import deepspeed as ds_tiers
-from tests._model import mismatches
+from tests._model import clone, mismatches
 
 
 class Tiny(torch.nn.Module):
@@ -80,16 +80,6 @@ def snapshot(engine: deepspeed.DeepSpeedEngine) -> dict:
         full = safe_get_full_fp32_param(p) if engine.zero_optimization_stage() else None
         params[name] = (full if full is not None else p.detach()).clone().float()
     return {"params": params, "optim": clone(engine.optimizer.state_dict())}
-
-
-def clone(value: object) -> object:
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: clone(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(clone(v) for v in value) if not hasattr(value, "_fields") else value
-    return value
 
 
 def kill_while_writing() -> None:
