@@ -296,9 +296,8 @@ class TieredStorageReader(StorageReader):
                 if job.direct:
                     planner.commit_tensor(job.group[0], job.target)
                     continue
-                for item in job.group:
-                    self._deliver(item, parts[0] if len(parts) == 1 else b"".join(parts), planner,
-                                  job.target)
+                for item in job.group:  # not direct: one buffer holds the whole item
+                    self._deliver(item, parts[0], planner, job.target)
 
     def _resolve_direct(self, job: _Job, planner: LoadPlanner) -> None:
         """Sets ``job.target`` when the item can be read straight into its target tensor."""

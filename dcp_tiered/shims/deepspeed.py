@@ -199,7 +199,8 @@ class TieredCheckpointEngine(CheckpointEngine):
         state = skeleton.join(out[name], where=f"{path} (step {tag!r})",
                               trusted=[*_deepspeed_classes(), *self.options.trusted_classes])
         if map_location is not None and not callable(map_location):
-            state = _to(state, map_location)
+            state = skeleton.map_leaves(
+                state, lambda v: v.to(map_location) if isinstance(v, torch.Tensor) else v)
         return state
 
     # -------------------------------------------------------------- ours
@@ -427,15 +428,3 @@ def _save_failed(info: CheckpointCommitInfo, error: BaseException | None,
         [{"rank": rank if error else -1, "step": info.tag, "tier": "local", "where": where,
           "error": repr(error)}],
     )
-
-
-def _to(value: Any, device: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, dict):
-        for k in list(value):
-            value[k] = _to(value[k], device)
-        return value
-    if isinstance(value, list):
-        return [_to(v, device) for v in value]
-    return value

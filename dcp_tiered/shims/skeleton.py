@@ -48,7 +48,7 @@ def split(obj: Any) -> dict[str, Any]:
         return value
 
     buf = io.BytesIO()
-    torch.save(_rebuild(obj, strip), buf)
+    torch.save(map_leaves(obj, strip), buf)
     return {SKELETON_KEY: buf.getvalue(), **{tensor_key(i): t for i, t in enumerate(tensors)}}
 
 
@@ -77,18 +77,18 @@ def join(parts: dict[str, Any], *, where: str, trusted: Iterable[type] = ()) -> 
                 f"{where} refers to tensor {value.index}, which the checkpoint lacks"
             ) from None
 
-    return _rebuild(skeleton, fill)
+    return map_leaves(skeleton, fill)
 
 
-def _rebuild(value: Any, leaf: Callable[[Any], Any]) -> Any:
+def map_leaves(value: Any, leaf: Callable[[Any], Any]) -> Any:
     """A copy of ``value``'s dicts, lists and plain tuples with ``leaf`` applied to the rest."""
     if isinstance(value, dict):
         out: dict[Any, Any] = OrderedDict() if isinstance(value, OrderedDict) else {}
         for k, v in value.items():
-            out[k] = _rebuild(v, leaf)
+            out[k] = map_leaves(v, leaf)
         return out
     if isinstance(value, list):
-        return [_rebuild(v, leaf) for v in value]
+        return [map_leaves(v, leaf) for v in value]
     if isinstance(value, tuple) and not hasattr(value, "_fields"):  # namedtuples stay leaves
-        return tuple(_rebuild(v, leaf) for v in value)
+        return tuple(map_leaves(v, leaf) for v in value)
     return leaf(value)
