@@ -1,4 +1,5 @@
-"""Command line: ``dcp-tiered ls ROOT``, ``verify ROOT [STEP]`` and ``status ROOT``."""
+"""Command line: ``dcp-tiered ls ROOT``, ``verify ROOT [STEP]``, ``status ROOT`` and
+``convert deepspeed SRC DST``."""
 
 from __future__ import annotations
 
@@ -136,6 +137,20 @@ def cmd_status(tier: LocalTier, memory: str | None, remote_url: str | None, as_j
     return 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    from .shims import deepspeed_convert  # needs DeepSpeed
+
+    try:
+        out = deepspeed_convert.convert(args.src, args.dst, tag=args.tag, native=args.native,
+                                        trust_source=args.trust_source, overwrite=args.overwrite,
+                                        work_dir=args.work_dir)
+    except DcpTieredError as e:
+        print(f"dcp-tiered: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dcp-tiered", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -151,7 +166,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     status.add_argument("--remote", help="remote URL (default: recorded in ROOT); S3 "
                         "credentials and endpoint come from the AWS_* environment")
     status.add_argument("--json", action="store_true", help="machine-readable output")
+    convert = sub.add_parser("convert", help="a framework's native checkpoint as "
+                             "world-size-independent DCP (full params + per-param optimizer "
+                             "state)")
+    convert.add_argument("framework", choices=["deepspeed"])
+    convert.add_argument("src", help="DeepSpeed save directory (uses 'latest') or tag directory")
+    convert.add_argument("dst", help="tier root the DCP step is written into (named after the tag)")
+    convert.add_argument("--tag", help="the tag to convert (default: the one 'latest' names)")
+    convert.add_argument("--native", action="store_true", help="for a dcp_tiered DeepSpeed "
+                         "step: write DeepSpeed's own files into DST/TAG instead (for "
+                         "zero_to_fp32 and other DeepSpeed tools)")
+    convert.add_argument("--trust-source", action="store_true", help="skip the weights_only "
+                         "check of native input files (they get unpickled by DeepSpeed's tool)")
+    convert.add_argument("--overwrite", action="store_true",
+                         help="replace DST's step of the same name")
+    convert.add_argument("--work-dir", help="scratch space for the intermediate universal "
+                         "checkpoint (default: the system temp dir; needs about 3x the "
+                         "fp32 model size)")
     args = parser.parse_args(argv)
+    if args.command == "convert":
+        return cmd_convert(args)
     tier = LocalTier(LocalBackend(args.root))
     try:
         if args.command == "ls":

@@ -38,6 +38,20 @@ class Net(nn.Module):
         return self.head(x)
 
 
+class Tiny(nn.Module):
+    """A small language-model-shaped net (embedding, norm) for the DeepSpeed tests."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.l1 = nn.Linear(16, 24)
+        self.norm = nn.LayerNorm(24)
+        self.l2 = nn.Linear(24, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(self.norm(torch.relu(self.l1(self.emb(x)))))
+
+
 def build(seed: int, layers: int = 2) -> Net:
     torch.manual_seed(seed)
     return Net(layers)

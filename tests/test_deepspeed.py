@@ -9,11 +9,13 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import torchrun
+from tests.conftest import REPO, torchrun
 
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.multirank
@@ -74,11 +76,6 @@ def test_kill_during_async_save_leaves_latest_on_the_previous_tag(tmp_path):
 
 
 def test_example_trains_saves_and_resumes(tmp_path):
-    import subprocess
-    import sys
-
-    from tests.conftest import REPO
-
     def run(steps: int) -> str:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc_per_node=2", str(REPO / "examples" / "deepspeed_train.py"),
@@ -93,3 +90,87 @@ def test_example_trains_saves_and_resumes(tmp_path):
     second = run(15)  # resumes at step 10 from the published checkpoint
     assert "step 10 loss" in second and "step 9 loss" not in second
     assert "latest = global_step15" in second
+
+
+# ------------------------------------------------------------------ converter and DeepSpeed's tools
+
+
+def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "dcp_tiered.cli", *args], capture_output=True,
+                          text=True, timeout=240, cwd=REPO, env={**os.environ, **ENV}, check=False)
+    assert not check or proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def load_converted(tmp_path: Path, root: Path, native: Path, nproc: int, live: bool) -> dict:
+    out = tmp_path / f"converted-{nproc}.json"
+    torchrun("ds_converted.py", nproc, "--root", str(root), "--step", "global_step3",
+             "--native", str(native), "--out", str(out),
+             *(["--live", str(tmp_path / "live.pt")] if live else []), env=ENV)
+    return json.loads(out.read_text())
+
+
+def check_converted(result: dict) -> None:
+    assert result["params_vs_zero_to_fp32"] == []  # bit for bit, buffers included
+    assert result["adam_vs_live"] == []
+    assert result["adam_keys"] == ["exp_avg", "exp_avg_sq", "step"]
+    assert result["steps"] == [3.0]
+    assert result["groups"] == ["emb.weight", "l1.weight", "l1.bias", "norm.weight",
+                                "norm.bias", "l2.weight", "l2.bias"]
+
+
+def convert_native(tmp_path: Path, stage: int, bf16: bool) -> None:
+    torchrun("ds_roundtrip.py", 2, "--out", str(tmp_path), "--stage", str(stage), "--phase",
+             "native", *(["--bf16"] if bf16 else []), timeout=240, env=ENV)
+    cli("convert", "deepspeed", str(tmp_path / "ckpt"), str(tmp_path / "dcp"))
+    for nproc in (1, 2):  # plain PyTorch, then FSDP2
+        check_converted(load_converted(tmp_path, tmp_path / "dcp", tmp_path / "ckpt", nproc, True))
+
+
+def test_converter_equals_zero_to_fp32_and_loads_at_any_world_size(tmp_path):
+    convert_native(tmp_path, 3, True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,bf16", [(1, False), (2, True), (3, False)])
+def test_converter_full_matrix(tmp_path, stage, bf16):
+    convert_native(tmp_path, stage, bf16)
+
+
+def test_deepspeed_tools_on_a_tiered_checkpoint(tmp_path):
+    roundtrip(tmp_path, 2, False, "sync")
+    ckpt = tmp_path / "ckpt"
+    z2f = subprocess.run([sys.executable, str(ckpt / "zero_to_fp32.py"), str(ckpt),
+                          str(tmp_path / "fp32")], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, **ENV}, check=False)
+    assert z2f.returncode != 0
+    assert f"dcp-tiered convert deepspeed {ckpt / 'global_step3'} OUT" in z2f.stderr
+    assert "--native" in z2f.stderr
+    # --native gives DeepSpeed's own files back; the DCP conversion equals zero_to_fp32 of them.
+    cli("convert", "deepspeed", str(ckpt), str(tmp_path / "native"), "--native")
+    assert (tmp_path / "native" / "latest").read_text() == "global_step3"
+    cli("convert", "deepspeed", str(ckpt), str(tmp_path / "dcp"))
+    result = load_converted(tmp_path, tmp_path / "dcp", tmp_path / "native", 1, False)
+    assert result["params_vs_zero_to_fp32"] == [] and result["steps"] == [3.0]
+    again = cli("convert", "deepspeed", str(ckpt), str(tmp_path / "dcp"), check=False)
+    assert again.returncode == 2 and "already exists" in again.stderr
+
+
+def test_converter_refuses_to_unpickle_code(tmp_path):
+    import torch
+
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    tag = tmp_path / "ckpt" / "global_step1"
+    tag.mkdir(parents=True)
+    torch.save({"module": {}, "x": Payload()}, tag / "mp_rank_00_model_states.pt")
+    torch.save({}, tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    proc = cli("convert", "deepspeed", str(tag), str(tmp_path / "dcp"), check=False)
+    assert proc.returncode == 2
+    assert "mp_rank_00_model_states.pt" in proc.stderr and "--trust-source" in proc.stderr
+    assert not marker.exists()
+    assert not (tmp_path / "dcp").exists() or not os.listdir(tmp_path / "dcp")

@@ -30,8 +30,9 @@ How it maps onto DeepSpeed's checkpoint-engine protocol (deepspeed/runtime/engin
 from __future__ import annotations
 
 import functools
-import json
+import io
 import logging
+import operator
 import os
 import time
 from collections.abc import Iterable, Mapping
@@ -187,17 +188,9 @@ class TieredCheckpointEngine(CheckpointEngine):
         save_dir, tag = os.path.dirname(tag_dir), os.path.basename(tag_dir)
         if os.path.exists(path) and not _is_stub(path):
             return self._load_native(path)
-        name = os.path.basename(path)
-        reader = TieredStorageReader(save_dir, remote=self.options.remote,
-                                     storage_options=self.options.storage_options)
-        reader.reset(tag)
-        out: dict[str, Any] = {}
-        _load_state_dict(out, storage_reader=reader, no_dist=True,
-                         planner=_EmptyStateDictLoadPlanner(keys={name}))
-        if name not in out:
-            raise FileNotFoundError(f"step {tag!r} in {save_dir} holds no DeepSpeed file {name!r}")
-        state = skeleton.join(out[name], where=f"{path} (step {tag!r})",
-                              trusted=[*_deepspeed_classes(), *self.options.trusted_classes])
+        state = read_file(save_dir, tag, os.path.basename(path), remote=self.options.remote,
+                          storage_options=self.options.storage_options,
+                          trusted_classes=self.options.trusted_classes)
         if map_location is not None and not callable(map_location):
             state = skeleton.map_leaves(
                 state, lambda v: v.to(map_location) if isinstance(v, torch.Tensor) else v)
@@ -270,7 +263,38 @@ class TieredCheckpointEngine(CheckpointEngine):
             return torch.load(path, map_location="cpu", weights_only=True)
 
 
-# ------------------------------------------------------------------ publishing
+# ------------------------------------------------------------------ reading and publishing
+
+
+def read_file(
+    save_dir: str,
+    tag: str,
+    name: str,
+    *,
+    remote: str | RemoteConfig | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    trusted_classes: Iterable[type] = (),
+) -> Any:
+    """DeepSpeed file ``name`` of step ``tag``, as DeepSpeed saved it. Not collective.
+
+    Only that file's keys are read, from the nearest tier holding a valid copy.
+    """
+    reader = TieredStorageReader(save_dir, remote=remote, storage_options=storage_options)
+    reader.reset(tag)
+    out: dict[str, Any] = {}
+    _load_state_dict(out, storage_reader=reader, no_dist=True,
+                     planner=_EmptyStateDictLoadPlanner(keys={name}))
+    if name not in out:
+        raise FileNotFoundError(f"step {tag!r} in {save_dir} holds no DeepSpeed file {name!r}")
+    return skeleton.join(out[name], where=f"{os.path.join(save_dir, tag, name)} (step {tag!r})",
+                         trusted=[*_deepspeed_classes(), *trusted_classes])
+
+
+def file_names(save_dir: str, tag: str) -> list[str]:
+    """The DeepSpeed files a committed step holds, from its verified manifest."""
+    planner_data = LocalTier(LocalBackend(save_dir)).read_manifest(tag).metadata.planner_data
+    return sorted({str(path[0]) for path in (planner_data or {}).values() if path})
+
 
 
 def publish(save_dir: str, tag: str, *, latest: bool) -> None:
@@ -280,22 +304,36 @@ def publish(save_dir: str, tag: str, *, latest: bool) -> None:
     any copy of the step (for instance one restored from the remote tier).
     """
     step_dir = os.path.join(save_dir, tag)
-    planner_data = LocalTier(LocalBackend(save_dir)).read_manifest(tag).metadata.planner_data
-    names = sorted({str(path[0]) for path in (planner_data or {}).values() if path})
-    for name in names:
-        body = {
-            "format": STUB_FORMAT,
-            "tag": tag,
-            "file": name,
-            "note": "Placeholder written by dcp_tiered: this file's data is in the DCP step of "
-                    "this directory. DeepSpeed loads it with dcp_tiered.shims.deepspeed "
-                    "installed; for full fp32 weights run: dcp-tiered convert deepspeed "
-                    f"{step_dir} OUT",
-        }
-        _write_atomically(os.path.join(step_dir, name), json.dumps(body, indent=1).encode())
+    for name in file_names(save_dir, tag):
+        _write_atomically(os.path.join(step_dir, name), _stub(step_dir, name))
     if latest:
         _write_atomically(os.path.join(save_dir, LATEST_NAME), tag.encode())
         logger.info("published %s as the latest DeepSpeed checkpoint in %s", tag, save_dir)
+
+
+class _StubError:
+    """Unpickles to ``{}[message]``: DeepSpeed's own tools (``zero_to_fp32``, ``ds_to_universal``)
+    load the stub with a full unpickler and stop with this KeyError, which says what to run.
+    Nothing else runs; dcp_tiered itself never unpickles a stub (see ``_is_stub``)."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return operator.getitem, ({}, self.message)
+
+
+def _stub(step_dir: str, name: str) -> bytes:
+    message = (
+        f"{STUB_FORMAT}: {name} is a placeholder written by dcp_tiered; the data of "
+        f"{os.path.basename(step_dir)} is in the DCP step in {step_dir}. DeepSpeed loads it "
+        "with dcp_tiered.shims.deepspeed installed. For DeepSpeed's own tools, convert it "
+        f"first: 'dcp-tiered convert deepspeed {step_dir} OUT' writes full fp32 weights and "
+        "optimizer state as DCP; add --native to write DeepSpeed's own files (zero_to_fp32)."
+    )
+    buf = io.BytesIO()
+    torch.save(_StubError(message), buf)  # a real torch file: zero_to_fp32 opens it with mmap
+    return buf.getvalue()
 
 
 def _write_atomically(path: str, data: bytes) -> None:
@@ -403,8 +441,8 @@ def _inside(path: str, directory: str) -> bool:
 
 def _is_stub(path: str) -> bool:
     with open(path, "rb") as f:
-        head = f.read(256)
-    return head.lstrip().startswith(b"{") and STUB_FORMAT.encode() in head
+        head = f.read(1024)  # the message sits, uncompressed, near the start of the zip
+    return STUB_FORMAT.encode() in head
 
 
 def _failed(fut: Future[Any]) -> bool:

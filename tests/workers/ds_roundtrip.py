@@ -23,19 +23,7 @@ import torch.distributed as dist
 from common import finish, write_json  # also puts the repo on sys.path
 
 from dcp_tiered.shims import deepspeed as ds_tiers
-from tests._model import clone, mismatches
-
-
-class Tiny(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = torch.nn.Embedding(32, 16)
-        self.l1 = torch.nn.Linear(16, 24)
-        self.norm = torch.nn.LayerNorm(24)
-        self.l2 = torch.nn.Linear(24, 32)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.l2(self.norm(torch.relu(self.l1(self.emb(x)))))
+from tests._model import Tiny, clone, mismatches
 
 
 def build(seed: int, stage: int, bf16: bool) -> deepspeed.DeepSpeedEngine:
@@ -82,6 +70,21 @@ def snapshot(engine: deepspeed.DeepSpeedEngine) -> dict:
     return {"params": params, "optim": clone(engine.optimizer.state_dict())}
 
 
+def save_native(save_dir: Path, stage: int, bf16: bool, rank: int, live: Path) -> None:
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    engine = build(1, stage, bf16)
+    for step in range(3):
+        train_step(engine, step, rank)
+    engine.save_checkpoint(str(save_dir), tag="global_step3")
+    full = {name: {"param": safe_get_full_fp32_param(p).clone(),
+                   **{k: safe_get_full_optimizer_state(p, k).clone()
+                      for k in ("exp_avg", "exp_avg_sq")}}
+            for name, p in engine.module.named_parameters()}
+    if rank == 0:
+        torch.save(full, live)
+
+
 def kill_while_writing() -> None:
     """SIGKILL this rank as soon as its background write of a data file starts."""
     import dcp_tiered.writer as writer_module
@@ -101,13 +104,19 @@ def main() -> None:
     p.add_argument("--stage", type=int, required=True)
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--mode", default="sync", choices=ds_tiers.MODES)
-    p.add_argument("--phase", default="roundtrip", choices=["roundtrip", "kill", "resume"],
+    p.add_argument("--phase", default="roundtrip",
+                   choices=["roundtrip", "kill", "resume", "native"],
                    help="kill: save global_step3, then SIGKILL every rank during the async "
-                        "write of global_step5; resume: load 'latest' and train 2 steps")
+                        "write of global_step5; resume: load 'latest' and train 2 steps; "
+                        "native: save global_step3 with DeepSpeed's own engine and write the "
+                        "full fp32 params and Adam state to live.pt (for the converter test)")
     a = p.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
     save_dir = Path(a.out) / "ckpt"
+    if a.phase == "native":
+        save_native(save_dir, a.stage, a.bf16, rank, Path(a.out) / "live.pt")
+        finish()
     ds_tiers.install(mode=a.mode)
 
     if a.phase == "resume":

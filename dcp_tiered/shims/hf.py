@@ -1,0 +1,382 @@
+"""HF Trainer: checkpoints through DCP ``async_save`` into the tiers, in the spirit of EasyCkpt.
+
+One line around an existing Trainer::
+
+    from dcp_tiered.shims.hf import wrap
+    trainer = wrap(Trainer(model, args, ...), remote="s3://bucket/run-1")
+    trainer.train(resume_from_checkpoint=True)   # newest committed step, local or remote
+
+or ``TieredTrainer(model, args, ..., tiers={"remote": ...})`` for subclass users.
+
+Trainer decides when to save (``save_strategy``, ``save_steps``); the wrapper decides how. Each
+save is one DCP step ``OUTPUT_DIR/checkpoint-N``, committed atomically by
+:class:`TieredStorageWriter` (an interrupted save leaves no ``checkpoint-N`` behind), holding
+the model, the optimizer (``torch.distributed.checkpoint.state_dict`` format, so FSDP2 DTensors
+are sharded), the scheduler, every rank's RNG state and ``trainer_state.json``'s content, which
+carries the data position (epoch, step). Once committed, ``trainer_state.json`` is also written
+beside the data for tools that read it.
+
+``save_total_limit`` goes through the tiers' retention: older steps are deleted only once they
+are durable on the remote tier (when there is one); the best model's step is pinned.
+
+With DeepSpeed enabled, Trainer saves through ``engine.save_checkpoint``; the wrapper installs
+:mod:`dcp_tiered.shims.deepspeed` instead and leaves Trainer's own flow alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import tempfile
+import warnings
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from .. import catalog, housekeeping
+from ..backends.local import LocalBackend
+from ..backends.remote import remote_backend
+from ..config import RemoteConfig
+from ..distributed import checkpoint_process_group
+from ..errors import CheckpointNotFoundError, ConfigError
+from ..local_tier import LocalTier
+from ..reader import TieredStorageReader
+from ..retention import RetentionPolicy
+from ..writer import TieredStorageWriter
+
+try:
+    from transformers import Trainer
+    from transformers.trainer import TRAINER_STATE_NAME
+    from transformers.trainer_callback import ExportableState
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+except ImportError as e:  # pragma: no cover - exercised only without transformers
+    raise ImportError("dcp_tiered.shims.hf needs transformers: pip install 'dcp-tiered[hf]'") from e
+
+logger = logging.getLogger(__name__)
+
+MODES = ("sync", "async")
+_STEP_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+
+
+def wrap(
+    trainer: Trainer,
+    *,
+    remote: str | RemoteConfig | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    mode: str = "async",
+    **writer_options: Any,
+) -> Trainer:
+    """Routes ``trainer``'s checkpoints through the tiers; returns the same trainer.
+
+    Args:
+        remote: a remote tier (fsspec URL or RemoteConfig) every step is promoted to.
+        mode: ``"async"`` (``dcp.async_save``: training continues while the step is written)
+            or ``"sync"``.
+        writer_options: passed to :class:`TieredStorageWriter` (``thread_count``, ...).
+    """
+    if mode not in MODES:
+        raise ConfigError(f"mode must be one of {MODES}, got {mode!r}")
+    if trainer.is_deepspeed_enabled:
+        from . import deepspeed as ds_shim
+
+        ds_shim.install(mode=mode, remote=remote, storage_options=storage_options,
+                        **writer_options)
+        original = trainer.train
+
+        def train_then_flush(*args: Any, **kwargs: Any) -> Any:
+            out = original(*args, **kwargs)
+            ds_shim.flush(trainer.model_wrapped)
+            return out
+
+        trainer.train = train_then_flush  # type: ignore[method-assign]
+        return trainer
+    if trainer.args.load_best_model_at_end:
+        raise ConfigError("load_best_model_at_end is not supported by dcp_tiered.shims.hf yet: "
+                          "load the best step with TieredStorageReader after training instead")
+    tiers = TrainerTiers(trainer, remote, storage_options, mode, writer_options)
+    trainer._save_checkpoint = tiers.save_checkpoint  # type: ignore[method-assign]
+    trainer._load_from_checkpoint = tiers.load_model  # type: ignore[method-assign]
+    trainer._load_optimizer_and_scheduler = tiers.load_optimizer_and_scheduler  # type: ignore
+    trainer._load_rng_state = tiers.load_rng_state  # type: ignore[method-assign]
+    trainer.train = tiers.train  # type: ignore[method-assign]
+    trainer.dcp_tiered = tiers  # type: ignore[attr-defined]
+    return trainer
+
+
+class TieredTrainer(Trainer):
+    """``Trainer`` with :func:`wrap` applied; ``tiers`` holds :func:`wrap`'s keyword arguments."""
+
+    def __init__(self, *args: Any, tiers: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        wrap(self, **dict(tiers or {}))
+
+
+class TrainerTiers:
+    """The methods :func:`wrap` puts on a Trainer, and the save in flight."""
+
+    def __init__(self, trainer: Trainer, remote: str | RemoteConfig | None,
+                 storage_options: Mapping[str, Any] | None, mode: str,
+                 writer_options: dict[str, Any]) -> None:
+        self.trainer = trainer
+        self.remote, self.storage_options = remote, storage_options
+        self.mode, self.writer_options = mode, writer_options
+        self._train = trainer.train
+        self._writers: dict[str, TieredStorageWriter] = {}
+        self._group: Any = None
+        self._inflight: Future[None] | None = None
+        self._publisher = ThreadPoolExecutor(1, thread_name_prefix="dcp-tiered-hf-publish")
+
+    @property
+    def root(self) -> str:
+        return os.path.abspath(self.trainer.args.output_dir)
+
+    # ------------------------------------------------------------ saving
+
+    def save_checkpoint(self, model: Any, trial: Any) -> None:
+        """Replaces ``Trainer._save_checkpoint``; called on every rank."""
+        tr = self.trainer
+        step = f"{PREFIX_CHECKPOINT_DIR}-{tr.state.global_step}"
+        if tr.hp_search_backend is None and trial is None:
+            tr.store_flos()
+        run_dir = os.path.abspath(tr._get_output_dir(trial=trial))
+        self.wait()  # one save in flight; its failure surfaces here
+        best = tr.state.best_global_step
+        if best and LocalTier(LocalBackend(run_dir)).has_step(f"{PREFIX_CHECKPOINT_DIR}-{best}"):
+            tr.state.best_model_checkpoint = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best}")
+        _export_callback_state(tr)
+        state = self._state()
+        if self._group is None and dist.is_initialized():
+            self._group = checkpoint_process_group()
+        kwargs = {"checkpoint_id": step, "storage_writer": self._writer(run_dir),
+                  "process_group": self._group, "no_dist": not dist.is_initialized()}
+        with _quiet():
+            if self.mode == "sync":
+                dcp.save(state, **kwargs)
+                done: Future[Any] = Future()
+                done.set_result(None)
+            else:
+                done = dcp.async_save(state, **kwargs)
+        self._inflight = self._publisher.submit(self._publish_when_done, done, run_dir, step,
+                                                state["trainer_state"])
+        if self.mode == "sync":
+            self.wait()
+
+    def _state(self) -> dict[str, Any]:
+        tr, args = self.trainer, self.trainer.args
+        state: dict[str, Any] = {"model": get_model_state_dict(tr.model)}
+        if not args.save_only_model:
+            state["optim"] = get_optimizer_state_dict(tr.model, _torch_optimizer(tr.optimizer))
+            if tr.lr_scheduler is not None:
+                state["scheduler"] = copy.deepcopy(tr.lr_scheduler.state_dict())
+            state[_rng_key(args.process_index)] = _rng_state()
+        state["trainer_state"] = json.dumps(dataclasses.asdict(tr.state), indent=2, sort_keys=True) + "\n"
+        return state
+
+    def _publish_when_done(self, done: Future[Any], run_dir: str, step: str,
+                           trainer_state: str) -> None:
+        """Once committed (rank 0's future ends after every rank's data is written): the
+        plain ``trainer_state.json`` beside the data, then ``save_total_limit``."""
+        done.result()
+        args = self.trainer.args
+        if args.process_index != 0:
+            return
+        tier = LocalTier(LocalBackend(run_dir))
+        tier.backend.write_atomically(step, TRAINER_STATE_NAME, trainer_state.encode())
+        if args.save_total_limit:
+            best = self.trainer.state.best_model_checkpoint
+            policy = RetentionPolicy(keep_latest=args.save_total_limit,
+                                     pinned=frozenset({os.path.basename(best)} if best else ()))
+            housekeeping.prune_local(tier, policy, self._writer(run_dir).remote_backend,
+                                     label="local (save_total_limit)")
+
+    def wait(self) -> None:
+        """Finishes the save in flight (and its publication); raises what it raised."""
+        if self._inflight is not None:
+            inflight, self._inflight = self._inflight, None
+            inflight.result()
+
+    def wait_durable(self, timeout_secs: float | None = None) -> None:
+        """Blocks until the newest step is on the remote tier (rank 0 promotes it)."""
+        self.wait()
+        self._writer(self.root).wait_durable(timeout_secs=timeout_secs)
+
+    def _writer(self, run_dir: str) -> TieredStorageWriter:
+        if run_dir not in self._writers:
+            self._writers[run_dir] = TieredStorageWriter(
+                run_dir, remote=self.remote, storage_options=self.storage_options,
+                **self.writer_options)
+        return self._writers[run_dir]
+
+    # ------------------------------------------------------------ resuming
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any,
+              **kwargs: Any) -> Any:
+        """``Trainer.train``; ``resume_from_checkpoint=True`` picks the newest committed step
+        on any tier, a path or step name picks that step."""
+        scratch = None
+        if resume_from_checkpoint:
+            step = self._resolve(resume_from_checkpoint)
+            # Trainer reads trainer_state.json by path; give it the committed step's own copy.
+            scratch = tempfile.mkdtemp(prefix="dcp-tiered-resume-")
+            resume_from_checkpoint = os.path.join(scratch, step)
+            os.makedirs(resume_from_checkpoint)
+            state = self._load(step, {"trainer_state": ""})["trainer_state"]
+            with open(os.path.join(resume_from_checkpoint, TRAINER_STATE_NAME), "w") as f:
+                f.write(state)
+        try:
+            out = self._train(resume_from_checkpoint or None, *args, **kwargs)
+            self.wait()  # the last step is committed and published when train() returns
+            return out
+        finally:
+            if scratch:
+                shutil.rmtree(scratch, ignore_errors=True)
+
+    def committed(self) -> list[str]:
+        """The committed ``checkpoint-N`` steps on any tier, oldest first."""
+        remote = remote_backend(self.remote, self.storage_options)
+        steps = [s.name for s in catalog.list_steps(LocalTier(LocalBackend(self.root)), remote)
+                 if _STEP_RE.match(s.name)]
+        return sorted(steps, key=lambda n: int(_STEP_RE.match(n).group(1)))  # type: ignore
+
+    def latest(self) -> str | None:
+        """The step ``train(resume_from_checkpoint=True)`` resumes from, or None."""
+        steps = self.committed()
+        return steps[-1] if steps else None
+
+    def _resolve(self, wanted: str | bool) -> str:
+        steps = self.committed()
+        where = self.root + (f" or {self.remote}" if self.remote else "")
+        if wanted is True:
+            if not steps:
+                raise CheckpointNotFoundError(
+                    f"no committed {PREFIX_CHECKPOINT_DIR}-N step in {where}: nothing to resume "
+                    "from. Train without resume_from_checkpoint, or check output_dir/remote.")
+            return steps[-1]
+        name = os.path.basename(os.path.normpath(str(wanted)))
+        if name not in steps:
+            raise CheckpointNotFoundError(
+                f"no committed step {name!r} in {where}. Committed: {', '.join(steps) or 'none'}.")
+        return name
+
+    def load_model(self, path: str, model: Any = None) -> None:
+        """Replaces ``Trainer._load_from_checkpoint``."""
+        model = model if model is not None else self.trainer.model
+        state = self._load(os.path.basename(path), {"model": get_model_state_dict(model)})
+        set_model_state_dict(model, state["model"])
+
+    def load_optimizer_and_scheduler(self, path: str | None) -> None:
+        """Replaces ``Trainer._load_optimizer_and_scheduler``."""
+        tr = self.trainer
+        if path is None or tr.args.save_only_model:
+            return
+        opt = _torch_optimizer(tr.optimizer)
+        wanted: dict[str, Any] = {"optim": get_optimizer_state_dict(tr.model, opt)}
+        if tr.lr_scheduler is not None:
+            wanted["scheduler"] = tr.lr_scheduler.state_dict()
+        state = self._load(os.path.basename(path), wanted)
+        set_optimizer_state_dict(tr.model, opt, state["optim"])
+        if tr.lr_scheduler is not None:
+            tr.lr_scheduler.load_state_dict(state["scheduler"])
+
+    def load_rng_state(self, path: str | None) -> None:
+        """Replaces ``Trainer._load_rng_state``: this rank's generators as saved."""
+        if path is None:
+            return
+        key = _rng_key(self.trainer.args.process_index)
+        state = self._load(os.path.basename(path), {key: _rng_state()}, partial=True)
+        if state.get(key) is None:
+            logger.info("no RNG state for process %s in %s: resuming with different randomness "
+                        "(was the world size different?)", self.trainer.args.process_index, path)
+            return
+        _set_rng_state(state[key])
+
+    def _load(self, step: str, wanted: dict[str, Any], *, partial: bool = False) -> dict[str, Any]:
+        """Reads ``wanted``'s keys of ``step`` on this rank alone, from the nearest valid tier."""
+        reader = TieredStorageReader(self.root, remote=self.remote,
+                                     storage_options=self.storage_options)
+        if partial:
+            reader.reset(step)
+            present = reader.read_metadata().state_dict_metadata
+            wanted = {k: v for k, v in wanted.items()
+                      if any(f.split(".")[0] == k for f in present)}
+        with _quiet():
+            dcp.load(wanted, checkpoint_id=step, storage_reader=reader, no_dist=True,
+                     planner=DefaultLoadPlanner(allow_partial_load=partial))
+        return wanted
+
+
+# ------------------------------------------------------------------ helpers
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")  # one process: yes
+        yield
+
+
+def _torch_optimizer(opt: Any) -> torch.optim.Optimizer:
+    return getattr(opt, "optimizer", opt)  # accelerate's AcceleratedOptimizer wraps it
+
+
+def _export_callback_state(tr: Trainer) -> None:
+    """What ``Trainer._save_checkpoint`` does for stateful callbacks (early stopping, ...)."""
+    for cb in [*tr.callback_handler.callbacks, tr.control]:
+        if isinstance(cb, ExportableState):
+            name = cb.__class__.__name__
+            if isinstance(tr.state.stateful_callbacks.get(name), list):
+                tr.state.stateful_callbacks[name].append(cb.state())
+            else:
+                tr.state.stateful_callbacks[name] = cb.state()
+
+
+def _rng_key(process_index: int) -> str:
+    return f"rng_{process_index}"
+
+
+def _rng_state() -> dict[str, Any]:
+    """Python, NumPy and torch generators, in types torch's weights_only loader accepts."""
+    algo, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": {"algo": algo, "keys": torch.from_numpy(keys.copy()), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "cpu": torch.random.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(_tuples(state["python"]))
+    n = state["numpy"]
+    np.random.set_state((n["algo"], n["keys"].numpy(), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    torch.random.set_rng_state(state["cpu"])
+    if torch.cuda.is_available() and "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _tuples(value: Any) -> Any:
+    """``random.setstate`` wants tuples where a round trip may have produced lists."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value

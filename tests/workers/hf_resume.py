@@ -1,0 +1,85 @@
+"""HF Trainer through dcp_tiered.shims.hf: a tiny GPT-2 (dropout 0.1, so RNG state matters).
+
+    [torchrun --nproc_per_node=2] tests/workers/hf_resume.py --out DIR --phase full|stop|resume
+        [--mode async|sync] [--remote URL --storage-options JSON]
+
+full: 8 steps, saving every 2 (save_total_limit 2); stop: the same, stopped after the save at
+step 4; resume: a fresh Trainer, resume_from_checkpoint=True, to step 8. Rank 0 writes the
+final params to DIR/params-PHASE.pt and DIR/PHASE.json (the checkpoint dirs left).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
+
+from dcp_tiered.shims.hf import wrap
+
+torch.set_num_threads(1)
+
+
+class StopAt(TrainerCallback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True  # after this step's save
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--phase", required=True, choices=["full", "stop", "resume"])
+    p.add_argument("--mode", default="async")
+    p.add_argument("--remote", default=None)
+    p.add_argument("--storage-options", default="{}", help="JSON, for an S3 remote")
+    a = p.parse_args()
+    out = Path(a.out)
+    run = out / ("run-full" if a.phase == "full" else "run")  # stop and resume share one
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
+                        resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+    model = GPT2LMHeadModel(config)
+    gen = torch.Generator().manual_seed(1)
+    data = [{"input_ids": ids, "labels": ids}
+            for ids in torch.randint(0, 64, (64, 16), generator=gen)]
+    args = TrainingArguments(
+        output_dir=str(run), max_steps=8, save_strategy="steps", save_steps=2,
+        save_total_limit=2, per_device_train_batch_size=2, learning_rate=1e-3,
+        lr_scheduler_type="linear", warmup_steps=1, use_cpu=True,
+        ddp_backend="gloo" if "WORLD_SIZE" in os.environ else None,
+        report_to=[], logging_steps=1, seed=42, dataloader_num_workers=0, disable_tqdm=True,
+    )
+    trainer = wrap(Trainer(model=model, args=args, train_dataset=data,
+                           callbacks=[StopAt(4)] if a.phase == "stop" else []),
+                   mode=a.mode, remote=a.remote,
+                   storage_options=json.loads(a.storage_options))
+    trainer.train(resume_from_checkpoint=True if a.phase == "resume" else None)
+    if a.remote and a.phase == "stop":
+        trainer.dcp_tiered.wait_durable(timeout_secs=120)  # before this node "dies"
+    if args.process_index == 0:
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()},
+                   out / f"params-{a.phase}.pt")
+        left = sorted(n for n in os.listdir(run) if n.startswith("checkpoint-"))
+        (out / f"{a.phase}.json").write_text(json.dumps({
+            "left": left, "step": trainer.state.global_step,
+            "files": sorted(os.listdir(run / left[-1])) if left else []}))
+
+
+if __name__ == "__main__":
+    main()
