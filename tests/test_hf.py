@@ -23,7 +23,7 @@ WORKER = "hf_resume.py"
 def run(tmp_path: Path, nproc: int, phase: str, *args: str) -> dict:
     argv = ["--out", str(tmp_path), "--phase", phase, *args]
     if nproc > 1:
-        torchrun(WORKER, nproc, *argv, timeout=240)
+        torchrun(WORKER, nproc, *argv, timeout=240, env={"DS_ACCELERATOR": "cpu"})
     else:  # a plain process: Trainer without torch.distributed
         proc = subprocess.run([sys.executable, str(REPO / "tests" / "workers" / WORKER), *argv],
                               capture_output=True, text=True, timeout=240, cwd=REPO,
@@ -48,6 +48,19 @@ def test_resume_from_step_4_of_8_is_bit_identical(tmp_path, nproc, mode):
     assert stopped["step"] == 4 and stopped["left"] == ["checkpoint-2", "checkpoint-4"]
     assert same_params(tmp_path, "full", "stop")  # really stopped early
     resumed = run(tmp_path, nproc, "resume", "--mode", mode)
+    assert resumed["step"] == 8
+    assert same_params(tmp_path, "full", "resume") == []
+
+
+def test_under_deepspeed_saves_go_through_the_deepspeed_shim(tmp_path):
+    pytest.importorskip("deepspeed")
+    run(tmp_path, 2, "full", "--zero", "2")
+    stopped = run(tmp_path, 2, "stop", "--zero", "2")
+    # Trainer's own layout, with the DeepSpeed step committed by dcp_tiered inside it.
+    assert {"trainer_state.json", "latest", "global_step4"} <= set(stopped["files"])
+    step = tmp_path / "run" / "checkpoint-4" / "global_step4"
+    assert {"manifest.json", "mp_rank_00_model_states.pt"} <= set(os.listdir(step))
+    resumed = run(tmp_path, 2, "resume", "--zero", "2")
     assert resumed["step"] == 8
     assert same_params(tmp_path, "full", "resume") == []
 

@@ -73,7 +73,7 @@ STUB_FORMAT = "dcp_tiered.deepspeed-stub/1"
 LATEST_NAME = "latest"
 
 
-def _deepspeed_classes() -> list[type]:
+def deepspeed_classes() -> list[type]:
     """Plain-data classes DeepSpeed puts in its checkpoint files (beside tensors and dicts)."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
@@ -258,7 +258,7 @@ class TieredCheckpointEngine(CheckpointEngine):
     def _load_native(self, path: str) -> Any:
         """A file DeepSpeed wrote itself: torch's weights_only loader, DeepSpeed's classes only."""
         with torch.serialization.safe_globals(
-            [*_deepspeed_classes(), *self.options.trusted_classes]
+            [*deepspeed_classes(), *self.options.trusted_classes]
         ):
             return torch.load(path, map_location="cpu", weights_only=True)
 
@@ -287,7 +287,7 @@ def read_file(
     if name not in out:
         raise FileNotFoundError(f"step {tag!r} in {save_dir} holds no DeepSpeed file {name!r}")
     return skeleton.join(out[name], where=f"{os.path.join(save_dir, tag, name)} (step {tag!r})",
-                         trusted=[*_deepspeed_classes(), *trusted_classes])
+                         trusted=[*deepspeed_classes(), *trusted_classes])
 
 
 def file_names(save_dir: str, tag: str) -> list[str]:

@@ -117,7 +117,7 @@ def _materialise(save_dir: str, tag: str, out_root: str) -> str:
 
 def _vet_native(tag_dir: str) -> None:
     """Every input file must load without running code before ``ds_to_universal`` opens it."""
-    with torch.serialization.safe_globals(ds_shim._deepspeed_classes()):
+    with torch.serialization.safe_globals(ds_shim.deepspeed_classes()):
         for path in sorted(glob.glob(os.path.join(tag_dir, "*.pt"))):
             try:
                 torch.load(path, map_location="cpu", weights_only=True)
@@ -153,7 +153,7 @@ def _universal(tag_dir: str, out: str) -> str:
 
 
 def _to_state(universal: str, tag: str) -> dict[str, Any]:
-    trusted = ds_shim._deepspeed_classes()
+    trusted = ds_shim.deepspeed_classes()
 
     def load(*parts: str) -> Any:
         with torch.serialization.safe_globals(trusted):

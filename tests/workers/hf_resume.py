@@ -48,6 +48,8 @@ def main() -> None:
     p.add_argument("--mode", default="async")
     p.add_argument("--remote", default=None)
     p.add_argument("--storage-options", default="{}", help="JSON, for an S3 remote")
+    p.add_argument("--zero", type=int, default=None, help="train under DeepSpeed ZeRO stage N "
+                   "(checkpoints then go through dcp_tiered.shims.deepspeed)")
     a = p.parse_args()
     out = Path(a.out)
     run = out / ("run-full" if a.phase == "full" else "run")  # stop and resume share one
@@ -64,6 +66,12 @@ def main() -> None:
         lr_scheduler_type="linear", warmup_steps=1, use_cpu=True,
         ddp_backend="gloo" if "WORLD_SIZE" in os.environ else None,
         report_to=[], logging_steps=1, seed=42, dataloader_num_workers=0, disable_tqdm=True,
+        deepspeed=None if a.zero is None else {
+            "zero_optimization": {"stage": a.zero}, "zero_allow_untested_optimizer": True,
+            "optimizer": {"type": "AdamW", "params": {"lr": "auto", "torch_adam": True,
+                                                      "weight_decay": "auto"}},
+            "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "steps_per_print": 10**9},
     )
     trainer = wrap(Trainer(model=model, args=args, train_dataset=data,
                            callbacks=[StopAt(4)] if a.phase == "stop" else []),
