@@ -296,7 +296,6 @@ def file_names(save_dir: str, tag: str) -> list[str]:
     return sorted({str(path[0]) for path in (planner_data or {}).values() if path})
 
 
-
 def publish(save_dir: str, tag: str, *, latest: bool) -> None:
     """Writes DeepSpeed's file stubs into the committed step, then (optionally) ``latest``.
 

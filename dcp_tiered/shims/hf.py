@@ -368,7 +368,7 @@ def _rng_state() -> dict[str, Any]:
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(_tuples(state["python"]))
+    random.setstate(state["python"])
     n = state["numpy"]
     np.random.set_state((n["algo"], n["keys"].numpy(), n["pos"], n["has_gauss"],
                          n["cached_gaussian"]))
@@ -376,7 +376,3 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     if torch.cuda.is_available() and "cuda" in state:
         torch.cuda.set_rng_state_all(state["cuda"])
 
-
-def _tuples(value: Any) -> Any:
-    """``random.setstate`` wants tuples where a round trip may have produced lists."""
-    return tuple(_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
