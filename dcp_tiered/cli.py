@@ -1,5 +1,5 @@
 """Command line: ``dcp-tiered ls ROOT``, ``verify ROOT [STEP]``, ``status ROOT`` and
-``convert deepspeed SRC DST``."""
+``convert deepspeed|megatron SRC DST``."""
 
 from __future__ import annotations
 
@@ -138,12 +138,19 @@ def cmd_status(tier: LocalTier, memory: str | None, remote_url: str | None, as_j
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from .shims import deepspeed_convert  # needs DeepSpeed
-
     try:
-        out = deepspeed_convert.convert(args.src, args.dst, tag=args.tag, native=args.native,
-                                        trust_source=args.trust_source, overwrite=args.overwrite,
-                                        work_dir=args.work_dir)
+        if args.framework == "megatron":
+            from .shims import megatron_convert  # needs megatron-core
+
+            out = megatron_convert.convert(args.src, args.dst, iteration=args.iteration,
+                                           trust_source=args.trust_source,
+                                           overwrite=args.overwrite)
+        else:
+            from .shims import deepspeed_convert  # needs DeepSpeed
+
+            out = deepspeed_convert.convert(args.src, args.dst, tag=args.tag, native=args.native,
+                                            trust_source=args.trust_source,
+                                            overwrite=args.overwrite, work_dir=args.work_dir)
     except DcpTieredError as e:
         print(f"dcp-tiered: {e}", file=sys.stderr)
         return 2
@@ -169,10 +176,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     convert = sub.add_parser("convert", help="a framework's native checkpoint as "
                              "world-size-independent DCP (full params + per-param optimizer "
                              "state)")
-    convert.add_argument("framework", choices=["deepspeed"])
-    convert.add_argument("src", help="DeepSpeed save directory (uses 'latest') or tag directory")
-    convert.add_argument("dst", help="tier root the DCP step is written into (named after the tag)")
-    convert.add_argument("--tag", help="the tag to convert (default: the one 'latest' names)")
+    convert.add_argument("framework", choices=["deepspeed", "megatron"])
+    convert.add_argument("src", help="DeepSpeed: save directory (uses 'latest') or tag directory; "
+                         "Megatron: a legacy (--ckpt-format torch) save directory")
+    convert.add_argument("dst", help="tier root the DCP step is written into (named after the "
+                         "tag, or iter_XXXXXXX)")
+    convert.add_argument("--tag", help="DeepSpeed: the tag to convert (default: the one 'latest' "
+                         "names)")
+    convert.add_argument("--iteration", type=int, help="Megatron: the iteration to convert "
+                         "(default: the one latest_checkpointed_iteration.txt names)")
     convert.add_argument("--native", action="store_true", help="for a dcp_tiered DeepSpeed "
                          "step: write DeepSpeed's own files into DST/TAG instead (for "
                          "zero_to_fp32 and other DeepSpeed tools)")

@@ -110,3 +110,15 @@ class PermanentTierError(TierError):
 
 class UploadFailedError(TierError):
     """A step could not be made durable on the remote tier."""
+
+
+def describe(e: BaseException) -> str:
+    """One line for an exception; for DCP's CheckpointException, every rank's cause."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        parts = []
+        for rank, f in sorted(failures.items()):
+            exc = f[0] if isinstance(f, tuple) else f
+            parts.append(f"rank {rank}: {type(exc).__name__}: {exc}")
+        return "; ".join(parts)[:2000]
+    return f"{type(e).__name__}: {e}"[:2000]

@@ -47,6 +47,7 @@ from .errors import (
     DcpTieredError,
     InsufficientSpaceError,
     SaveFailedError,
+    describe,
 )
 from .events import EventLog
 from .memory_tier import MemoryTier
@@ -362,9 +363,9 @@ class CheckpointManager:
                  else self._memory.root if tier == "memory" and self._memory is not None
                  else self._local.root)
         self._failures.append({"rank": self.rank, "step": rec.name, "tier": tier, "where": where,
-                               "error": _describe(error)})
+                               "error": describe(error)})
         self._events.emit("failed", step=rec.step, rank=self.rank, tier=tier, where=where,
-                          error=_describe(error))
+                          error=describe(error))
 
     def _emit(self, rec: _InFlight) -> None:
         fields: dict[str, Any] = {
@@ -470,7 +471,7 @@ class CheckpointManager:
             dcp.load(self._loadable(app_state, reader, name), checkpoint_id=name,
                      storage_reader=reader, process_group=self._save_pg)
         except (CheckpointException, DcpTieredError) as e:  # DCP told every rank already
-            return _describe(e)
+            return describe(e)
         return None
 
     def _load_memory(self, name: str, app_state: dict[str, Any]) -> str | None:
@@ -588,14 +589,3 @@ def _state_bytes(app_state: dict[str, Any]) -> int:
 
 def _round(v: float | None) -> float | None:
     return None if v is None else round(v, 6)
-
-
-def _describe(e: BaseException) -> str:
-    failures = getattr(e, "failures", None)
-    if isinstance(failures, dict) and failures:
-        parts = []
-        for rank, f in sorted(failures.items()):
-            exc = f[0] if isinstance(f, tuple) else f
-            parts.append(f"rank {rank}: {type(exc).__name__}: {exc}")
-        return "; ".join(parts)[:2000]
-    return f"{type(e).__name__}: {e}"[:2000]

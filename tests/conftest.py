@@ -30,6 +30,18 @@ def torchrun(script: str, nproc: int, *args: str, timeout: float = 240, check: b
     return proc
 
 
+def run_example(script: str, *args: str, ranks: int | None = None, timeout: float = 300,
+                env: dict | None = None) -> str:
+    """Run examples/<script> (under torchrun with ``ranks``); its stdout, or fail the test."""
+    launcher = ([] if ranks is None else
+                ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"])
+    proc = subprocess.run([sys.executable, *launcher, str(REPO / "examples" / script), *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO, check=False,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout
+
+
 def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
 
@@ -61,10 +73,10 @@ def tmpfs(tmp_path):
 
 # ---------------------------------------------------------------- S3 (a real server on 127.0.0.1)
 
-import uuid  # noqa: E402
+import uuid
 
-from tests.s3server import free_port, s3fs_options, start_moto  # noqa: E402
-from tests.s3server import wait_for_port as _wait_for_port  # noqa: E402
+from tests.s3server import free_port, s3fs_options, start_moto
+from tests.s3server import wait_for_port as _wait_for_port
 
 
 class S3:

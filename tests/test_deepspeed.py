@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, torchrun
+from tests.conftest import REPO, run_example, torchrun
 
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.multirank
@@ -77,13 +77,8 @@ def test_kill_during_async_save_leaves_latest_on_the_previous_tag(tmp_path):
 
 def test_example_trains_saves_and_resumes(tmp_path):
     def run(steps: int) -> str:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node=2", str(REPO / "examples" / "deepspeed_train.py"),
-               "--save-dir", str(tmp_path / "run"), "--steps", str(steps)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO, check=False,
-                              env={**os.environ, **ENV, "OMP_NUM_THREADS": "1"})
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        return proc.stdout
+        return run_example("deepspeed_train.py", "--save-dir", str(tmp_path / "run"),
+                           "--steps", str(steps), ranks=2, timeout=240, env=ENV)
 
     first = run(10)
     assert "latest = global_step10" in first and "step 0 loss" in first

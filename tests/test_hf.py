@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, torchrun
+from tests.conftest import REPO, run_example, torchrun
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -86,13 +86,8 @@ def test_resume_on_a_fresh_node_from_s3(tmp_path, s3):
 
 def test_example_trains_and_resumes(tmp_path):
     def example(steps: int) -> str:
-        proc = subprocess.run(
-            [sys.executable, str(REPO / "examples" / "hf_trainer.py"), "--output-dir",
-             str(tmp_path / "out"), "--max-steps", str(steps)],
-            capture_output=True, text=True, timeout=240, cwd=REPO,
-            env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        return proc.stdout
+        return run_example("hf_trainer.py", "--output-dir", str(tmp_path / "out"),
+                           "--max-steps", str(steps), timeout=240)
 
     assert "resumed from: none" in example(6)
     assert "resumed from: checkpoint-6" in example(10)

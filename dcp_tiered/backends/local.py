@@ -193,11 +193,16 @@ class LocalBackend:
         return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
 
     def replace_root_file(self, name: str, data: bytes) -> None:
-        """Write a small file directly under the root via a temporary file and a rename."""
+        """Write a small file directly under the root via a temporary file and a rename, both
+        fsynced: readers see the old content or the new, even after a power loss."""
         self.ensure_root()
         tmp = self._child(f".{name}.{os.getpid()}{TMP_SUFFIX}")
-        tmp.write_bytes(data)
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, self._child(name))
+        fsync_dir(self.root)
 
     def sync_dir(self, name: str | None = None) -> None:
         fsync_dir(self._child(name) if name else self.root)

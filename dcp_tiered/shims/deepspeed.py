@@ -336,17 +336,7 @@ def _stub(step_dir: str, name: str) -> bytes:
 
 
 def _write_atomically(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    LocalBackend(os.path.dirname(path)).replace_root_file(os.path.basename(path), data)
 
 
 # ------------------------------------------------------------------ installing

@@ -1,0 +1,271 @@
+"""megatron-core ``dist_checkpointing`` strategies that save and load through the tiers.
+
+    from dcp_tiered.shims.megatron_strategy import TieredSaveShardedStrategy
+    strategy = TieredSaveShardedStrategy(remote="s3://bucket/run-1")    # on every rank
+    dist_checkpointing.save(sharded_state_dict, "ckpt/iter_0000100", sharded_strategy=strategy)
+
+or, in Megatron-LM, ``checkpointing_context["save_strategy"] = strategy``.
+
+The save reuses mcore's own ShardedTensor -> DCP translation and ``MCoreSavePlanner``, and
+calls stock ``torch.distributed.checkpoint`` with :class:`TieredStorageWriter`: the directory
+is published with an atomic rename once every rank's data is written, every byte is
+checksummed, and the step is copied to the remote tier in the background. The backend name
+stays ``torch_dist``, so stock ``dist_checkpointing.load`` reads the result, resharding
+included; :class:`TieredLoadShardedStrategy` reads it from the nearest tier holding a valid
+copy instead, verifying every byte.
+
+mcore writes ``common.pt`` (rank 0) into the directory before the sharded save and
+``metadata.json`` after it. The atomic rename replaces that directory, so ``common.pt`` is
+carried inside the DCP step as one more byte item (and so is checksummed and uploaded), and
+both files are written back once the step is committed (:func:`write_sidecars`, which also
+rebuilds them for a copy restored from the remote tier).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from ..backends.local import LocalBackend
+from ..distributed import checkpoint_process_group
+from ..reader import TieredStorageReader
+from ..writer import TieredStorageWriter
+
+try:
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreLoadPlanner,
+        MCoreSavePlanner,
+        TorchDistLoadShardedStrategy,
+        TorchDistSaveShardedStrategy,
+        _replace_sharded_keys_with_state_dict_keys,
+        _replace_state_dict_keys_with_sharded_keys,
+        _restore_dict_types,
+        _unwrap_pyt_sharded_tensor,
+        mcore_to_pyt_state_dict,
+    )
+except ImportError as e:  # pragma: no cover - exercised only without megatron-core
+    raise ImportError(
+        "dcp_tiered.shims.megatron needs megatron-core: pip install 'dcp-tiered[megatron]'"
+    ) from e
+
+logger = logging.getLogger(__name__)
+
+COMMON_NAME = "common.pt"
+CONFIG_NAME = "metadata.json"
+# A ShardedObject-shaped key (<key>/shard_<offset>_<shape>), so mcore's metadata readers,
+# which parse every byte item's key that way, accept it.
+COMMON_KEY = "dcp_tiered.common_pt/shard_0_1"
+
+
+def split_dir(checkpoint_dir: str | os.PathLike[str]) -> tuple[str, str]:
+    """``(root, step)`` of a checkpoint directory: the tiers' root and the step's name."""
+    path = os.path.abspath(os.fspath(checkpoint_dir))
+    return os.path.dirname(path), os.path.basename(path)
+
+
+class _NoStaging:
+    """``async_stager`` for state already snapshotted: DCP's own stager cannot copy mcore's
+    wrapper tensors (``CheckpointableShardedTensor`` refuses tensor operations)."""
+
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class TieredSaveShardedStrategy(TorchDistSaveShardedStrategy):
+    """``torch_dist`` saving through :class:`TieredStorageWriter`. Build it on every rank
+    (it creates the gloo group DCP's collectives run on, collectively).
+
+    Args:
+        remote, storage_options: the remote tier (see :class:`TieredStorageWriter`).
+        keep_only_main_replica: as in mcore: replicas are written once, by the main replica.
+        writer_options: more :class:`TieredStorageWriter` arguments.
+    """
+
+    def __init__(self, backend: str = "torch_dist", version: int = 1, *,
+                 remote: Any = None, storage_options: dict[str, Any] | None = None,
+                 keep_only_main_replica: bool = True, **writer_options: Any) -> None:
+        super().__init__(backend, version, keep_only_main_replica=keep_only_main_replica)
+        self.remote, self.storage_options = remote, storage_options
+        self.writer_options = writer_options
+        self._group = checkpoint_process_group()
+        self._writers: dict[str, TieredStorageWriter] = {}
+        self.in_flight: Future[Any] | None = None  # the newest async save's write
+
+    def writer(self, root: str) -> TieredStorageWriter:
+        # One writer per root, kept: its staging buffers are reused save after save.
+        if root not in self._writers:
+            options = {"overwrite": True, **self.writer_options}
+            self._writers[root] = TieredStorageWriter(root, remote=self.remote,
+                                                      storage_options=self.storage_options,
+                                                      **options)
+        return self._writers[root]
+
+    def save(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> None:
+        root, step = split_dir(checkpoint_dir)
+        dcp.save(self._pyt_state_dict(sharded_state_dict, checkpoint_dir), checkpoint_id=step,
+                 storage_writer=self.writer(root), planner=self._planner(),
+                 process_group=self._group)
+        self._publish(root, step)
+
+    def async_save(self, sharded_state_dict: Any, checkpoint_dir: str | Path,
+                   async_strategy: Any = None, **_: Any) -> AsyncRequest:
+        """Snapshots this rank's shards to host memory now and writes them in the background.
+
+        The request has no ``async_fn`` (the write runs on the writer's threads, not in mcore's
+        forked worker); its first finalize step waits for the write and publishes the step.
+        ``async_strategy`` (megatron-core >= 0.20) names mcore's own writers and is ignored.
+        """
+        root, step = split_dir(checkpoint_dir)
+        for sh in nested_values(sharded_state_dict):
+            if isinstance(sh, ShardedTensor) and sh.data is not None:
+                sh.data = sh.data.detach().to("cpu", copy=True)
+        future = dcp.async_save(self._pyt_state_dict(sharded_state_dict, checkpoint_dir),
+                                checkpoint_id=step, storage_writer=self.writer(root),
+                                planner=self._planner(), process_group=self._group,
+                                async_stager=_NoStaging())
+        self.in_flight = future
+
+        def finalize() -> None:
+            future.result()
+            self.in_flight = None
+            self._publish(root, step)
+
+        return AsyncRequest(None, (), [finalize])
+
+    def close(self) -> None:
+        for writer in self._writers.values():
+            writer.close()
+
+    def _planner(self) -> MCoreSavePlanner:
+        return MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica,
+                                flatten_state_dict=False)
+
+    def _pyt_state_dict(self, sharded_state_dict: Any,
+                        checkpoint_dir: str | Path) -> dict[str, Any]:
+        flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict,
+                                                                self.keep_only_main_replica)
+        pyt = mcore_to_pyt_state_dict(flat, False)
+        common = os.path.join(checkpoint_dir, COMMON_NAME)
+        if _rank() == 0 and os.path.isfile(common):  # mcore's rank 0 has just written it
+            with open(common, "rb") as f:
+                pyt[COMMON_KEY] = io.BytesIO(f.read())
+        return pyt
+
+    def _publish(self, root: str, step: str) -> None:
+        if _rank() == 0:
+            write_sidecars(root, step, backend=self.backend, version=self.version)
+
+
+class TieredLoadShardedStrategy(TorchDistLoadShardedStrategy):
+    """``torch_dist`` loading from the nearest tier holding a valid copy, every byte verified
+    (mcore's stock loader reads the local directory only, unverified)."""
+
+    def __init__(self, *, remote: Any = None,
+                 storage_options: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.remote, self.storage_options = remote, storage_options
+
+    def load(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> Any:
+        root, step = split_dir(checkpoint_dir)
+        strict_shape = [sh for sh in nested_values(sharded_state_dict)
+                        if isinstance(sh, ShardedTensor) and not sh.allow_shape_mismatch]
+        loose_shape = {sh.key: sh for sh in nested_values(sharded_state_dict)
+                       if isinstance(sh, ShardedTensor) and sh.allow_shape_mismatch}
+        original = sharded_state_dict
+        flat, flat_mapping, rename_mapping = _replace_state_dict_keys_with_sharded_keys(
+            sharded_state_dict)
+        pyt = mcore_to_pyt_state_dict(flat, True)
+        dcp.load(pyt, checkpoint_id=step, storage_reader=self._reader(root),
+                 planner=MCoreLoadPlanner(shapes_validation_sharded_tensors=strict_shape,
+                                          allow_shape_mismatch_sharded_tensors=loose_shape))
+        loaded = {k: _unwrap_pyt_sharded_tensor(v) for k, v in pyt.items()}
+        loaded = _replace_sharded_keys_with_state_dict_keys(loaded, flat_mapping,
+                                                            rename_mapping)
+        _restore_dict_types(loaded, original)
+        return loaded
+
+    def load_tensors_metadata(self, checkpoint_dir: str | Path, metadata: Any = None) -> Any:
+        if metadata is None:
+            root, step = split_dir(checkpoint_dir)
+            metadata = self._reader(root, step).read_metadata()
+        return super().load_tensors_metadata(checkpoint_dir, metadata)
+
+    def _reader(self, root: str, step: str | None = None) -> TieredStorageReader:
+        reader = TieredStorageReader(root, remote=self.remote,
+                                     storage_options=self.storage_options)
+        if step is not None:
+            reader.reset(step)
+        return reader
+
+
+def write_sidecars(root: str, step: str, *, backend: str = "torch_dist", version: int = 1,
+                   remote: Any = None, storage_options: dict[str, Any] | None = None) -> None:
+    """Writes mcore's ``metadata.json`` and ``common.pt`` into ``root/step``, the latter from
+    the committed step's own verified data (any tier), so stock mcore can load the directory.
+    Not collective. A step saved without ``dist_checkpointing.save`` has no ``common.pt``."""
+    step_dir = os.path.join(root, step)
+    os.makedirs(step_dir, exist_ok=True)
+    config = {"sharded_backend": backend, "sharded_backend_version": version,
+              "common_backend": "torch", "common_backend_version": 1}
+    replace_file(os.path.join(step_dir, CONFIG_NAME), json.dumps(config).encode())
+    reader = TieredStorageReader(root, remote=remote, storage_options=storage_options)
+    reader.reset(step)
+    if COMMON_KEY not in reader.read_metadata().state_dict_metadata:
+        logger.warning("%s holds no mcore common state (not saved through "
+                       "dist_checkpointing.save): no %s written", step_dir, COMMON_NAME)
+        return
+    out: dict[str, Any] = {COMMON_KEY: io.BytesIO()}
+    dcp.load(out, storage_reader=reader, no_dist=True)
+    common = out[COMMON_KEY]  # DCP's planner hands back the (vetted) value, not the bytes
+    if not isinstance(common, io.BytesIO):
+        common = io.BytesIO()
+        torch.save(out[COMMON_KEY], common)
+    replace_file(os.path.join(step_dir, COMMON_NAME), common.getvalue())
+
+
+def remove_sidecars(root: str, step: str) -> None:
+    """Removes mcore's files from a directory that is not a committed step (sidecars written to
+    load a step from the remote tier, or ``common.pt`` of a save that failed), then the
+    directory if that left it empty."""
+    step_dir = os.path.join(root, step)
+    for name in (COMMON_NAME, CONFIG_NAME):
+        path = os.path.join(step_dir, name)
+        if os.path.exists(path):
+            logger.info("deleting %s (%s is not committed in %s)", path, step, root)
+            os.remove(path)
+    with contextlib.suppress(OSError):
+        os.rmdir(step_dir)
+
+
+def replace_file(path: str, data: bytes) -> None:
+    """Atomic, durable replacement of a small file (through the local backend)."""
+    LocalBackend(os.path.dirname(path)).replace_root_file(os.path.basename(path), data)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+__all__ = ["TieredLoadShardedStrategy", "TieredSaveShardedStrategy", "remove_sidecars",
+           "replace_file", "write_sidecars"]

@@ -1,0 +1,230 @@
+"""megatron-core through dcp_tiered: real megatron-core 0.16, 2 CPU ranks, gloo.
+
+The GPT forward needs three test-only CUDA patches (tests/_megatron.py); the save and load
+paths under test need none. Megatron's own optimizers need CUDA, so torch Adam stands in,
+sharded with mcore's own optimizer helpers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, read_json, run_example, torchrun
+
+pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.multirank
+
+
+def results(out: Path) -> list[dict]:
+    return [read_json(out / f"result-{r}.json") for r in range(2)]
+
+
+def losses(out: Path, rank: int = 0) -> dict[int, float]:
+    lines = [json.loads(x) for x in (out / f"losses-{rank}.jsonl").read_text().splitlines()]
+    return {x["iteration"]: x["loss"] for x in lines if "iteration" in x}
+
+
+def starts(out: Path) -> list[int]:
+    lines = [json.loads(x) for x in (out / "losses-0.jsonl").read_text().splitlines()]
+    return [x["start"] for x in lines if "start" in x]
+
+
+def facade(out: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return torchrun("mcore.py", 2, "--out", str(out), "--phase", "facade", *args,
+                    timeout=300, check=check)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_strategy_saves_through_the_tiers_and_stock_mcore_loads_it(tmp_path, mode):
+    torchrun("mcore.py", 2, "--out", str(tmp_path), "--phase", "strategy",
+             *(["--async"] if mode == "async" else []), timeout=300)
+    for rank, r in enumerate(results(tmp_path)):
+        for loader in ("stock", "tiered"):
+            got = r[loader]
+            assert got["mismatches"] == [], f"rank {rank}, {loader} load differs: {got}"
+            assert got["losses"] == r["reference"], f"rank {rank}, {loader}: losses differ"
+            assert got["iteration"] == 3
+        if mode == "async":  # training moved the weights on while the write was pending
+            assert r["trained_while_in_flight"]
+    files = results(tmp_path)[0]["files"]
+    assert {"manifest.json", ".metadata", "common.pt", "metadata.json"} <= set(files)
+    verify = subprocess.run([sys.executable, "-m", "dcp_tiered.cli", "verify",
+                             str(tmp_path / "ckpt")], capture_output=True, text=True, cwd=REPO, check=False)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+def test_resharding_saved_on_axis_0_loads_split_on_axis_1(tmp_path):
+    torchrun("mcore.py", 2, "--out", str(tmp_path), "--phase", "reshard", timeout=300)
+    assert results(tmp_path) == [{"stock": True, "tiered": True}] * 2
+
+
+def test_facade_resumes_after_sigkill_and_keeps_max_ckpt_num(tmp_path):
+    reference = tmp_path / "reference"
+    facade(reference)
+    run = tmp_path / "run"
+    log = run / "ckpt.log"
+    killed = facade(run, "--kill-at", "7", "--log-file", str(log), check=False)
+    assert killed.returncode != 0
+    assert max(losses(run)) == 7
+    facade(run, "--attempt", "1", "--log-file", str(log))  # another init: the load must win
+    assert starts(run) == [0, 7]  # iteration 7 lived only in host memory
+    expected = losses(reference)
+    for rank in range(2):
+        assert losses(run, rank) == losses(reference, rank)
+    assert len(expected) == 12
+    ckpt = run / "ckpt"
+    # storage every 4 + the memory-only iteration 7, persisted on restore; max_ckpt_num=2
+    assert sorted(os.listdir(ckpt)) == ["iter_0000008", "iter_0000012",
+                                       "latest_checkpointed_iteration.txt"]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "12"
+    text = log.read_text()
+    for it in range(1, 13):
+        if it % 4:
+            assert f"saved iteration {it} to memory" in text
+        else:
+            assert f"saving iteration {it} to {ckpt}/iter_{it:07d}" in text
+            assert f"iteration {it} committed" in text
+    for gone in ("iter_0000004", "iter_0000007"):
+        assert f"({gone}: retention of the storage tier)" in text
+    assert "restored iteration 7 from memory" in text
+    # Nothing written outside the save directory, the memory directory and the log.
+    assert sorted(os.listdir(run)) == ["ckpt", "ckpt.log", "losses-0.jsonl", "losses-1.jsonl",
+                                       "shm"]
+    assert sorted(os.listdir(run / "shm")) == ["rank-0", "rank-1"]
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_facade_falls_back_past_corrupt_copies(tmp_path):
+    reference = tmp_path / "reference"
+    facade(reference, "--iters", "14")
+    run = tmp_path / "run"
+    facade(run)  # 12 iterations: the disk holds 8 and 12, memory 10 and 11
+    for data in (run / "ckpt" / "iter_0000012").glob("*.distcp"):
+        flip_byte(data, data.stat().st_size // 2)
+    for slot in (run / "shm" / "rank-0").glob("slot-*.json"):  # rank 0's copy only
+        if json.loads(slot.read_text())["step"] == "iter_0000011":
+            flip_byte(slot.with_suffix(".data"), 100)
+    log = run / "restart.log"
+    facade(run, "--iters", "14", "--attempt", "1", "--log-file", str(log))
+    assert starts(run) == [0, 10]
+    assert losses(run) == losses(reference)
+    text = log.read_text()
+    assert "cannot restore iter_0000012 from storage" in text
+    assert "IntegrityError: corrupt data in step 'iter_0000012'" in text
+    assert "rank0 dcp_tiered.shims.megatron easyckpt: cannot restore iter_0000011 from memory, " \
+        "trying an older one: rank 0: IntegrityError" in text
+    assert "rank1 dcp_tiered.shims.megatron easyckpt: cannot restore iter_0000011 from memory, " \
+        "trying an older one: failed on another rank" in text
+    assert "restored iteration 10 from memory" in text
+
+
+def test_facade_restores_from_s3_on_a_fresh_node(tmp_path, s3):
+    remote = ["--remote", s3.url(), "--storage-options", json.dumps(s3.options())]
+    reference = tmp_path / "reference"
+    facade(reference, "--iters", "10")
+    run = tmp_path / "run"
+    facade(run, "--iters", "8", "--max-ckpt", "1", *remote)
+    for gone in ("ckpt", "shm"):  # a fresh node: no memory snapshots, no local disk
+        subprocess.run(["rm", "-rf", str(run / gone)], check=True)
+    facade(run, "--iters", "10", "--attempt", "1", *remote)
+    assert starts(run) == [0, 8]
+    assert losses(run) == losses(reference)
+
+
+def test_facade_keeps_every_step_the_remote_does_not_hold(tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("uploads fail: the remote root is under a regular file")
+    run = tmp_path / "run"
+    proc = facade(run, "--max-ckpt", "1", "--remote", f"file://{blocker}/remote", check=False)
+    assert proc.returncode != 0  # close() reports that the last checkpoint is not durable
+    assert "UploadFailedError" in proc.stderr + proc.stdout
+    assert sorted(p for p in os.listdir(run / "ckpt") if p.startswith("iter_")) == [
+        "iter_0000004", "iter_0000008", "iter_0000012"]
+
+
+def test_facade_disk_full_fails_the_save_and_keeps_the_last_checkpoint(tmp_path, tmpfs):
+    disk = tmpfs(2)  # room for two ~0.6 MB checkpoints (admission plans 1.3 MB), not three
+    run = tmp_path / "run"
+    proc = facade(run, "--ckpt", str(disk), "--margin", "0", check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "SaveFailedError: iteration 12 was not saved" in out
+    assert "InsufficientSpaceError" in out and "still names the previous checkpoint" in out
+    assert (disk / "latest_checkpointed_iteration.txt").read_text() == "8"
+    assert sorted(os.listdir(disk)) == ["iter_0000004", "iter_0000008",
+                                        "latest_checkpointed_iteration.txt"]
+    verify = subprocess.run([sys.executable, "-m", "dcp_tiered.cli", "verify", str(disk)],
+                            capture_output=True, text=True, cwd=REPO, check=False)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+def test_converter_from_the_legacy_layout(tmp_path):
+    torchrun("mcore.py", 2, "--out", str(tmp_path), "--phase", "legacy-save", timeout=300)
+
+    def convert(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "dcp_tiered.cli", "convert", "megatron",
+             str(tmp_path / "legacy"), str(tmp_path / "converted"), *extra],
+            capture_output=True, text=True, cwd=REPO, timeout=120, check=False)
+
+    first = convert()
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.strip() == str(tmp_path / "converted" / "iter_0000001")
+    assert (tmp_path / "converted" / "latest_checkpointed_iteration.txt").read_text() == "1"
+    again = convert()
+    assert again.returncode == 2 and "--overwrite" in again.stderr
+    torchrun("mcore.py", 2, "--out", str(tmp_path), "--phase", "legacy-load", timeout=300)
+    for rank, r in enumerate(results(tmp_path)):
+        assert r["compared"] == 29
+        assert r["mismatches"] == [], f"rank {rank}: {r['mismatches']}"
+        assert r["iteration"] == 1 and r["scheduler"] == {"num_steps": 1, "max_lr": 0.01}
+
+
+class _Payload:
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_converter_refuses_to_unpickle_code(tmp_path):
+    import torch
+
+    legacy = tmp_path / "legacy"
+    own = legacy / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt"
+    own.parent.mkdir(parents=True)
+    (legacy / "latest_checkpointed_iteration.txt").write_text("2")
+    payload = _Payload()
+    payload.marker = tmp_path / "pwned"
+    torch.save({"iteration": 2, "model": {"w": torch.ones(2)}, "x": payload}, own,
+               pickle_protocol=pickle.HIGHEST_PROTOCOL)
+    proc = subprocess.run([sys.executable, "-m", "dcp_tiered.cli", "convert", "megatron",
+                           str(legacy), str(tmp_path / "out")],
+                          capture_output=True, text=True, cwd=REPO, timeout=120, check=False)
+    assert proc.returncode == 2
+    assert str(own) in proc.stderr and "--trust-source" in proc.stderr
+    assert not payload.marker.exists()
+
+
+def test_example_trains_and_resumes(tmp_path):
+    def example(iters: int) -> str:
+        return run_example("megatron_gpt.py", "--save", str(tmp_path / "run"),
+                           "--iters", str(iters), ranks=2)
+
+    assert "resumed from iteration 0" in example(7)
+    assert "resumed from iteration 7" in example(12)
+    # storage every 5, and iteration 7 (memory only when the first run ended) on restore
+    assert sorted(p for p in os.listdir(tmp_path / "run") if p.startswith("iter_")) == [
+        "iter_0000007", "iter_0000010"]
