@@ -40,6 +40,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .. import layout
+from ..backends.local import LocalBackend
+from ..backends.remote import remote_backend
 from ..catalog import list_steps
 from ..errors import (
     CheckpointNotFoundError,
@@ -49,6 +51,7 @@ from ..errors import (
     describe,
 )
 from ..housekeeping import prune_local, prune_remote
+from ..local_tier import LocalTier
 from ..memory_tier import MemoryTier
 from ..retention import RetentionPolicy
 from .megatron_strategy import (  # raises a clear ImportError without megatron-core
@@ -259,8 +262,9 @@ class EasyCkpt:
         if self.memory is not None:
             found |= {(n, "memory") for n in map(layout.step_number, self.memory.steps())
                       if n is not None}
-        writer = self.strategy.writer(root)
-        for s in list_steps(writer.local_tier, writer.remote_backend):
+        # Listing only: a writer on the load directory would sweep it and resume its uploads.
+        for s in list_steps(LocalTier(LocalBackend(root)),
+                            remote_backend(self.remote, self.storage_options)):
             if s.name.startswith("iter_") and (n := layout.step_number(s.name)) is not None:
                 found.add((n, "storage"))
         return sorted(found, key=lambda c: (-c[0], c[1] != "memory"))
@@ -307,7 +311,7 @@ class EasyCkpt:
             os.path.join(root, step), sharded_strategy=strategy)
         if dist.is_initialized():
             dist.barrier()
-        if leader and not self.strategy.writer(root).local_tier.has_step(step):
+        if leader and not LocalTier(LocalBackend(root)).has_step(step):
             remove_sidecars(root, step)
         if not _all_ranks(problem is None):
             return None, problem or "failed on another rank"

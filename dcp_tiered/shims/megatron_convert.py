@@ -69,6 +69,11 @@ def convert(src: str, dst: str, *, iteration: int | None = None, trust_source: b
         raise CheckpointExistsError(f"{os.path.join(dst, name)} already exists; choose another "
                                     "destination or pass --overwrite")
     states = [_load(path, trust_source) for path in files]
+    args = states[0].get("args")
+    if len(files) > 1 and (getattr(args, "swiglu", False)
+                           or getattr(args, "gated_linear_unit", False)):
+        raise ConfigError(f"{src}: gated MLPs (swiglu) interleave linear_fc1's tensor-parallel "
+                          "halves; merging them is not supported yet")
     model = _stack_layers(_merge_tensor_parallel([s["model"] for s in states], files))
     common = {k: states[0][k] for k in ("iteration", "checkpoint_version", "opt_param_scheduler")
               if k in states[0]}
@@ -194,7 +199,8 @@ def _write(dst: str, name: str, model: dict[str, Any], common: dict[str, Any]) -
             strategy = TieredSaveShardedStrategy()
             dist_checkpointing.save(state, step_dir, sharded_strategy=strategy)
             strategy.close()
-            replace_file(os.path.join(dst, TRACKER), str(common.get("iteration", name)).encode())
+            tracked = name if name == "release" else str(int(name.removeprefix("iter_")))
+            replace_file(os.path.join(dst, TRACKER), tracked.encode())
         finally:
             if owns_group:
                 dist.destroy_process_group()
