@@ -43,7 +43,7 @@ from ..writer import TieredStorageWriter
 
 try:
     from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
     from megatron.core.dist_checkpointing.strategies.torch import (
         MCoreLoadPlanner,
@@ -138,8 +138,9 @@ class TieredSaveShardedStrategy(TorchDistSaveShardedStrategy):
         """
         root, step = split_dir(checkpoint_dir)
         for sh in nested_values(sharded_state_dict):
-            if isinstance(sh, ShardedTensor) and sh.data is not None:
-                sh.data = sh.data.detach().to("cpu", copy=True)
+            written = is_main_replica(sh.replica_id) or not self.keep_only_main_replica
+            if isinstance(sh, ShardedTensor) and sh.data is not None and written:
+                sh.data = sh.data.detach().to("cpu", copy=True)  # replicas are dropped unsaved
         future = dcp.async_save(self._pyt_state_dict(sharded_state_dict, checkpoint_dir),
                                 checkpoint_id=step, storage_writer=self.writer(root),
                                 planner=self._planner(), process_group=self._group,
