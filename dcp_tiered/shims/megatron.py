@@ -64,7 +64,11 @@ from .megatron_strategy import (  # raises a clear ImportError without megatron-
 
 # isort: split
 from megatron.core import dist_checkpointing
-from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, merge
+from megatron.core.dist_checkpointing.dict_utils import (
+    dict_list_map_inplace,
+    merge,
+    nested_values,
+)
 from megatron.core.dist_checkpointing.mapping import (
     ShardedObject,
     ShardedTensor,
@@ -383,23 +387,12 @@ def _uid(sh: ShardedTensor) -> str:
 def _local_parts(sharded: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """This rank's tensors and objects, by a key naming the shard (same on save and load)."""
     tensors, objects = {}, {}
-    for sh in _values(sharded):
+    for sh in nested_values(sharded):
         if isinstance(sh, ShardedTensor):
             tensors[_uid(sh)] = sh.data
         elif isinstance(sh, ShardedObject):
             objects[sh.unique_key] = sh.data
     return tensors, objects
-
-
-def _values(x: Any) -> Any:
-    if isinstance(x, dict):
-        for v in x.values():
-            yield from _values(v)
-    elif isinstance(x, list):
-        for v in x:
-            yield from _values(v)
-    else:
-        yield x
 
 
 # ------------------------------------------------------------------ helpers
