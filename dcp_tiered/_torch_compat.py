@@ -1,4 +1,9 @@
-"""The only module that imports private torch symbols; each use says why."""
+"""The only module that imports private torch symbols; each use says why.
+
+It is also the only place that may ask which torch it runs on: the rest of the package uses
+what it exports, tested on every torch in the supported range (tests/test_torch_versions.py).
+Today's exports resolve the same way on 2.13, 2.14 and 2.15.
+"""
 
 from __future__ import annotations
 
@@ -17,8 +22,24 @@ from torch.distributed._state_dict_utils import (  # noqa: F401
     _create_cpu_state_dict as create_cpu_state_dict,
 )
 
+# FSDP1's SHARDED_STATE_DICT type: still under a private module path in every supported torch.
+from torch.distributed._shard.sharded_tensor import ShardedTensor  # noqa: F401
+
 # Written into `.metadata` so that a vanilla FileSystemReader can read our steps.
 from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo  # noqa: F401
+
+
+def load_keys(out: dict[str, Any], keys: set[str], storage_reader: Any) -> None:
+    """Load just ``keys`` of a checkpoint into the empty dict ``out``, shaped from its metadata.
+
+    DCP's public ``load`` needs a template of every value; its own template-free planner
+    (what ``dcp_to_torch_save`` uses) is private. Not collective.
+    """
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    _load_state_dict(out, storage_reader=storage_reader, no_dist=True,
+                     planner=_EmptyStateDictLoadPlanner(keys=keys))
 
 
 def default_store() -> Any | None:

@@ -42,8 +42,11 @@ def write_step_files(
 
 def publish_step(backend: LocalBackend, step: str, save_id: str, tmp: str) -> None:
     old = layout.old_dir_name(step, save_id)
+    pending = backend.exists(step, layout.PENDING_MARKER)
     if backend.publish(tmp, step, old):
-        backend.remove_tree(old, reason=f"overwritten by a new save of {step}")
+        backend.remove_tree(old, reason=(
+            f"the directory made for {step} before its commit (its files are in the step)"
+            if pending else f"overwritten by a new save of {step}"))
     # The lock guarded the temporary directory until now; a committed step needs none.
     backend.remove_file(step, layout.LOCK_NAME)
     logger.info("committed-local step=%s root=%s", step, backend.root)

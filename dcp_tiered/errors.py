@@ -112,6 +112,14 @@ class UploadFailedError(TierError):
     """A step could not be made durable on the remote tier."""
 
 
+def causes(e: BaseException) -> list[BaseException]:
+    """The errors behind ``e``: each rank's for DCP's CheckpointException, else ``e`` itself."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        return [f[0] if isinstance(f, tuple) else f for _, f in sorted(failures.items())]
+    return [e]
+
+
 def describe(e: BaseException) -> str:
     """One line for an exception; for DCP's CheckpointException, every rank's cause."""
     failures = getattr(e, "failures", None)

@@ -17,6 +17,10 @@ OLD_SUFFIX = ".dcp-tiered-old"
 UPLOAD_SUFFIX = ".dcp-tiered-up"  # bookkeeping of uploads that start before the local commit
 DELETE_SUFFIX = ".dcp-tiered-del"  # a step being deleted: renamed out of sight first
 LOCK_NAME = ".dcp-tiered.lock"
+# In a directory a shim made at a step's path before the step is committed (mcore writes its
+# common.pt there first): which files it may hold. Only such a directory is ours to replace or
+# sweep; the commit's rename replaces it, marker and all.
+PENDING_MARKER = ".dcp-tiered-pending.json"
 UPLOADER_LOCK_NAME = ".dcp-tiered-uploader.lock"
 # A CheckpointManager's files next to the local tier's steps.
 TIERS_RECORD = ".dcp-tiered-tiers.json"  # where `dcp-tiered status ROOT` finds the other tiers
@@ -28,7 +32,7 @@ REMOTE_MARKER = "_COMMITTED.json"
 NODE_RECORDS = "_nodes"
 _HASH_PREFIXES = 16
 
-_STEP_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_STEP_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # fullmatch: no trailing newline
 _TRAILING_INT = re.compile(r"(\d+)$")
 
 
@@ -46,7 +50,7 @@ def validate_step_name(name: object) -> str:
         )
     if name == LATEST:
         raise ConfigError(f"'{LATEST}' is reserved for loading; save under a real step name.")
-    if not _STEP_RE.match(name) or ".." in name:
+    if not _STEP_RE.fullmatch(name) or ".." in name:
         raise ConfigError(
             f"unsafe checkpoint_id {name!r}: use one name made of letters, digits, '.', '_' "
             "and '-', not starting with '.', without '/' or '..' (e.g. 'step-100')."
@@ -55,7 +59,7 @@ def validate_step_name(name: object) -> str:
 
 
 def is_step_name(name: str) -> bool:
-    return bool(_STEP_RE.match(name)) and ".." not in name and name != LATEST
+    return bool(_STEP_RE.fullmatch(name)) and ".." not in name and name != LATEST
 
 
 def tmp_dir_name(step: str, save_id: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -66,6 +67,49 @@ class LocalTier:
             self.backend.exists(name, layout.MANIFEST_NAME)
             or self.backend.exists(name, layout.DCP_METADATA_NAME)
         )
+
+    # ------------------------------------------------------------ pending directories
+
+    def claim_pending(self, step: str, sidecars: list[str]) -> bool:
+        """Mark directory ``step`` (created if missing) as made for a save of ``step`` that is
+        not committed yet, holding at most ``sidecars``. Refuses (False) a committed step, a
+        file, or a directory that holds anything else: that is not ours to replace."""
+        if self.has_step(step):
+            return False
+        if self.backend.exists(step) and not self.backend.is_dir(step):
+            return False
+        self.backend.make_dir(step)
+        allowed = set(sidecars) | {layout.PENDING_MARKER}
+        if not set(self.backend.list_files(step)) <= allowed:
+            return False
+        body = json.dumps({"step": step, "sidecars": sorted(sidecars)}).encode()
+        self.backend.write_file(step, layout.PENDING_MARKER, body)
+        return True
+
+    def is_pending(self, step: str) -> bool:
+        return self.backend.exists(step, layout.PENDING_MARKER) and not self.has_step(step)
+
+    def discard_pending(self, step: str, *, reason: str) -> None:
+        """Remove what a pending directory's marker lists, the marker, then the directory if
+        that emptied it: never a file the marker does not name."""
+        try:
+            body = json.loads(self.backend.read_file(step, layout.PENDING_MARKER))
+            sidecars = [n for n in body.get("sidecars", []) if layout.is_step_name(n)]
+        except (OSError, ValueError, AttributeError) as e:
+            logger.warning("leaving %s/%s alone: unreadable pending marker (%s)", self.root,
+                           step, e)
+            return
+        for name in [*sidecars, layout.PENDING_MARKER]:
+            if self.backend.exists(step, name):
+                logger.info("deleting %s (%s)", self.backend.path_of(step, name), reason)
+                self.backend.remove_file(step, name)
+        self.backend.remove_empty_dir(step)
+
+    def sweep_pending(self) -> None:
+        """Discard the pending directories a crashed save left (call when no save runs)."""
+        for name in self.backend.list_names():
+            if layout.is_step_name(name) and self.backend.is_dir(name) and self.is_pending(name):
+                self.discard_pending(name, reason=f"left by a save of {name} that never committed")
 
     def read_manifest(self, step: str) -> manifest.Manifest:
         where = os.path.join(self.root, step, layout.MANIFEST_NAME)

@@ -180,7 +180,7 @@ class CheckpointManager:
         """
         if self._closed:
             raise ConfigError("this CheckpointManager is closed")
-        if not isinstance(step, int) or step < 0:
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ConfigError(f"step must be a non-negative int, got {step!r}")
         t0 = time.perf_counter()
         now = time.time()
@@ -566,7 +566,7 @@ class CheckpointManager:
         self._housekeeper.shutdown()
         if self._memory is not None:
             self._memory.close()
-        self._local.close()
+        self._local.close(wait_durable=False)  # close() above waited (bounded) already
         if self._local_keeper is not None:
             self._local.local_tier.backend.unlock(self._local_keeper)
 

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 
 from . import integrity
+from ._torch_compat import ShardedTensor
 from .errors import ConfigError, IntegrityError, ManifestError
 
 FORMAT = "dcp-tiered-memory"

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 
 from . import _torch_compat
+from ._torch_compat import ShardedTensor
 from .errors import StagingError
 
 logger = logging.getLogger(__name__)

@@ -13,16 +13,19 @@ Readers trust only steps with a marker.
 
 from __future__ import annotations
 
+import concurrent.futures.thread  # noqa: F401  (before the exit hook below: see there)
 import enum
 import json
 import logging
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import Any
 
-from . import integrity, layout
+from . import _retry, commit, integrity, layout, manifest
+from ._daemon_pool import DaemonPool
 from ._priority import lower_this_thread
 from .backends.remote import RemoteBackend
 from .errors import (
@@ -71,7 +74,7 @@ class Promotion:
     """Uploads one node's part of one committed step; the coordinator's node also commits."""
 
     def __init__(self, tier: LocalTier, remote: RemoteBackend, step: str,
-                 files_pool: ThreadPoolExecutor) -> None:
+                 files_pool: DaemonPool) -> None:
         self.tier, self.remote, self.step, self._pool = tier, remote, step, files_pool
 
     def run(self) -> None:
@@ -216,11 +219,10 @@ class Uploader:
 
     def __init__(self, tier: LocalTier, remote: RemoteBackend) -> None:
         self.tier, self.remote = tier, remote
-        self._steps = ThreadPoolExecutor(1, thread_name_prefix="dcp-tiered-upload",
-                                         initializer=lower_this_thread)
-        self._files = ThreadPoolExecutor(remote.config.max_concurrency,
-                                         initializer=lower_this_thread,
-                                         thread_name_prefix="dcp-tiered-upload-file")
+        self._steps = DaemonPool(1, "dcp-tiered-upload", lower_this_thread)
+        self._files = DaemonPool(remote.config.max_concurrency, "dcp-tiered-upload-file",
+                                 lower_this_thread)
+        self._users = 0  # writers holding this uploader (acquire/release)
         self._futures: dict[str, Future[None]] = {}
         self._lock = threading.Lock()
         self._resume_lock: int | None = None
@@ -275,7 +277,8 @@ class Uploader:
         try:
             Promotion(self.tier, self.remote, step, self._files).run()
         except BaseException as e:
-            logger.error("step %s is not durable on %s: %s", step, self.remote.config.url, e)
+            if not _retry.EXITING.is_set():  # at exit, _abandon_at_exit says it once
+                logger.error("step %s is not durable on %s: %s", step, self.remote.config.url, e)
             raise
         with self._lock:
             self._times[step] = (started, time.time())
@@ -289,9 +292,45 @@ class Uploader:
         with self._lock:
             return self._futures.get(step)
 
+    def futures(self) -> list[Future[None]]:
+        with self._lock:
+            return list(self._futures.values())
+
     def steps(self) -> list[str]:
         with self._lock:
             return list(self._futures)
+
+    def not_durable(self) -> dict[str, str]:
+        """Steps this process enqueued that are not durable, each with why (now)."""
+        out = {}
+        with self._lock:
+            futures = dict(self._futures)
+        for step, fut in futures.items():
+            if not fut.done():
+                out[step] = "still uploading"
+            elif fut.cancelled():
+                out[step] = "upload cancelled"
+            elif fut.exception() is not None:
+                out[step] = f"{type(fut.exception()).__name__}: {fut.exception()}"
+        return out
+
+    def wait(self, timeout_secs: float | None) -> dict[str, str]:
+        """Wait (at most ``timeout_secs`` in all) for every enqueued promotion; return the steps
+        that are not durable then, each with why."""
+        deadline = None if timeout_secs is None else time.monotonic() + timeout_secs
+        for fut in self.futures():
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                fut.result(timeout=left)
+            except (FutureTimeoutError, CancelledError, Exception):  # noqa: BLE001 - reported below
+                pass
+        problems = self.not_durable()
+        return {s: (f"still uploading after {timeout_secs} s" if why == "still uploading" else why)
+                for s, why in problems.items()}
+
+    def shutdown(self, *, cancel: bool = False) -> None:
+        self._steps.shutdown(wait=not cancel, cancel_futures=cancel)
+        self._files.shutdown(wait=not cancel, cancel_futures=cancel)
 
     def resume(self) -> None:
         """Re-enqueue committed local steps that are not durable yet (one process per root)."""
@@ -311,7 +350,7 @@ class Uploader:
 
 
 _UPLOADERS: dict[tuple[int, str, str], Uploader] = {}
-_UPLOADERS_LOCK = threading.Lock()
+_UPLOADERS_LOCK = threading.RLock()
 
 
 def uploader_for(tier: LocalTier, remote: RemoteBackend) -> Uploader:
@@ -320,6 +359,50 @@ def uploader_for(tier: LocalTier, remote: RemoteBackend) -> Uploader:
         if key not in _UPLOADERS:
             _UPLOADERS[key] = Uploader(tier, remote)
         return _UPLOADERS[key]
+
+
+def acquire_uploader(tier: LocalTier, remote: RemoteBackend) -> Uploader:
+    """The uploader of (root, remote), held until :func:`release_uploader`."""
+    with _UPLOADERS_LOCK:
+        up = uploader_for(tier, remote)
+        up._users += 1
+        return up
+
+
+def release_uploader(up: Uploader) -> None:
+    """Drop a hold; the last one stops the uploader's threads once nothing is pending (what
+    is still pending keeps running, and at exit is abandoned with a warning)."""
+    with _UPLOADERS_LOCK:
+        up._users -= 1
+        if up._users > 0 or any(not f.done() for f in up.futures()):
+            return
+        for key, value in list(_UPLOADERS.items()):
+            if value is up:
+                del _UPLOADERS[key]
+    up.shutdown()
+
+
+def _abandon_at_exit() -> None:
+    """The interpreter is exiting: stop retrying, drop queued promotions, and say once which
+    steps are left committed-local (they are safe on disk and resumed by the next writer)."""
+    _retry.EXITING.set()
+    with _UPLOADERS_LOCK:
+        mine = [(k, up) for k, up in _UPLOADERS.items() if k[0] == os.getpid()]
+    for (_, root, url), up in mine:
+        up.shutdown(cancel=True)
+        left = up.not_durable()
+        if left:
+            logger.warning(
+                "dcp_tiered: exiting with step(s) %s of %s committed locally but not durable on "
+                "%s. They are safe on the local disk, and the next TieredStorageWriter on that "
+                "root with this remote resumes their upload. To wait for them before exiting, "
+                "call close() on the writer (CheckpointManager.close(), the shims' flush/close).",
+                ", ".join(sorted(left)), root, url)
+
+
+# Runs before concurrent.futures and asyncio shut their executors down at exit (threading's
+# exit hooks run in reverse order of registration), so no upload retries against them.
+threading._register_atexit(_abandon_at_exit)  # type: ignore[attr-defined]
 
 
 def durability(tier: LocalTier, remote: RemoteBackend | None, step: str) -> Durability:
@@ -339,6 +422,36 @@ def durability(tier: LocalTier, remote: RemoteBackend | None, step: str) -> Dura
            for n in tier.backend.list_names()):
         return Durability.STAGED
     raise CheckpointNotFoundError(f"step {step!r} is neither in {tier.root} nor remote")
+
+
+def adopt_remote_step(tier: LocalTier, remote: RemoteBackend, step: str) -> None:
+    """Commit a durable remote step on the local tier as its manifest and ``.metadata`` alone.
+
+    Its data stays remote: readers fetch each file from there, verified, so a fresh node can
+    restore a step through tools that look for it on local disk (DeepSpeed's loader) without
+    first downloading all of it. Committed like a save: temporary directory, rename.
+    """
+    if tier.has_step(step):
+        return
+    if read_marker(remote, step) is None:
+        raise CheckpointNotFoundError(f"step {step!r} is not committed on {remote.config.url}")
+    manifest_bytes = remote.get_bytes(f"{step}/{layout.MANIFEST_NAME}")
+    m = manifest.parse(manifest_bytes, where=remote.url(f"{step}/{layout.MANIFEST_NAME}"))
+    backend, tmp = tier.backend, layout.tmp_dir_name(step, m.save_id)
+    backend.ensure_root()
+    backend.make_dir(tmp)
+    lock = backend.lock_shared(tmp)  # never swept as abandoned while we fill it
+    try:
+        commit.write_step_files(backend, tmp, manifest_bytes,
+                                remote.get_bytes(f"{step}/{layout.DCP_METADATA_NAME}"), sync=True)
+        commit.publish_step(backend, step, m.save_id, tmp)
+    except BaseException:
+        commit.discard_tmp(backend, tmp, reason=f"adoption of remote step {step} failed")
+        raise
+    finally:
+        backend.unlock(lock)
+    logger.info("adopted step=%s from %s into %s (data stays remote)", step,
+                remote.config.url, tier.root)
 
 
 def delete_remote_step(remote: RemoteBackend, step: str, *, reason: str) -> None:
@@ -363,7 +476,7 @@ def wait_durable(tier: LocalTier, remote: RemoteBackend, steps: list[str],
         if fut is not None:
             try:
                 fut.result(timeout=left)
-            except TimeoutError:
+            except FutureTimeoutError:
                 raise TimeoutError(f"step {step!r} is not durable after {timeout_secs} s") from None
             except Exception as e:
                 raise UploadFailedError(f"step {step!r} could not be made durable: {e}") from e

@@ -33,7 +33,12 @@ from ._priority import lower_this_thread
 from .backends.local import LocalBackend
 from .backends.remote import RemoteBackend, remote_backend
 from .config import RemoteConfig
-from .errors import CheckpointExistsError, ConfigError, InsufficientSpaceError
+from .errors import (
+    CheckpointExistsError,
+    ConfigError,
+    InsufficientSpaceError,
+    UploadFailedError,
+)
 from .local_tier import LocalTier
 from .staging import DoubleBufferStager
 
@@ -128,8 +133,10 @@ class TieredStorageWriter(StorageWriter):
         self._leading: tuple[str, int] | None = None  # (tmp dir, lock fd) until published
         self._tier.recover_and_sweep()
         self._remote = remote_backend(remote, storage_options)
+        self._uploader: tiering.Uploader | None = None
         if self._remote is not None:
-            tiering.uploader_for(self._tier, self._remote).resume()
+            self._uploader = tiering.acquire_uploader(self._tier, self._remote)
+            self._uploader.resume()
 
     @property
     def root(self) -> str:
@@ -153,6 +160,7 @@ class TieredStorageWriter(StorageWriter):
         state = self.__dict__.copy()
         state["_stager"] = None
         state["_leading"] = None
+        state["_uploader"] = None
         return state
 
     # ------------------------------------------------------------ durability
@@ -208,9 +216,41 @@ class TieredStorageWriter(StorageWriter):
         # async_save calls this right after starting the save's executor thread.
         self._require_stager().after_execute()
 
-    def close(self) -> None:
+    def close(self, timeout_secs: float | None = None, *, wait_durable: bool = True) -> None:
+        """Release this writer: its staging buffers, and its hold on the background uploads.
+
+        With a remote tier it first waits until every step this process enqueued is durable
+        there, at most ``timeout_secs`` (default: the remote's ``durable_timeout_secs``), and
+        raises UploadFailedError naming each step that is not, and why. Such steps stay
+        committed locally; the next writer on this root resumes their upload. With
+        ``wait_durable=False`` it returns at once and the uploads go on in the background (at
+        exit, what is unfinished is abandoned with one warning). Closing twice is harmless.
+        """
         if self._stager is not None:
             self._stager.close()
+        up, self._uploader = self._uploader, None
+        if up is None:
+            return
+        assert self._remote is not None
+        if timeout_secs is None:
+            timeout_secs = self._remote.config.durable_timeout_secs
+        try:
+            problems = up.wait(timeout_secs) if wait_durable else {}
+        finally:
+            tiering.release_uploader(up)
+        if problems:
+            raise UploadFailedError(
+                f"not durable on {self._remote.config.url}: "
+                + "; ".join(f"{step} ({why})" for step, why in sorted(problems.items()))
+                + f". Each stays committed locally in {self.root}; the next writer on that root "
+                "with this remote resumes its upload."
+            )
+
+    def __enter__(self) -> TieredStorageWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def last_stall_secs(self) -> float:
@@ -282,6 +322,13 @@ class TieredStorageWriter(StorageWriter):
             raise CheckpointExistsError(
                 f"step {step!r} is already committed in {self.root}; choose a new step name "
                 "or construct the writer with overwrite=True"
+            )
+        if (self._tier.backend.exists(step) and not self._tier.has_step(step)
+                and not self._tier.is_pending(step)):
+            raise CheckpointExistsError(
+                f"{self._tier.backend.path_of(step)} exists and is not a checkpoint step (no "
+                "manifest or DCP .metadata); it was left untouched. Move it away, or save "
+                "under another step name."
             )
         info = _RankInfo(
             step=step,

@@ -10,7 +10,6 @@ CPU with gloo; ``--stage`` picks another.
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 import deepspeed
@@ -42,10 +41,10 @@ def main() -> None:
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
     })
-    start = 0
-    if os.path.exists(os.path.join(a.save_dir, "latest")):
-        _, client = engine.load_checkpoint(a.save_dir)
-        start = client["next_step"]
+    # The newest checkpoint on either tier: with --remote, also on a fresh node whose save_dir
+    # is empty. (None, None) on a first run.
+    path, client = engine.load_checkpoint(a.save_dir)
+    start = client["next_step"] if path else 0
     rank = dist.get_rank()
     for step in range(start, a.steps):
         gen = torch.Generator().manual_seed(step * 100 + rank)
@@ -58,7 +57,7 @@ def main() -> None:
             engine.save_checkpoint(a.save_dir, client_state={"next_step": step + 1})
         if rank == 0:
             print(f"step {step} loss {loss.item():.4f}", flush=True)
-    ds_tiers.flush(engine)  # the last checkpoint is committed and published
+    ds_tiers.flush(engine)  # the last checkpoint is committed, published and durable
     if rank == 0:
         latest = Path(a.save_dir, "latest").read_text()
         print(f"done at step {a.steps}; latest = {latest}", flush=True)

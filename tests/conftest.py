@@ -13,10 +13,10 @@ WORKERS = REPO / "tests" / "workers"
 
 
 def torchrun(script: str, nproc: int, *args: str, timeout: float = 240, check: bool = True,
-             env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run tests/workers/<script> on ``nproc`` real gloo ranks."""
+             env: dict | None = None, python: str = sys.executable) -> subprocess.CompletedProcess:
+    """Run tests/workers/<script> on ``nproc`` real gloo ranks (under ``python``'s torch)."""
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        python, "-m", "torch.distributed.run", "--standalone",
         f"--nproc_per_node={nproc}", "--max-restarts=0", str(WORKERS / script), *args,
     ]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}

@@ -18,7 +18,7 @@ import pytest
 from tests.conftest import REPO, run_example, torchrun
 
 pytest.importorskip("deepspeed")
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.framework]
 
 ENV = {"DS_ACCELERATOR": "cpu"}
 SMOKE = [(0, False, "async"), (1, True, "decoupled"), (2, False, "sync"), (3, True, "async")]
@@ -169,3 +169,52 @@ def test_converter_refuses_to_unpickle_code(tmp_path):
     assert "mp_rank_00_model_states.pt" in proc.stderr and "--trust-source" in proc.stderr
     assert not marker.exists()
     assert not (tmp_path / "dcp").exists() or not os.listdir(tmp_path / "dcp")
+
+
+# ------------------------------------------------------------------ lifecycle (issue 15)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_existing_tag_fails_on_every_rank_at_one_call_and_the_next_save_works(tmp_path, mode):
+    """Saving a tag that exists (stock DeepSpeed overwrites, e.g. tag='last') raises
+    SaveFailedError on every rank at the same call, naming the overwrite option; nothing stale
+    is left, so the following saves work on every rank (this used to deadlock in async mode)."""
+    torchrun("ds_roundtrip.py", 2, "--out", str(tmp_path), "--stage", "1", "--mode", mode,
+             "--phase", "existing-tag", timeout=240, env=ENV)
+    results = [json.loads((tmp_path / f"existing-tag-{r}.json").read_text()) for r in range(2)]
+    failing = 1 if mode == "sync" else 2  # async: raised by the next save, which waits for it
+    for r in results:
+        assert [c[1] for c in r["calls"]] == [
+            "SaveFailedError" if i == failing else None for i in range(4)], r["calls"]
+        message = r["calls"][failing][2]
+        assert "'last'" in message and "overwrite=True" in message and "CheckpointExistsError" in message
+        assert r["flush"] is None and r["latest"] == "global_step3"
+    steps = sorted(n for n in os.listdir(tmp_path / "ckpt") if (tmp_path / "ckpt" / n).is_dir())
+    # async: the call that raised (global_step2's) reported the earlier failure and saved nothing
+    assert steps == (["global_step2"] if mode == "sync" else []) + ["global_step3", "last"]
+    assert cli("verify", str(tmp_path / "ckpt"), "last").returncode == 0  # the first 'last' is whole
+
+
+def test_fresh_node_restores_from_s3_through_deepspeeds_own_load_checkpoint(tmp_path, s3):
+    """flush() leaves the last step durable on S3; with the local directory gone, DeepSpeed's
+    own engine.load_checkpoint(dir) restores it bit-exact and training resumes identically."""
+    url = s3.url()
+    args = ["--out", str(tmp_path), "--stage", "2", "--mode", "async", "--remote", url,
+            "--storage-options", json.dumps(s3.options())]
+    torchrun("ds_roundtrip.py", 2, *args, "--phase", "remote-save", timeout=240, env=ENV)
+    import shutil
+
+    import s3fs
+
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3.options())
+    assert fs.exists(f"{url}/global_step3/_COMMITTED.json")  # durable when flush returned
+    shutil.rmtree(tmp_path / "ckpt")  # the node is gone
+    torchrun("ds_roundtrip.py", 2, *args, "--phase", "remote-restore", timeout=240, env=ENV)
+    for rank in range(2):
+        restored = json.loads((tmp_path / f"restored-{rank}.json").read_text())
+        live = json.loads((tmp_path / f"live-{rank}.json").read_text())
+        assert os.path.basename(os.path.dirname(restored["path"])) == "global_step3"
+        assert restored["diffs"] == [], restored["diffs"]
+        assert restored["resumed"] == live["live"]
+        assert restored["client"] == "hi"
+    assert (tmp_path / "ckpt" / "latest").read_text() == "global_step3"

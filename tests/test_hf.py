@@ -14,6 +14,8 @@ import torch
 
 from tests.conftest import REPO, run_example, torchrun
 
+pytestmark = pytest.mark.framework
+
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 

@@ -130,6 +130,16 @@ def test_saves_follow_the_cadence_and_retention_per_tier(tmp_path, tiers):
     assert not _hidden_dirs(tiers["local"])
 
 
+@pytest.mark.parametrize("bad", [True, -1, 1.0, "3"])
+def test_a_step_that_is_not_a_non_negative_int_is_refused(tmp_path, tiers, bad):
+    from dcp_tiered import ConfigError
+
+    with CheckpointManager(**tiers) as mgr:
+        with pytest.raises(ConfigError, match="non-negative int"):
+            mgr.save(bad, _state())
+    assert not tiers["local"].exists() or _steps(tiers["local"]) == []
+
+
 def test_restore_takes_the_newest_step_and_persists_a_memory_only_one(tmp_path, tiers):
     with CheckpointManager(**tiers, policy=SavePolicy(local=Every(steps=4))) as mgr:
         for step in range(7):

@@ -19,7 +19,7 @@ import pytest
 from tests.conftest import REPO, read_json, run_example, torchrun
 
 pytest.importorskip("megatron.core")
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.framework]
 
 
 def results(out: Path) -> list[dict]:
@@ -98,6 +98,25 @@ def test_facade_resumes_after_sigkill_and_keeps_max_ckpt_num(tmp_path):
     assert sorted(os.listdir(run)) == ["ckpt", "ckpt.log", "losses-0.jsonl", "losses-1.jsonl",
                                        "shm"]
     assert sorted(os.listdir(run / "shm")) == ["rank-0", "rank-1"]
+
+
+def test_facade_sweeps_the_directory_a_crashed_storage_save_left(tmp_path):
+    """SIGKILL during iteration 8's storage write, after mcore wrote common.pt into
+    iter_0000008/: the next start removes exactly what the save made, and the job then keeps
+    max_ckpt_num committed iter_ directories and nothing else under Megatron's names."""
+    run, log = tmp_path / "run", tmp_path / "run" / "ckpt.log"
+    killed = facade(run, "--iters", "8", "--kill-in-storage-save", "8", "--log-file", str(log),
+                    check=False)
+    assert killed.returncode != 0
+    half = run / "ckpt" / "iter_0000008"
+    assert "common.pt" in os.listdir(half) and not (half / "manifest.json").exists()
+    facade(run, "--iters", "10", "--attempt", "1", "--log-file", str(log))
+    text = log.read_text()
+    assert f"deleting {half}/common.pt (left by a save of iter_0000008 that never committed)" in text
+    dirs = sorted(n for n in os.listdir(run / "ckpt") if n.startswith("iter_"))
+    assert len(dirs) == 2 and all((run / "ckpt" / d / "manifest.json").exists() for d in dirs)
+    assert not any("pending" in f for d in dirs for f in os.listdir(run / "ckpt" / d))
+    assert "overwritten by a new save" not in text  # nothing was overwritten
 
 
 def flip_byte(path: Path, offset: int) -> None:

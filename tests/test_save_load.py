@@ -112,12 +112,57 @@ def test_writer_pickles_without_buffers(tmp_path):
     assert_state_equal(load(tmp_path), state(5))
 
 
-@pytest.mark.parametrize("bad", ["/abs", "../up", "a/b", "..", ".hidden", "", "latest", 7])
+@pytest.mark.parametrize("bad", ["/abs", "../up", "a/b", "..", ".hidden", "", "latest", 7,
+                                 "step-1\n", "step\n1", True])
 def test_unsafe_step_names_are_refused(tmp_path, bad):
     with pytest.raises(BaseException) as e:
         save(tmp_path / "r", bad, state())
     assert isinstance(failure(e), ConfigError)
     assert not (tmp_path / "r").exists() or os.listdir(tmp_path / "r") == []
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_path_that_is_not_a_step_of_ours_is_never_replaced(tmp_path, overwrite):
+    """A directory (or file) at the step's path that holds no committed step is refused with
+    a clear error and left exactly as it was, even with overwrite=True."""
+    (tmp_path / "step-1").mkdir()
+    (tmp_path / "step-1" / "model.pt").write_bytes(b"the user's own")
+    (tmp_path / "step-2").write_bytes(b"a file")
+    for step in ("step-1", "step-2"):
+        with pytest.raises(BaseException) as e:
+            save(tmp_path, step, state(), overwrite=overwrite)
+        err = failure(e)
+        assert isinstance(err, CheckpointExistsError) and "left untouched" in str(err), err
+    assert (tmp_path / "step-1" / "model.pt").read_bytes() == b"the user's own"
+    assert os.listdir(tmp_path / "step-1") == ["model.pt"]
+    assert (tmp_path / "step-2").read_bytes() == b"a file"
+    save(tmp_path, "step-3", state(3), overwrite=overwrite)  # the writer is not blocked
+    assert_state_equal(load(tmp_path), state(3))
+
+
+def test_a_pending_directory_is_replaced_by_the_commit_and_swept_after_a_crash(tmp_path):
+    """What a shim claimed for a step before its commit (mcore's common.pt) is ours: the
+    commit replaces it; after a crash a sweep removes exactly the files it was claimed for."""
+    from dcp_tiered.backends.local import LocalBackend
+    from dcp_tiered.local_tier import LocalTier
+
+    tier = LocalTier(LocalBackend(tmp_path))
+    assert tier.claim_pending("step-1", ["common.pt"])
+    (tmp_path / "step-1" / "common.pt").write_bytes(b"x")
+    save(tmp_path, "step-1", state(1))
+    assert tier.has_step("step-1") and not (tmp_path / "step-1" / "common.pt").exists()
+    assert tier.claim_pending("step-2", ["common.pt"])
+    (tmp_path / "step-2" / "common.pt").write_bytes(b"x")
+    (tmp_path / "step-3").mkdir()
+    (tmp_path / "step-3" / "common.pt").write_bytes(b"not claimed")
+    (tmp_path / "step-4").mkdir()
+    (tmp_path / "step-4" / "notes.txt").write_bytes(b"mine")
+    assert not tier.claim_pending("step-4", ["common.pt"])  # holds something else
+    tier.sweep_pending()
+    assert not (tmp_path / "step-2").exists()
+    assert (tmp_path / "step-3" / "common.pt").read_bytes() == b"not claimed"
+    assert (tmp_path / "step-4" / "notes.txt").read_bytes() == b"mine"
+    assert tier.has_step("step-1")
 
 
 def test_missing_step_lists_existing(tmp_path):

@@ -315,6 +315,11 @@ class LocalBackend:
         finally:
             os.close(fd)
 
+    def remove_empty_dir(self, name: str) -> None:
+        """Remove directory ``name`` if it is empty (and nothing otherwise)."""
+        with contextlib.suppress(OSError):
+            self._child(name).rmdir()
+
     def remove_file(self, *names: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self._child(*names).unlink()

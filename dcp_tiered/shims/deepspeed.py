@@ -43,13 +43,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
 
+from .. import _torch_compat, catalog, tiering
 from ..backends.local import LocalBackend
+from ..backends.remote import remote_backend
 from ..config import RemoteConfig
 from ..distributed import checkpoint_process_group
-from ..errors import ConfigError, SaveFailedError
+from ..errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    ConfigError,
+    SaveFailedError,
+    UploadFailedError,
+    causes,
+    describe,
+)
 from ..layout import validate_step_name
 from ..local_tier import LocalTier
 from ..reader import TieredStorageReader
@@ -150,8 +159,11 @@ class TieredCheckpointEngine(CheckpointEngine):
                 publish(info.save_dir, info.tag, latest=want_latest)
             return True
         if self.options.mode == "sync":
-            dcp.save(self._state(), checkpoint_id=info.tag, process_group=self._group,
-                     storage_writer=self._writer(info.save_dir))
+            try:
+                dcp.save(self._state(), checkpoint_id=info.tag, process_group=self._group,
+                         storage_writer=self._writer(info.save_dir))
+            except (Exception, CheckpointException) as e:  # on every rank (DCP's collectives)
+                raise _save_failed(info, e, self._rank) from e
             if self._rank == 0:
                 publish(info.save_dir, info.tag, latest=self._want_latest)
             return True
@@ -198,13 +210,38 @@ class TieredCheckpointEngine(CheckpointEngine):
 
     # -------------------------------------------------------------- ours
 
+    def prepare_load(self, load_dir: str, tag: str | None) -> None:
+        """Before DeepSpeed's loader runs (every rank): with a remote tier, a step that is not
+        on this node's disk (a fresh or replaced node) is adopted from the remote, with its
+        stubs and, if none is there, ``latest``, so that DeepSpeed finds it. Its data is read
+        from the remote, verified, when DeepSpeed loads the files. Collective."""
+        if self.options.remote is None:
+            return
+        error: BaseException | None = None
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one process per node writes
+            try:
+                adopt(load_dir, tag, self.options.remote, self.options.storage_options)
+            except Exception as e:  # noqa: BLE001 - raised on every rank below
+                error = e
+        if dist.is_initialized():
+            failed = torch.tensor([int(error is not None)])
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self._group)
+            if int(failed) and error is None:
+                raise CheckpointNotFoundError(
+                    f"cannot prepare {load_dir} for loading on another node (its error says why)")
+        if error is not None:
+            raise error
+
     def launch_decoupled(self) -> None:
         """Starts the write of the checkpoint just saved (decoupled mode)."""
         if self._info is not None and self.options.mode == "decoupled":
             self._launch(self._info)
 
     def wait(self) -> None:
-        """Finishes the save in flight and its publication. Collective in decoupled mode."""
+        """Finishes the save in flight and its publication; raises SaveFailedError on every
+        rank if it failed on any (DCP fails the save's future on every rank). Nothing of a
+        failed save is kept, so the next save starts clean. Collective in decoupled mode."""
+        published, self._published = self._published, None
         if self._inflight is not None:
             info, _, fut = self._inflight
             if self.options.mode == "decoupled":
@@ -215,15 +252,33 @@ class TieredCheckpointEngine(CheckpointEngine):
             else:
                 self._inflight = None
                 _result(fut, info, self._rank)
-        if self._published is not None:
-            published, self._published = self._published, None
+        if published is not None:
             published.result()
 
-    def flush(self) -> None:
-        """Call on every rank at the end of training: finishes and publishes the last save."""
-        self.wait()
-        if dist.is_initialized():
-            dist.barrier()
+    def flush(self, timeout_secs: float | None = None) -> None:
+        """Call on every rank at the end of training: finishes and publishes the last save
+        and, with a remote tier, waits until every step saved here is durable there (at most
+        ``timeout_secs``, default the remote's ``durable_timeout_secs``). Raises on every rank
+        if any rank's save or upload failed."""
+        error: BaseException | None = None
+        try:
+            self.wait()
+        except SaveFailedError as e:
+            error = e
+        writers, self._writers = self._writers, {}
+        for writer in writers.values():
+            try:
+                writer.close(timeout_secs)
+            except UploadFailedError as e:
+                error = error or e
+        if dist.is_initialized():  # every rank learns whether any failed (no lone raise)
+            failed = torch.tensor([int(error is not None)])
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self._group)
+            if int(failed) and error is None:
+                error = SaveFailedError("the last DeepSpeed checkpoint failed on another rank "
+                                        "(its error says why); 'latest' names the last good one")
+        if error is not None:
+            raise error
 
     def _launch(self, info: CheckpointCommitInfo) -> None:
         fut = dcp.async_save(self._state(), checkpoint_id=info.tag, process_group=self._group,
@@ -282,8 +337,7 @@ def read_file(
     reader = TieredStorageReader(save_dir, remote=remote, storage_options=storage_options)
     reader.reset(tag)
     out: dict[str, Any] = {}
-    _load_state_dict(out, storage_reader=reader, no_dist=True,
-                     planner=_EmptyStateDictLoadPlanner(keys={name}))
+    _torch_compat.load_keys(out, {name}, reader)
     if name not in out:
         raise FileNotFoundError(f"step {tag!r} in {save_dir} holds no DeepSpeed file {name!r}")
     return skeleton.join(out[name], where=f"{os.path.join(save_dir, tag, name)} (step {tag!r})",
@@ -294,6 +348,31 @@ def file_names(save_dir: str, tag: str) -> list[str]:
     """The DeepSpeed files a committed step holds, from its verified manifest."""
     planner_data = LocalTier(LocalBackend(save_dir)).read_manifest(tag).metadata.planner_data
     return sorted({str(path[0]) for path in (planner_data or {}).values() if path})
+
+
+def adopt(save_dir: str, tag: str | None, remote: str | RemoteConfig,
+          storage_options: Mapping[str, Any] | None = None) -> str | None:
+    """Make step ``tag`` (default: what ``latest`` names, else the newest step on either tier)
+    loadable by DeepSpeed from ``save_dir``, adopting it from the remote if this disk lacks it.
+    Returns the tag, or None when neither tier holds a step (a fresh start)."""
+    tier, backend = LocalTier(LocalBackend(save_dir)), remote_backend(remote, storage_options)
+    assert backend is not None
+    latest_path = os.path.join(save_dir, LATEST_NAME)
+    has_latest = os.path.isfile(latest_path)
+    if tag is None and has_latest:
+        with open(latest_path, encoding="utf-8") as f:
+            tag = f.read().strip()
+    if tag is None:
+        try:
+            tag = catalog.resolve(tier, backend, None).name
+        except CheckpointNotFoundError:
+            return None
+    tag = validate_step_name(str(tag))
+    if tier.has_step(tag) and has_latest:
+        return tag
+    tiering.adopt_remote_step(tier, backend, tag)
+    publish(save_dir, tag, latest=not has_latest)
+    return tag
 
 
 def publish(save_dir: str, tag: str, *, latest: bool) -> None:
@@ -367,6 +446,7 @@ def install(
 
     options = Options(mode, remote, storage_options, tuple(trusted_classes), writer_options)
     _patch_save_checkpoint(ds_engine.DeepSpeedEngine)
+    _patch_load_checkpoint(ds_engine.DeepSpeedEngine)
     ds_engine.create_checkpoint_engine = functools.partial(_factory, options)
 
 
@@ -385,19 +465,38 @@ def attach(engine: Any, **kwargs: Any) -> TieredCheckpointEngine:
     options = Options(kwargs.pop("mode", "async"), kwargs.pop("remote", None),
                       kwargs.pop("storage_options", None), trusted, kwargs)
     _patch_save_checkpoint(type(engine))
+    _patch_load_checkpoint(type(engine))
     engine.checkpoint_engine = TieredCheckpointEngine(options)
     return engine.checkpoint_engine
 
 
-def flush(engine: Any) -> None:
-    """Call on every rank at the end of training: the last checkpoint is committed and
-    ``latest`` names it when this returns."""
+def flush(engine: Any, timeout_secs: float | None = None) -> None:
+    """Call on every rank at the end of training: the last checkpoint is committed, ``latest``
+    names it and, with a remote tier, every step saved is durable there when this returns
+    (see :meth:`TieredCheckpointEngine.flush`)."""
     if isinstance(engine.checkpoint_engine, TieredCheckpointEngine):
-        engine.checkpoint_engine.flush()
+        engine.checkpoint_engine.flush(timeout_secs)
 
 
 def _factory(options: Options, config_params: Any = None, **_: Any) -> TieredCheckpointEngine:
     return TieredCheckpointEngine(options, config_params)
+
+
+def _patch_load_checkpoint(cls: type) -> None:
+    original = cls.load_checkpoint
+    if getattr(original, "_dcp_tiered", False):
+        return
+
+    @functools.wraps(original)
+    def load_checkpoint(self: Any, load_dir: str, tag: Any = None, *args: Any,
+                        **kwargs: Any) -> Any:
+        engine = getattr(self, "checkpoint_engine", None)
+        if isinstance(engine, TieredCheckpointEngine):
+            engine.prepare_load(load_dir, tag)
+        return original(self, load_dir, tag, *args, **kwargs)
+
+    load_checkpoint._dcp_tiered = True  # type: ignore[attr-defined]
+    cls.load_checkpoint = load_checkpoint  # type: ignore[method-assign]
 
 
 def _patch_save_checkpoint(cls: type) -> None:
@@ -441,17 +540,21 @@ def _failed(fut: Future[Any]) -> bool:
 def _result(fut: Future[Any], info: CheckpointCommitInfo, rank: int) -> None:
     try:
         fut.result()
-    except Exception as e:
+    except (Exception, CheckpointException) as e:  # DCP's is a BaseException
         raise _save_failed(info, e, rank) from e
 
 
 def _save_failed(info: CheckpointCommitInfo, error: BaseException | None,
                  rank: int) -> SaveFailedError:
     where = os.path.join(info.save_dir, info.tag)
-    what = f"failed on rank {rank}: {error!r}" if error else "failed on another rank"
+    what = f"failed on rank {rank}: {describe(error)}" if error else "failed on another rank"
+    todo = "fix the cause (see the error) and save again"
+    if error is not None and any(isinstance(c, CheckpointExistsError) for c in causes(error)):
+        todo = ("save under a new tag, or pass overwrite=True to ds_tiers.install()/attach() "
+                "to replace an existing tag atomically, as stock DeepSpeed does")
     return SaveFailedError(
         f"DeepSpeed checkpoint {info.tag!r} in {info.save_dir} {what}. 'latest' still names "
-        "the previous checkpoint; fix the cause (see the error) and save again.",
+        f"the previous checkpoint; {todo}.",
         [{"rank": rank if error else -1, "step": info.tag, "tier": "local", "where": where,
           "error": repr(error)}],
     )

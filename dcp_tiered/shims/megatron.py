@@ -57,6 +57,7 @@ from ..retention import RetentionPolicy
 from .megatron_strategy import (  # raises a clear ImportError without megatron-core
     TieredLoadShardedStrategy,
     TieredSaveShardedStrategy,
+    claim_step_dir,
     remove_sidecars,
     replace_file,
     write_sidecars,
@@ -113,6 +114,8 @@ class EasyCkpt:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         os.makedirs(self.save_dir, exist_ok=True)
         self.log_handler = _log_to(log_file_path, self.rank) if log_file_path else None
+        if int(os.environ.get("LOCAL_RANK", self.rank)) == 0:  # one process per node root
+            LocalTier(LocalBackend(self.save_dir)).sweep_pending()  # a crashed save's leftovers
         self.memory = None
         if self.mem_every:
             root = os.path.abspath(memory) if memory else _default_memory_root(self.save_dir)
@@ -147,8 +150,8 @@ class EasyCkpt:
                      opt_param_scheduler: Any) -> None:
         self.wait()  # one storage save in flight
         step_dir = os.path.join(self.save_dir, iteration_dir(iteration))
-        if self.rank == 0:
-            os.makedirs(step_dir, exist_ok=True)  # mcore writes common.pt there first
+        if self.rank == 0:  # mcore writes common.pt there first; marked so a crash is swept
+            claim_step_dir(self.save_dir, iteration_dir(iteration))
         state = state_dict(iteration, model, optimizer, opt_param_scheduler)
         request, problem = _attempt(dist_checkpointing.save, state, step_dir,
                                     sharded_strategy=self.strategy,

@@ -37,6 +37,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from ..backends.local import LocalBackend
+from ..errors import CheckpointExistsError
+from ..local_tier import LocalTier
 from ..distributed import checkpoint_process_group
 from ..reader import TieredStorageReader
 from ..writer import TieredStorageWriter
@@ -123,6 +125,7 @@ class TieredSaveShardedStrategy(TorchDistSaveShardedStrategy):
 
     def save(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> None:
         root, step = split_dir(checkpoint_dir)
+        claim_step_dir(root, step)
         dcp.save(self._pyt_state_dict(sharded_state_dict, checkpoint_dir), checkpoint_id=step,
                  storage_writer=self.writer(root), planner=self._planner(),
                  process_group=self._group)
@@ -137,6 +140,7 @@ class TieredSaveShardedStrategy(TorchDistSaveShardedStrategy):
         ``async_strategy`` (megatron-core >= 0.20) names mcore's own writers and is ignored.
         """
         root, step = split_dir(checkpoint_dir)
+        claim_step_dir(root, step)
         for sh in nested_values(sharded_state_dict):
             written = is_main_replica(sh.replica_id) or not self.keep_only_main_replica
             if isinstance(sh, ShardedTensor) and sh.data is not None and written:
@@ -226,7 +230,7 @@ def write_sidecars(root: str, step: str, *, backend: str = "torch_dist", version
     the committed step's own verified data (any tier), so stock mcore can load the directory.
     Not collective. A step saved without ``dist_checkpointing.save`` has no ``common.pt``."""
     step_dir = os.path.join(root, step)
-    os.makedirs(step_dir, exist_ok=True)
+    claim_step_dir(root, step)
     config = {"sharded_backend": backend, "sharded_backend_version": version,
               "common_backend": "torch", "common_backend_version": 1}
     replace_file(os.path.join(step_dir, CONFIG_NAME), json.dumps(config).encode())
@@ -245,18 +249,24 @@ def write_sidecars(root: str, step: str, *, backend: str = "torch_dist", version
     replace_file(os.path.join(step_dir, COMMON_NAME), common.getvalue())
 
 
+def claim_step_dir(root: str, step: str) -> None:
+    """Make ``root/step`` ready for mcore's sidecars: a committed step as it is, else a
+    directory marked pending (created if missing), which the commit replaces and a sweep
+    removes after a crash. Refuses a directory holding anything but mcore's own files."""
+    tier = LocalTier(LocalBackend(root))
+    if not tier.has_step(step) and not tier.claim_pending(step, [COMMON_NAME, CONFIG_NAME]):
+        raise CheckpointExistsError(
+            f"{os.path.join(root, step)} holds files that are not a checkpoint of dcp_tiered "
+            f"nor mcore's {COMMON_NAME}/{CONFIG_NAME}; it was left untouched. Move it away "
+            "or save under another directory.")
+
+
 def remove_sidecars(root: str, step: str) -> None:
-    """Removes mcore's files from a directory that is not a committed step (sidecars written to
-    load a step from the remote tier, or ``common.pt`` of a save that failed), then the
-    directory if that left it empty."""
-    step_dir = os.path.join(root, step)
-    for name in (COMMON_NAME, CONFIG_NAME):
-        path = os.path.join(step_dir, name)
-        if os.path.exists(path):
-            logger.info("deleting %s (%s is not committed in %s)", path, step, root)
-            os.remove(path)
-    with contextlib.suppress(OSError):
-        os.rmdir(step_dir)
+    """Removes the pending directory made for ``step`` (mcore's sidecars written to load a step
+    from the remote tier, or of a save that failed): only the files it was made for."""
+    tier = LocalTier(LocalBackend(root))
+    if tier.is_pending(step):
+        tier.discard_pending(step, reason=f"{step} is not committed in {root}")
 
 
 def replace_file(path: str, data: bytes) -> None:
@@ -268,5 +278,6 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-__all__ = ["TieredLoadShardedStrategy", "TieredSaveShardedStrategy", "remove_sidecars",
+__all__ = ["TieredLoadShardedStrategy", "TieredSaveShardedStrategy", "claim_step_dir",
+           "remove_sidecars",
            "replace_file", "write_sidecars"]

@@ -12,6 +12,7 @@ next 2 losses must equal the first engine's. Writes ``result-R.json`` per rank.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import time
@@ -98,18 +99,46 @@ def kill_while_writing() -> None:
     writer_module.TieredStorageWriter._write_file = write_then_die
 
 
+def existing_tag(save_dir: Path, a: argparse.Namespace, rank: int) -> None:
+    """Tag 'last' saved twice (stock DeepSpeed overwrites; we refuse), then two new tags: every
+    call's outcome on this rank, and what flush says, go to existing-tag-R.json."""
+    engine = build(1, a.stage, a.bf16)
+    calls = []
+    for step, tag in enumerate(["last", "last", "global_step2", "global_step3"]):
+        train_step(engine, step, rank)
+        try:
+            engine.save_checkpoint(str(save_dir), tag=tag)
+            calls.append([tag, None, ""])
+        except Exception as e:  # noqa: BLE001 - recorded for the test
+            calls.append([tag, type(e).__name__, str(e)])
+    try:
+        ds_tiers.flush(engine)
+        flushed = None
+    except Exception as e:  # noqa: BLE001
+        flushed = f"{type(e).__name__}: {e}"
+    write_json(Path(a.out) / f"existing-tag-{rank}.json", {
+        "calls": calls, "flush": flushed, "latest": (save_dir / "latest").read_text()})
+    finish()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--stage", type=int, required=True)
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--mode", default="sync", choices=ds_tiers.MODES)
+    p.add_argument("--remote", help="remote tier URL")
+    p.add_argument("--storage-options", default="{}", help="JSON fsspec options")
     p.add_argument("--phase", default="roundtrip",
-                   choices=["roundtrip", "kill", "resume", "native"],
+                   choices=["roundtrip", "kill", "resume", "native", "existing-tag",
+                            "remote-save", "remote-restore"],
                    help="kill: save global_step3, then SIGKILL every rank during the async "
                         "write of global_step5; resume: load 'latest' and train 2 steps; "
                         "native: save global_step3 with DeepSpeed's own engine and write the "
-                        "full fp32 params and Adam state to live.pt (for the converter test)")
+                        "full fp32 params and Adam state to live.pt (for the converter test); "
+                        "existing-tag: save tag 'last' twice, then two more tags, recording "
+                        "what each call raised; remote-save: save global_step3, train 2 steps, "
+                        "flush (durable), then exit; remote-restore: load into a fresh engine")
     a = p.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
@@ -117,7 +146,20 @@ def main() -> None:
     if a.phase == "native":
         save_native(save_dir, a.stage, a.bf16, rank, Path(a.out) / "live.pt")
         finish()
-    ds_tiers.install(mode=a.mode)
+    remote = {"remote": a.remote, "storage_options": json.loads(a.storage_options)}
+    ds_tiers.install(mode=a.mode, **(remote if a.remote else {}))
+    if a.phase == "existing-tag":
+        existing_tag(save_dir, a, rank)
+    if a.phase == "remote-restore":
+        engine = build(2, a.stage, a.bf16)
+        path, client = engine.load_checkpoint(str(save_dir))  # nothing local: from the remote
+        at_save = torch.load(Path(a.out) / f"at-save-{rank}.pt",  # written by this test
+                             weights_only=False)
+        diffs = mismatches(at_save, snapshot(engine))
+        write_json(Path(a.out) / f"restored-{rank}.json", {
+            "path": path, "diffs": diffs[:20], "client": client and client.get("note"),
+            "resumed": [train_step(engine, s, rank) for s in (3, 4)]})
+        finish()
 
     if a.phase == "resume":
         engine = build(2, a.stage, a.bf16)
@@ -134,6 +176,10 @@ def main() -> None:
     live = [train_step(engine, step, rank) for step in (3, 4)]  # while the write runs
     ds_tiers.flush(engine)
     latest = (save_dir / "latest").read_text()
+    if a.phase == "remote-save":
+        torch.save(at_save, Path(a.out) / f"at-save-{rank}.pt")
+        write_json(Path(a.out) / f"live-{rank}.json", {"live": live, "latest": latest})
+        finish()
     if a.phase == "kill":
         write_json(Path(a.out) / f"live-{rank}.json", {"live": live})
         dist.barrier()

@@ -160,6 +160,21 @@ def phase_legacy(args: argparse.Namespace, rank: int, world: int) -> None:
         "mismatches": [k for k in tensors if not torch.equal(source[k], mine[k])]})
 
 
+def die_while_writing(step: str) -> None:
+    """SIGKILL this rank when its write of ``step``'s data starts (mcore's common.pt is on
+    disk by then)."""
+    import dcp_tiered.writer as writer_module
+
+    original = writer_module.TieredStorageWriter._write_file
+
+    def write_or_die(self, *a, **kw):
+        if self.checkpoint_id == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(self, *a, **kw)
+
+    writer_module.TieredStorageWriter._write_file = write_or_die
+
+
 def phase_facade(args: argparse.Namespace, rank: int) -> None:
     from dcp_tiered.shims import megatron as ckpt
 
@@ -169,6 +184,8 @@ def phase_facade(args: argparse.Namespace, rank: int) -> None:
                     remote=args.remote, async_save=not args.sync,
                     storage_options=json.loads(args.storage_options or "null"),
                     **({} if args.margin is None else {"free_space_margin_bytes": args.margin}))
+    if args.kill_in_storage_save is not None and rank == 0:
+        die_while_writing(f"iter_{args.kill_in_storage_save:07d}")
     model = mc.tiny_gpt(seed=1 + args.attempt)  # a restart starts from other weights
     opt = mc.TorchAdam(model)
     start = ckpt.load_checkpoint(model, opt, None)
@@ -192,6 +209,8 @@ def main() -> None:
     parser.add_argument("--storage-every", type=int, default=4)
     parser.add_argument("--max-ckpt", type=int, default=2)
     parser.add_argument("--kill-at", type=int)
+    parser.add_argument("--kill-in-storage-save", type=int,
+                        help="rank 0 is SIGKILLed while writing this iteration's storage save")
     parser.add_argument("--attempt", type=int, default=0)
     parser.add_argument("--remote")
     parser.add_argument("--storage-options", help="JSON fsspec options for --remote")

@@ -1,0 +1,64 @@
+"""Agreement across ranks: every vote, gather and broadcast of the checkpoint lifecycle.
+
+The manager and the framework adapters decide together (did any rank fail? is every rank's
+write done? which step do we all try?) through this one class. It runs on a gloo group of its
+own, created with it: never the training group, so an NCCL-only default group works and a vote
+on the training thread never interleaves with training collectives; never the group a
+background save runs its collectives on (``checkpoint_process_group()``), so a vote cannot
+interleave with those either. Without a default process group every method answers for this
+process alone.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class Agreement:
+    """Collective decisions; construct it on every rank, in the same order (a group is made)."""
+
+    def __init__(self, timeout_secs: float = 1800.0) -> None:
+        self.group = (dist.new_group(backend="gloo",
+                                     timeout=datetime.timedelta(seconds=timeout_secs))
+                      if dist.is_available() and dist.is_initialized() else None)
+        self.world_size = dist.get_world_size() if self.group is not None else 1
+
+    def vote(self, flags: list[int]) -> list[int]:
+        """Each flag's maximum over all ranks."""
+        if self.group is None:
+            return flags
+        t = torch.tensor(flags, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return [int(v) for v in t.tolist()]
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank iff ``flag`` is true on some rank."""
+        return bool(self.vote([int(flag)])[0])
+
+    def all(self, flag: bool) -> bool:
+        """True on every rank iff ``flag`` is true on every rank."""
+        return not self.any(not flag)
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order, on every rank (small, picklable values)."""
+        if self.group is None:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` on every rank."""
+        if self.group is None:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self.group)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.group is not None:
+            dist.barrier(group=self.group)

@@ -1,0 +1,111 @@
+"""Ending a job: close() waits (bounded) for durability, and a process always exits promptly.
+
+Real processes and a real S3 server (moto); the silent remote is a TCP listener on 127.0.0.1
+that accepts connections and never answers.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from dcp_tiered import TieredStorageWriter
+from dcp_tiered.tiering import Durability
+from tests.conftest import REPO
+from tests.s3server import s3fs_options
+
+
+@pytest.fixture
+def black_hole():
+    """An endpoint that accepts TCP connections and never says a word."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    stop.set()
+    thread.join(timeout=5)
+    for conn in held:
+        conn.close()
+    server.close()
+
+
+def run_job(root, url: str, options: dict, *args: str, timeout: float = 120):
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "workers" / "job_end.py"),
+                           str(root), url, json.dumps(options), *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=REPO)
+    return proc, time.monotonic() - started
+
+
+def test_close_returns_once_the_last_step_is_durable(tmp_path, s3):
+    url = s3.url()
+    proc, _ = run_job(tmp_path / "ckpt", url, s3.options(), "--close", "120")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "CLOSE-RAISED" not in proc.stdout and "MAIN-DONE" in proc.stdout
+    writer = TieredStorageWriter(tmp_path / "ckpt", remote=url, storage_options=s3.options())
+    try:  # durable when close() returned: nothing was left for this writer to resume
+        assert writer.durability("step-1") == Durability.DURABLE_REMOTE
+    finally:
+        writer.close()
+
+
+def test_close_against_a_silent_remote_raises_in_time_and_the_process_exits(tmp_path, black_hole):
+    options = s3fs_options(black_hole, read_timeout=30)
+    proc, secs = run_job(tmp_path / "ckpt", "s3://bucket/run", options, "--close", "3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    raised = [line for line in proc.stdout.splitlines() if line.startswith("CLOSE-RAISED")]
+    assert raised and "UploadFailedError" in raised[0] and "step-1" in raised[0]
+    assert "still uploading after 3" in raised[0] and "resumes" in raised[0]
+    close_secs = float(proc.stdout.split("CLOSE-SECS ")[1].split()[0])
+    assert close_secs < 8, f"close(timeout_secs=3) took {close_secs} s"
+    assert secs < 45, f"the process took {secs:.0f} s to exit after close() gave up"
+
+
+def test_exit_without_close_warns_once_and_the_next_writer_resumes_the_upload(
+        tmp_path, s3, black_hole):
+    """The remote is silent while the job ends: one warning names the step, no retry noise, a
+    prompt exit; the next writer on that root (remote back) makes the step durable."""
+    url = s3.url()
+    proc, secs = run_job(tmp_path / "ckpt", url, s3fs_options(black_hole, read_timeout=30),
+                         "--no-close")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert secs < 45, f"the process took {secs:.0f} s to exit"
+    warnings = [line for line in proc.stderr.splitlines() if "not durable on" in line]
+    assert len(warnings) == 1 and "step-1" in warnings[0] and "resumes" in warnings[0], proc.stderr
+    assert "Retrying" not in proc.stderr and "cannot schedule new futures" not in proc.stderr
+    writer = TieredStorageWriter(tmp_path / "ckpt", remote=url, storage_options=s3.options())
+    writer.close(timeout_secs=120)  # waits for the resumed upload
+    assert TieredStorageWriter(tmp_path / "ckpt", remote=url, storage_options=s3.options()
+                               ).durability("step-1") == Durability.DURABLE_REMOTE
+
+
+def test_writers_built_and_closed_in_a_loop_leave_no_threads_behind(tmp_path):
+    remote = f"file://{tmp_path / 'remote'}"
+    baseline = {t.name for t in threading.enumerate()}
+    for i in range(6):
+        with TieredStorageWriter(tmp_path / "ckpt", remote=remote) as writer:
+            dcp.save({"w": torch.full((64,), float(i))}, checkpoint_id=f"step-{i}",
+                     storage_writer=writer, no_dist=True)
+    left = [t.name for t in threading.enumerate() if t.name not in baseline]
+    assert left == [], f"threads left after 6 writers were closed: {left}"
