@@ -53,6 +53,11 @@ class RemoteConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not self.url:
             raise ConfigError(f"remote must be an fsspec URL such as s3://bucket/run, got {self.url!r}")
+        if "://" not in self.url:  # "bucket/run" would silently become a local directory
+            raise ConfigError(
+                f"remote URL {self.url!r} has no scheme: write s3://{self.url.lstrip('/')} for "
+                f"S3, or file://{self.url if self.url.startswith('/') else '/ABSOLUTE/PATH'} "
+                "for a directory")
         if not 5 * 2**20 <= self.part_size_bytes <= 5 * 2**30:
             raise ConfigError(
                 f"part_size_bytes={self.part_size_bytes} is outside S3's multipart limits "

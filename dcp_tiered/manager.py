@@ -19,7 +19,6 @@ others skipped.
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import os
@@ -29,7 +28,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -37,6 +35,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from . import cadence, housekeeping, layout, tiering
 from .admission import Admission, Headroom, shortfall
+from .agreement import Agreement
 from .backends.local import available_memory_bytes
 from .cadence import Decision, SavePolicy
 from .catalog import list_steps
@@ -127,11 +126,7 @@ class CheckpointManager:
         # Saves run their collectives on one group, the manager's votes on another: a vote on
         # the training thread never interleaves with a background save's collectives.
         self._save_pg = checkpoint_process_group(collective_timeout_secs)
-        self._vote_pg = (
-            dist.new_group(backend="gloo",
-                           timeout=datetime.timedelta(seconds=collective_timeout_secs))
-            if self._distributed else None
-        )
+        self._agree = Agreement(collective_timeout_secs)
         options = dict(writer_options or {})
         options.setdefault("overwrite", True)  # a replayed step replaces its abandoned twin
         self._local = TieredStorageWriter(local, remote=remote, storage_options=storage_options,
@@ -196,7 +191,7 @@ class CheckpointManager:
         check = wanted.any or self._time_based
         short = {tier: self._shortfall(app_state, tier) if check and self._has(tier) else None
                  for tier in ("memory", "local")}
-        flags = self._vote(cadence.encode(wanted) + [
+        flags = self._agree.vote(cadence.encode(wanted) + [
             int(bool(self._failures)), int(busy),
             int(short["memory"] is not None), int(short["local"] is not None),
         ])
@@ -385,21 +380,9 @@ class CheckpointManager:
 
     # ------------------------------------------------------------ agreement across ranks
 
-    def _vote(self, flags: list[int]) -> list[int]:
-        if self._vote_pg is None:
-            return flags
-        t = torch.tensor(flags, dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._vote_pg)
-        return [int(v) for v in t.tolist()]
-
     def _raise_failures(self) -> None:
         mine, self._failures = self._failures, []
-        if self._vote_pg is not None:
-            gathered: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, mine, group=self._vote_pg)
-            failures = [f for part in gathered for f in part]
-        else:
-            failures = mine
+        failures = [f for part in self._agree.gather(mine) for f in part]
         lines = "\n".join(f"  rank {f['rank']}: {f['step']} on the {f['tier']} tier "
                           f"({f['where']}): {f['error']}" for f in failures)
         raise SaveFailedError(
@@ -435,7 +418,7 @@ class CheckpointManager:
         only is then saved to the local (and remote) tier. Returns the step to continue
         from (one past the restored step), or None when there is nothing to restore.
         """
-        candidates = self._broadcast(self._candidates(step))
+        candidates = self._agree.broadcast(self._candidates(step))  # rank 0's list, in order
         if not candidates:
             if step is not None:
                 raise CheckpointNotFoundError(f"step {step} is in no tier of this manager")
@@ -482,7 +465,7 @@ class CheckpointManager:
             self._memory.load(name, app_state)
         except (DcpTieredError, OSError) as e:
             problem = f"rank {self.rank}: {type(e).__name__}: {e}"
-        failed = self._vote([int(problem is not None)])[0]
+        failed = self._agree.vote([int(problem is not None)])[0]
         if failed and problem is None:
             problem = "another rank's snapshot is missing or fails verification"
         return problem
@@ -500,14 +483,6 @@ class CheckpointManager:
             found = [f for f in found if f[2] == step_name(step)]
         found.sort(key=lambda f: (-f[0], order[f[3]], -f[1]))
         return [(name, tier) for _, _, name, tier in found if layout.step_number(name) is not None]
-
-    def _broadcast(self, candidates: list[tuple[str, str]]) -> list[tuple[str, str]]:
-        """Every rank tries the same steps in the same order: rank 0's list."""
-        if self._vote_pg is None:
-            return candidates
-        box: list[Any] = [candidates]
-        dist.broadcast_object_list(box, src=0, group=self._vote_pg)
-        return box[0]
 
     def _loadable(self, app_state: dict[str, Any], reader: TieredStorageReader,
                   name: str) -> dict[str, Any]:
@@ -550,7 +525,7 @@ class CheckpointManager:
                         self._uploading.remove(rec)
                         self._fail(rec, "remote", TimeoutError(
                             f"not durable after close(timeout_secs={timeout_secs})"))
-                failed, pending = self._vote([int(bool(self._failures)), int(bool(self._uploading))])
+                failed, pending = self._agree.vote([int(bool(self._failures)), int(bool(self._uploading))])
                 if failed:
                     self._raise_failures()
                 if not pending:

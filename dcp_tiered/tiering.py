@@ -13,14 +13,15 @@ Readers trust only steps with a marker.
 
 from __future__ import annotations
 
-import concurrent.futures.thread  # noqa: F401  (before the exit hook below: see there)
+import concurrent.futures
+import concurrent.futures.thread  # before the exit hook below is registered: see there
 import enum
 import json
 import logging
 import os
 import threading
 import time
-from concurrent.futures import CancelledError, Future
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import Any
 
@@ -317,13 +318,7 @@ class Uploader:
     def wait(self, timeout_secs: float | None) -> dict[str, str]:
         """Wait (at most ``timeout_secs`` in all) for every enqueued promotion; return the steps
         that are not durable then, each with why."""
-        deadline = None if timeout_secs is None else time.monotonic() + timeout_secs
-        for fut in self.futures():
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                fut.result(timeout=left)
-            except (FutureTimeoutError, CancelledError, Exception):  # noqa: BLE001 - reported below
-                pass
+        concurrent.futures.wait(self.futures(), timeout=timeout_secs)
         problems = self.not_durable()
         return {s: (f"still uploading after {timeout_secs} s" if why == "still uploading" else why)
                 for s, why in problems.items()}

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Stora
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
+from typing_extensions import Self  # a dependency of torch itself
 
 from . import __version__, _torch_compat, catalog, commit, integrity, layout, manifest, tiering
 from ._priority import lower_this_thread
@@ -246,7 +247,7 @@ class TieredStorageWriter(StorageWriter):
                 "with this remote resumes its upload."
             )
 
-    def __enter__(self) -> TieredStorageWriter:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

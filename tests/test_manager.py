@@ -134,9 +134,8 @@ def test_saves_follow_the_cadence_and_retention_per_tier(tmp_path, tiers):
 def test_a_step_that_is_not_a_non_negative_int_is_refused(tmp_path, tiers, bad):
     from dcp_tiered import ConfigError
 
-    with CheckpointManager(**tiers) as mgr:
-        with pytest.raises(ConfigError, match="non-negative int"):
-            mgr.save(bad, _state())
+    with CheckpointManager(**tiers) as mgr, pytest.raises(ConfigError, match="non-negative int"):
+        mgr.save(bad, _state())
     assert not tiers["local"].exists() or _steps(tiers["local"]) == []
 
 

@@ -3,8 +3,6 @@ and against file:// remotes. No mocks: faults are injected by a real HTTP proxy.
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import subprocess
 import sys
@@ -14,7 +12,6 @@ import pytest
 import s3fs
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_tiered import (
     RemoteConfig,

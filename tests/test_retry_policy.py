@@ -72,3 +72,27 @@ def test_gives_up_after_max_attempts_and_never_retries_permanent_errors():
     with pytest.raises(PermanentTierError):
         policy(lambda: (_ for _ in ()).throw(PermanentTierError("AccessDenied")))
     assert sleeps == []
+
+
+def test_missing_credentials_are_permanent_and_say_what_to_set():
+    from botocore.exceptions import NoCredentialsError
+
+    err = translate(NoCredentialsError(), "put", "s3://b/k")
+    assert isinstance(err, PermanentTierError)
+    assert "credentials" in str(err) and "AWS_ACCESS_KEY_ID" in str(err) and "s3://b/k" in str(err)
+
+
+def test_a_bare_403_names_the_credential_problem():
+    e = ClientError({"Error": {"Code": "403", "Message": "Forbidden"},
+                     "ResponseMetadata": {"HTTPStatusCode": 403}}, "HeadObject")
+    err = translate(e, "head", "s3://b/k")
+    assert isinstance(err, PermanentTierError) and "credentials" in str(err)
+    assert "S3 documentation" not in str(err)
+
+
+@pytest.mark.parametrize("url", ["bucket/run", "/abs/dir", "run"])
+def test_a_remote_url_without_a_scheme_is_refused(url):
+    from dcp_tiered import ConfigError, RemoteConfig
+
+    with pytest.raises(ConfigError, match="no scheme"):
+        RemoteConfig(url=url)

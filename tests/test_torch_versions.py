@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 import torch.distributed.checkpoint as dcp
 
 from dcp_tiered import TieredStorageReader, TieredStorageWriter, _torch_compat

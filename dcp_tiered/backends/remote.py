@@ -34,7 +34,15 @@ _PERMANENT_HINTS = {
     "NoSuchBucket": "create the bucket or fix the remote URL",
     "InvalidBucketName": "fix the bucket name in the remote URL",
     "ExpiredToken": "refresh the session token",
+    "InvalidToken": "refresh the session token",
+    "403": "the store refused the credentials (HTTP 403): check the access key, secret and "
+           "their permissions on this bucket/prefix",
+    "401": "the store wants credentials (HTTP 401): set storage_options['key'/'secret'] or "
+           "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY",
 }
+# botocore's own errors for credentials it cannot find or use: no retry makes them work.
+_CREDENTIAL_ERRORS = {"NoCredentialsError", "PartialCredentialsError",
+                      "CredentialRetrievalError", "NoAuthTokenError"}
 _OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "adl"}
 
 
@@ -64,8 +72,14 @@ def translate(exc: BaseException, op: str, where: str) -> BaseException:
             return FileExistsError(f"{where}: already exists")
         if code in _TRANSIENT_CODES or status >= 500 or status == 429:
             return TransientTierError(f"{op} {where}: {code or status} (transient, retrying)")
-        hint = _PERMANENT_HINTS.get(code, "see the error code in the S3 documentation")
+        hint = _PERMANENT_HINTS.get(code) or _PERMANENT_HINTS.get(str(status)) or (
+            "see the error code in the S3 documentation")
         return PermanentTierError(f"{op} {where} failed: {code} {err.get('Message', '')}; {hint}")
+    if type(exc).__name__ in _CREDENTIAL_ERRORS:
+        return PermanentTierError(
+            f"{op} {where}: no usable credentials ({type(exc).__name__}: {exc}); set "
+            "storage_options['key'] and ['secret'] (or AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY, or a profile)")
     if isinstance(exc, PermissionError):
         return PermanentTierError(f"{op} {where}: permission denied ({exc}); check credentials")
     if isinstance(exc, (FileNotFoundError, FileExistsError)):

@@ -46,6 +46,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .. import _torch_compat, catalog, tiering
+from ..agreement import Agreement
 from ..backends.local import LocalBackend
 from ..backends.remote import remote_backend
 from ..config import RemoteConfig
@@ -117,7 +118,8 @@ class TieredCheckpointEngine(CheckpointEngine):
         super().__init__(config_params)
         self.name = "dcp_tiered"
         self.options = options or Options()
-        self._group = checkpoint_process_group()
+        self._group = checkpoint_process_group()  # DCP's collectives
+        self._agree = Agreement()  # ours: never the training group
         self._rank = dist.get_rank() if dist.is_initialized() else 0
         self._writers: dict[str, TieredStorageWriter] = {}
         self._files: dict[str, dict[str, Any]] = {}  # DeepSpeed file name -> split state
@@ -177,17 +179,15 @@ class TieredCheckpointEngine(CheckpointEngine):
         """Decoupled mode, at every step boundary: the info once every rank's write is done.
 
         Every rank has the same save in flight, so they all take the collective or none does.
-        It runs on the training group, in step with training (the DCP group may be busy).
         """
         if self._inflight is None:
             return None
         info, _, fut = self._inflight
-        status = torch.tensor([0 if fut.done() else 1, 1 if _failed(fut) else 0])
-        dist.all_reduce(status, op=dist.ReduceOp.MAX)
-        if int(status[1]):
+        status = self._agree.vote([0 if fut.done() else 1, 1 if _failed(fut) else 0])
+        if status[1]:
             self._inflight = None
             raise _save_failed(info, fut.exception() if _failed(fut) else None, self._rank)
-        return None if int(status[0]) else info
+        return None if status[0] else info
 
     def cleanup(self) -> None:
         self.flush()
@@ -223,12 +223,9 @@ class TieredCheckpointEngine(CheckpointEngine):
                 adopt(load_dir, tag, self.options.remote, self.options.storage_options)
             except Exception as e:  # noqa: BLE001 - raised on every rank below
                 error = e
-        if dist.is_initialized():
-            failed = torch.tensor([int(error is not None)])
-            dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self._group)
-            if int(failed) and error is None:
-                raise CheckpointNotFoundError(
-                    f"cannot prepare {load_dir} for loading on another node (its error says why)")
+        if self._agree.any(error is not None) and error is None:
+            raise CheckpointNotFoundError(
+                f"cannot prepare {load_dir} for loading on another node (its error says why)")
         if error is not None:
             raise error
 
@@ -271,12 +268,9 @@ class TieredCheckpointEngine(CheckpointEngine):
                 writer.close(timeout_secs)
             except UploadFailedError as e:
                 error = error or e
-        if dist.is_initialized():  # every rank learns whether any failed (no lone raise)
-            failed = torch.tensor([int(error is not None)])
-            dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self._group)
-            if int(failed) and error is None:
-                error = SaveFailedError("the last DeepSpeed checkpoint failed on another rank "
-                                        "(its error says why); 'latest' names the last good one")
+        if self._agree.any(error is not None) and error is None:  # no lone raise
+            error = SaveFailedError("the last DeepSpeed checkpoint failed on another rank "
+                                    "(its error says why); 'latest' names the last good one")
         if error is not None:
             raise error
 

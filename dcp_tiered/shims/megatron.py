@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .. import layout
+from ..agreement import Agreement
 from ..backends.local import LocalBackend
 from ..backends.remote import remote_backend
 from ..catalog import list_steps
@@ -100,18 +101,24 @@ class EasyCkpt:
                  save: str | os.PathLike[str], load: str | os.PathLike[str] | None = None,
                  memory: str | os.PathLike[str] | None = None, remote: Any = None,
                  storage_options: dict[str, Any] | None = None, async_save: bool = True,
-                 keep_every: int | None = None, **writer_options: Any) -> None:
+                 keep_every: int | None = None, remote_max_ckpt_num: int | None = None,
+                 **writer_options: Any) -> None:
         for name, value in (("save_mem_interval", save_mem_interval),
                             ("save_storage_interval", save_storage_interval)):
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise ConfigError(f"{name} must be a non-negative int or None, got {value!r}")
         self.mem_every, self.storage_every = save_mem_interval or 0, save_storage_interval or 0
         self.retention = RetentionPolicy(keep_latest=max_ckpt_num, keep_every=keep_every)
+        # As everywhere: the remote keeps every checkpoint unless told otherwise.
+        self.remote_retention = (None if remote_max_ckpt_num is None else
+                                 RetentionPolicy(keep_latest=remote_max_ckpt_num,
+                                                 keep_every=keep_every))
         self.save_dir = os.path.abspath(save)
         self.load_dir = os.path.abspath(load) if load is not None else self.save_dir
         self.remote, self.storage_options = remote, storage_options
         self.async_save = async_save
         self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self._agree = Agreement()  # every vote: on a gloo group of ours, never the training one
         os.makedirs(self.save_dir, exist_ok=True)
         self.log_handler = _log_to(log_file_path, self.rank) if log_file_path else None
         if int(os.environ.get("LOCAL_RANK", self.rank)) == 0:  # one process per node root
@@ -184,7 +191,7 @@ class EasyCkpt:
         if self._pending is None:
             return
         future = self.strategy.in_flight
-        if _all_ranks(future is None or future.done()):
+        if self._agree.all(future is None or future.done()):
             self._finish()
 
     def wait(self) -> None:
@@ -202,6 +209,7 @@ class EasyCkpt:
             replace_file(os.path.join(self.save_dir, TRACKER), str(iteration).encode())
             logger.info("easyckpt: iteration %d committed in %s; %s now names it", iteration,
                         self.save_dir, TRACKER)
+        if int(os.environ.get("LOCAL_RANK", self.rank)) == 0:  # every node prunes its own root
             self._prune()
 
     def _check_saved(self, iteration: int, problem: str | None) -> None:
@@ -221,8 +229,8 @@ class EasyCkpt:
         remote = writer.remote_backend
         try:
             prune_local(writer.local_tier, self.retention, remote, label="storage")
-            if remote is not None:
-                prune_remote(remote, self.retention)
+            if remote is not None and self.remote_retention is not None and self.rank == 0:
+                prune_remote(remote, self.remote_retention)
         except (DcpTieredError, OSError) as e:
             logger.warning("easyckpt: retention pass failed (retried after the next save): %s", e)
 
@@ -237,11 +245,11 @@ class EasyCkpt:
         if root is None:
             raise ConfigError(f"load_arg must be 'load' or 'save', got {load_arg!r}")
         reasons = []
-        for iteration, tier in _broadcast(self._candidates(root)):
+        for iteration, tier in self._agree.broadcast(self._candidates(root)):
             if tier == "memory":
                 loaded, problem = _attempt(self._load_memory, iteration, model, optimizer,
                                            opt_param_scheduler)
-                if not _all_ranks(problem is None):  # each rank has its own snapshot
+                if not self._agree.all(problem is None):  # each rank has its own snapshot
                     problem = problem or "failed on another rank"
             else:
                 loaded, problem = self._load_storage(root, iteration, model, optimizer,
@@ -308,7 +316,7 @@ class EasyCkpt:
         _, problem = (_attempt(write_sidecars, root, step, remote=self.remote,
                                storage_options=self.storage_options)
                       if leader else (None, None))
-        if not _all_ranks(problem is None):
+        if not self._agree.all(problem is None):
             return None, problem or "failed on another rank"
         strategy = TieredLoadShardedStrategy(remote=self.remote,
                                              storage_options=self.storage_options)
@@ -316,11 +324,10 @@ class EasyCkpt:
             dist_checkpointing.load,
             state_dict(iteration, model, optimizer, scheduler, is_loading=True),
             os.path.join(root, step), sharded_strategy=strategy)
-        if dist.is_initialized():
-            dist.barrier()
+        self._agree.barrier()
         if leader and not LocalTier(LocalBackend(root)).has_step(step):
             remove_sidecars(root, step)
-        if not _all_ranks(problem is None):
+        if not self._agree.all(problem is None):
             return None, problem or "failed on another rank"
         return loaded, None
 
@@ -412,22 +419,6 @@ def _attempt(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, str | None]:
             f"rank {rank}: {describe(e)}"
 
 
-def _all_ranks(ok: bool) -> bool:
-    """True on every rank iff ``ok`` on every rank (on the default group, in step)."""
-    if not dist.is_initialized():
-        return ok
-    flag = torch.tensor([0 if ok else 1])
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return not int(flag)
-
-
-def _broadcast(candidates: list[tuple[int, str]]) -> list[tuple[int, str]]:
-    """Every rank tries rank 0's list, in its order."""
-    if not dist.is_initialized():
-        return candidates
-    box: list[Any] = [candidates]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def _default_memory_root(save_dir: str) -> str:

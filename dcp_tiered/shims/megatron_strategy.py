@@ -23,7 +23,6 @@ rebuilds them for a copy restored from the remote tier).
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import logging
@@ -37,9 +36,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from ..backends.local import LocalBackend
+from ..distributed import checkpoint_process_group
 from ..errors import CheckpointExistsError
 from ..local_tier import LocalTier
-from ..distributed import checkpoint_process_group
 from ..reader import TieredStorageReader
 from ..writer import TieredStorageWriter
 

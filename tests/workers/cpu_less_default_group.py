@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import functools
 
-import common  # noqa: F401  (sets sys.path)
+import common  # sets sys.path
 import torch
 import torch.distributed as dist
 
@@ -57,14 +57,15 @@ def main() -> None:
     policy = SavePolicy(memory=Every(steps=1), local=Every(steps=2), remote=Every(steps=4))
     tiers = {"memory": f"{a.root}/shm", "local": f"{a.root}/disk",
              "remote": f"file://{a.root}/remote", "policy": policy}
-    state = {"w": torch.full((1024,), float(rank))}
+    key = f"w{rank}"  # per rank: a tensor both ranks held would be written by rank 0 alone
+    state = {key: torch.full((1024,), float(rank))}
     writer_cls = TieredStorageWriter
     original = writer_cls._write_file
     failed = None
     mgr = CheckpointManager(**tiers)
     try:
         for step in range(1, 7):
-            state["w"] += 1
+            state[key] += 1
             if step == 6 and rank == 1:  # step 6's disk save fails on rank 1 alone
 
                 def broken(*_a, **_k):
@@ -77,13 +78,13 @@ def main() -> None:
         failed = str(e)
     finally:
         writer_cls._write_file = original
-    restored = {"w": torch.zeros(1024)}
+    restored = {key: torch.zeros(1024)}
     with CheckpointManager(**tiers) as mgr:
         mgr.restore(restored)
         step = mgr.restored_step
     common.write_json(f"{a.out}.{rank}", {
         "refused": refused, "failed": failed, "restored_step": step,
-        "restored": float(restored["w"][0])})
+        "restored": float(restored[key][0])})
     common.finish()
 
 
