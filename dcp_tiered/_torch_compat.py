@@ -15,15 +15,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+# FSDP1's SHARDED_STATE_DICT type: still under a private module path in every supported torch.
+from torch.distributed._shard.sharded_tensor import ShardedTensor  # noqa: F401
+
 # DCP's own CPU-copy helpers understand DTensor and ShardedTensor; re-implementing their
 # reconstruction logic would drift with torch.
 from torch.distributed._state_dict_utils import (  # noqa: F401
     _copy_state_dict as copy_state_dict,
     _create_cpu_state_dict as create_cpu_state_dict,
 )
-
-# FSDP1's SHARDED_STATE_DICT type: still under a private module path in every supported torch.
-from torch.distributed._shard.sharded_tensor import ShardedTensor  # noqa: F401
 
 # Written into `.metadata` so that a vanilla FileSystemReader can read our steps.
 from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo  # noqa: F401

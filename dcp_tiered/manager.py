@@ -33,7 +33,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
-from . import cadence, housekeeping, layout, tiering
+from . import cadence, housekeeping, layout, uploads
 from .admission import Admission, Headroom, shortfall
 from .agreement import Agreement
 from .backends.local import available_memory_bytes
@@ -351,7 +351,7 @@ class CheckpointManager:
         """This rank's promotion of the step, if this rank's node leader is this process."""
         if self._remote is None:
             return None
-        return tiering.uploader_for(self._local.local_tier, self._remote).future(rec.name)
+        return uploads.uploader_for(self._local.local_tier, self._remote).future(rec.name)
 
     def _fail(self, rec: _InFlight, tier: str, error: BaseException) -> None:
         where = (self._remote.config.url if tier == "remote" and self._remote is not None
@@ -371,7 +371,7 @@ class CheckpointManager:
             "commit_s": _round(rec.timings.get("commit_s")),
             "upload_s": None, "durable_at": None, "durable_after_s": None,
         }
-        times = (tiering.uploader_for(self._local.local_tier, self._remote).times(rec.name)
+        times = (uploads.uploader_for(self._local.local_tier, self._remote).times(rec.name)
                  if rec.upload is not None and self._remote is not None else None)
         if times is not None:
             fields.update(upload_s=round(times[1] - times[0], 6), durable_at=round(times[1], 6),

@@ -29,7 +29,17 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 from typing_extensions import Self  # a dependency of torch itself
 
-from . import __version__, _torch_compat, catalog, commit, integrity, layout, manifest, tiering
+from . import (
+    __version__,
+    _torch_compat,
+    catalog,
+    commit,
+    integrity,
+    layout,
+    manifest,
+    tiering,
+    uploads,
+)
 from ._priority import lower_this_thread
 from .backends.local import LocalBackend
 from .backends.remote import RemoteBackend, remote_backend
@@ -134,9 +144,9 @@ class TieredStorageWriter(StorageWriter):
         self._leading: tuple[str, int] | None = None  # (tmp dir, lock fd) until published
         self._tier.recover_and_sweep()
         self._remote = remote_backend(remote, storage_options)
-        self._uploader: tiering.Uploader | None = None
+        self._uploader: uploads.Uploader | None = None
         if self._remote is not None:
-            self._uploader = tiering.acquire_uploader(self._tier, self._remote)
+            self._uploader = uploads.acquire_uploader(self._tier, self._remote)
             self._uploader.resume()
 
     @property
@@ -178,9 +188,9 @@ class TieredStorageWriter(StorageWriter):
         if step is not None:
             steps = [layout.validate_step_name(step)]
         else:
-            up = tiering.uploader_for(self._tier, self._remote)
+            up = uploads.uploader_for(self._tier, self._remote)
             steps = sorted(up.steps()) or [catalog.resolve(self._tier, None, None).name]
-        tiering.wait_durable(self._tier, self._remote, steps, timeout_secs)
+        uploads.wait_durable(self._tier, self._remote, steps, timeout_secs)
 
     def keep_local(self, step: str) -> None:
         """Do not copy ``step`` to the remote tier when it is saved (decided by rank 0)."""
@@ -199,7 +209,7 @@ class TieredStorageWriter(StorageWriter):
 
     def _promote(self, save: _SaveInfo) -> None:
         if self._remote is not None and save.promote:
-            tiering.uploader_for(self._tier, self._remote).submit(save.step)
+            uploads.uploader_for(self._tier, self._remote).submit(save.step)
 
     # ------------------------------------------------------------ AsyncStager protocol
 
@@ -238,7 +248,7 @@ class TieredStorageWriter(StorageWriter):
         try:
             problems = up.wait(timeout_secs) if wait_durable else {}
         finally:
-            tiering.release_uploader(up)
+            uploads.release_uploader(up)
         if problems:
             raise UploadFailedError(
                 f"not durable on {self._remote.config.url}: "
@@ -437,7 +447,7 @@ class TieredStorageWriter(StorageWriter):
                 )
         file_crc = integrity.format_checksum(out.file_crc)
         if self._remote is not None and save.promote:
-            uploader = tiering.uploader_for(self._tier, self._remote)
+            uploader = uploads.uploader_for(self._tier, self._remote)
             uploader.upload_early(save.step, save.save_id, name, file_crc)
         return [
             WriteResult(

@@ -192,3 +192,4 @@ def test_prune_local_on_real_directories(tmp_path_factory, ops, policy):
     assert not set(deleted) & awaiting
     assert f"step-{len(ops) - 1}" in after
     assert not [n for n in os.listdir(tmp / "local") if n.endswith(layout.DELETE_SUFFIX)]
+    writer.close(wait_durable=False)  # the failed uploads are the point: nothing to wait for

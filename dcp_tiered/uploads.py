@@ -1,0 +1,235 @@
+"""The upload queue: which committed steps this process promotes to the remote tier, when.
+
+One :class:`Uploader` per (local root, remote) per process runs promotions
+(:class:`tiering.Promotion`, the remote commit protocol) in commit order, on daemon threads.
+Writers hold it while they live (:func:`acquire_uploader`); the last release stops its threads.
+At interpreter exit, what is still pending is abandoned with one warning: the steps stay
+committed locally and the next writer on the root resumes them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import concurrent.futures.thread  # before the exit hook below is registered: see there
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
+
+from . import _retry, layout
+from ._daemon_pool import DaemonPool
+from ._priority import lower_this_thread
+from .backends.remote import RemoteBackend
+from .errors import ManifestError, UploadFailedError
+from .local_tier import LocalTier
+from .tiering import Durability, Promotion, durability, read_marker, upload_verified
+
+logger = logging.getLogger(__name__)
+
+
+class Uploader:
+    """One per (local root, remote) in a process: promotes steps in commit order."""
+
+    def __init__(self, tier: LocalTier, remote: RemoteBackend) -> None:
+        self.tier, self.remote = tier, remote
+        self._steps = DaemonPool(1, "dcp-tiered-upload", lower_this_thread)
+        self._files = DaemonPool(remote.config.max_concurrency, "dcp-tiered-upload-file",
+                                 lower_this_thread)
+        self._users = 0  # writers holding this uploader (acquire/release)
+        self._futures: dict[str, Future[None]] = {}
+        self._lock = threading.Lock()
+        self._resume_lock: int | None = None
+        self._times: dict[str, tuple[float, float]] = {}  # step -> (started, durable) epoch s
+        self._remote_step_free: dict[tuple[str, str], bool] = {}
+
+    def submit(self, step: str, *, new_commit: bool = True) -> Future[None]:
+        """Enqueue the promotion of ``step``. A new commit always gets its own promotion (it
+        runs after any earlier one and reads the manifest then); a resume reuses a pending one."""
+        with self._lock:
+            fut = self._futures.get(step)
+            if new_commit or fut is None or fut.done():
+                fut = self._steps.submit(self._promote, step)
+                self._futures[step] = fut
+            return fut
+
+    def upload_early(self, step: str, save_id: str, name: str, checksum: str) -> None:
+        """Start uploading a data file as soon as it is written, before the local commit.
+
+        Data objects are invisible until the step's marker exists, so this only overlaps the
+        upload with the rest of the save. Best effort: whatever does not finish here is
+        uploaded by the promotion after the commit.
+        """
+        self._files.submit(self._upload_early, step, save_id, name, checksum)
+
+    def _upload_early(self, step: str, save_id: str, name: str, checksum: str) -> None:
+        backend, area = self.tier.backend, layout.upload_area_name(step, save_id)
+        try:
+            with self._lock:
+                free = self._remote_step_free.get((step, save_id))
+            if free is None:  # remote steps are immutable: never write under a committed one
+                free = read_marker(self.remote, step) is None
+                with self._lock:
+                    self._remote_step_free[(step, save_id)] = free
+            if not free:
+                return
+            backend.make_dir(area)
+            lock = backend.lock_exclusive(area, f"{name}.lock")
+            try:
+                tmp = layout.tmp_dir_name(step, save_id)
+                where = (tmp,) if backend.exists(tmp, name) else (step,)  # committed meanwhile
+                key = layout.remote_file_key(step, name, self.remote.config.prefix_strategy)
+                upload_verified(self.tier, self.remote, where, name, key, checksum)
+                backend.write_file(area, f"{name}.done", b"", sync=False)
+            finally:
+                backend.unlock(lock)
+        except Exception as e:  # noqa: BLE001 - the promotion uploads it instead
+            logger.debug("early upload of %s/%s deferred to the promotion: %s", step, name, e)
+
+    def _promote(self, step: str) -> None:
+        started = time.time()
+        try:
+            Promotion(self.tier, self.remote, step, self._files).run()
+        except BaseException as e:
+            if not _retry.EXITING.is_set():  # at exit, _abandon_at_exit says it once
+                logger.error("step %s is not durable on %s: %s", step, self.remote.config.url, e)
+            raise
+        with self._lock:
+            self._times[step] = (started, time.time())
+
+    def times(self, step: str) -> tuple[float, float] | None:
+        """When this process's last promotion of ``step`` started and made it durable."""
+        with self._lock:
+            return self._times.get(step)
+
+    def future(self, step: str) -> Future[None] | None:
+        with self._lock:
+            return self._futures.get(step)
+
+    def futures(self) -> list[Future[None]]:
+        with self._lock:
+            return list(self._futures.values())
+
+    def steps(self) -> list[str]:
+        with self._lock:
+            return list(self._futures)
+
+    def not_durable(self) -> dict[str, str]:
+        """Steps this process enqueued that are not durable, each with why (now)."""
+        out = {}
+        with self._lock:
+            futures = dict(self._futures)
+        for step, fut in futures.items():
+            if not fut.done():
+                out[step] = "still uploading"
+            elif fut.cancelled():
+                out[step] = "upload cancelled"
+            elif fut.exception() is not None:
+                out[step] = f"{type(fut.exception()).__name__}: {fut.exception()}"
+        return out
+
+    def wait(self, timeout_secs: float | None) -> dict[str, str]:
+        """Wait (at most ``timeout_secs`` in all) for every enqueued promotion; return the steps
+        that are not durable then, each with why."""
+        concurrent.futures.wait(self.futures(), timeout=timeout_secs)
+        problems = self.not_durable()
+        return {s: (f"still uploading after {timeout_secs} s" if why == "still uploading" else why)
+                for s, why in problems.items()}
+
+    def shutdown(self, *, cancel: bool = False) -> None:
+        self._steps.shutdown(wait=not cancel, cancel_futures=cancel)
+        self._files.shutdown(wait=not cancel, cancel_futures=cancel)
+
+    def resume(self) -> None:
+        """Re-enqueue committed local steps that are not durable yet (one process per root)."""
+        if self._resume_lock is None:
+            self._resume_lock = self.tier.backend.try_lock_exclusive(layout.UPLOADER_LOCK_NAME)
+            if self._resume_lock is None:
+                return  # another process on this node resumes them
+        for info in sorted(self.tier.steps(), key=lambda s: s.committed_at_ns):
+            if info.verified_format and self._wants_promotion(info.name):
+                self.submit(info.name, new_commit=False)
+
+    def _wants_promotion(self, step: str) -> bool:
+        try:
+            return self.tier.read_manifest(step).promote
+        except (ManifestError, OSError):
+            return True  # the promotion reports what is wrong with it
+
+
+_UPLOADERS: dict[tuple[int, str, str], Uploader] = {}
+_UPLOADERS_LOCK = threading.RLock()
+
+
+def uploader_for(tier: LocalTier, remote: RemoteBackend) -> Uploader:
+    key = (os.getpid(), tier.root, remote.config.url)
+    with _UPLOADERS_LOCK:
+        if key not in _UPLOADERS:
+            _UPLOADERS[key] = Uploader(tier, remote)
+        return _UPLOADERS[key]
+
+
+def acquire_uploader(tier: LocalTier, remote: RemoteBackend) -> Uploader:
+    """The uploader of (root, remote), held until :func:`release_uploader`."""
+    with _UPLOADERS_LOCK:
+        up = uploader_for(tier, remote)
+        up._users += 1
+        return up
+
+
+def release_uploader(up: Uploader) -> None:
+    """Drop a hold; the last one stops the uploader's threads once nothing is pending (what
+    is still pending keeps running, and at exit is abandoned with a warning)."""
+    with _UPLOADERS_LOCK:
+        up._users -= 1
+        if up._users > 0 or any(not f.done() for f in up.futures()):
+            return
+        for key, value in list(_UPLOADERS.items()):
+            if value is up:
+                del _UPLOADERS[key]
+    up.shutdown()
+
+
+def _abandon_at_exit() -> None:
+    """The interpreter is exiting: stop retrying, drop queued promotions, and say once which
+    steps are left committed-local (they are safe on disk and resumed by the next writer)."""
+    _retry.EXITING.set()
+    with _UPLOADERS_LOCK:
+        mine = [(k, up) for k, up in _UPLOADERS.items() if k[0] == os.getpid()]
+    for (_, root, url), up in mine:
+        up.shutdown(cancel=True)
+        left = up.not_durable()
+        if left:
+            logger.warning(
+                "dcp_tiered: exiting with step(s) %s of %s committed locally but not durable on "
+                "%s. They are safe on the local disk, and the next TieredStorageWriter on that "
+                "root with this remote resumes their upload. To wait for them before exiting, "
+                "call close() on the writer (CheckpointManager.close(), the shims' flush/close).",
+                ", ".join(sorted(left)), root, url)
+
+
+# Runs before concurrent.futures and asyncio shut their executors down at exit (threading's
+# exit hooks run in reverse order of registration), so no upload retries against them.
+threading._register_atexit(_abandon_at_exit)  # type: ignore[attr-defined]
+
+
+def wait_durable(tier: LocalTier, remote: RemoteBackend, steps: list[str],
+                 timeout_secs: float | None) -> None:
+    deadline = None if timeout_secs is None else time.monotonic() + timeout_secs
+    up = uploader_for(tier, remote)
+    for step in steps:
+        fut = up.future(step)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if fut is not None:
+            try:
+                fut.result(timeout=left)
+            except FutureTimeoutError:
+                raise TimeoutError(f"step {step!r} is not durable after {timeout_secs} s") from None
+            except Exception as e:
+                raise UploadFailedError(f"step {step!r} could not be made durable: {e}") from e
+            continue
+        while durability(tier, remote, step) != Durability.DURABLE_REMOTE:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"step {step!r} is not durable after {timeout_secs} s")
+            time.sleep(0.2)

@@ -1,0 +1,95 @@
+"""The package's layers, checked from its imports (every import, also inside functions).
+
+Dependencies point one way: the entry points (manager, DCP writer and reader, CLI) use the
+tiers and the upload queue, which use the backends; policy and format modules do no I/O and
+import neither tiers nor backends; nothing but the CLI and the shims themselves imports a shim.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "dcp_tiered"
+
+POLICY = {"layout", "manifest", "integrity", "retention", "cadence", "admission", "config",
+          "errors", "memory_format", "safe_unpickle", "rank_state", "agreement"}
+BACKENDS = {"backends", "backends.local", "backends.remote"}
+TIERS = {"local_tier", "memory_tier", "tiering", "uploads", "commit", "catalog", "housekeeping"}
+ENTRY_POINTS = {"writer", "reader", "manager", "cli", "staging"}
+
+
+def imports_of(path: Path) -> set[str]:
+    """Modules of dcp_tiered that ``path`` imports, relative to the package ("backends.local")."""
+    module = path.relative_to(PACKAGE).with_suffix("").parts
+    package = module[:-1] if module[-1] != "__init__" else module[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = list(package[: len(package) - (node.level - 1)])
+            elif node.module and node.module.startswith("dcp_tiered"):
+                base = []
+            else:
+                continue
+            target = base + ([p for p in (node.module or "").split(".") if p and p != "dcp_tiered"])
+            names = [a.name for a in node.names]
+            for name in names:  # "from . import layout" imports the module layout
+                candidate = [*target, name]
+                if (PACKAGE.joinpath(*candidate).with_suffix(".py").exists()
+                        or PACKAGE.joinpath(*candidate).is_dir()):
+                    found.add(".".join(candidate))
+                elif target:
+                    found.add(".".join(target))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("dcp_tiered."):
+                    found.add(alias.name.removeprefix("dcp_tiered."))
+    return {m for m in found if m}
+
+
+MODULES = {".".join(p.relative_to(PACKAGE).with_suffix("").parts): p
+           for p in PACKAGE.rglob("*.py")}
+
+
+def _layer(module: str) -> str:
+    top = module.split(".")[0]
+    if top == "shims":
+        return "shims"
+    if module in BACKENDS or top == "backends":
+        return "backends"
+    for name, members in (("policy", POLICY), ("tiers", TIERS), ("entry", ENTRY_POINTS)):
+        if module in members:
+            return name
+    return "other"
+
+
+FORBIDDEN = {  # layer -> layers it must never import
+    "policy": {"backends", "tiers", "entry", "shims"},
+    "backends": {"tiers", "entry", "shims"},
+    "tiers": {"entry", "shims"},
+}
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_point_down_the_layers(module):
+    layer = _layer(module)
+    wrong = sorted(m for m in imports_of(MODULES[module])
+                   if _layer(m) in FORBIDDEN.get(layer, set()))
+    assert wrong == [], f"{module} ({layer}) imports {wrong}, against the layering"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if _layer(m) != "shims"))
+def test_only_the_cli_and_the_shims_import_a_shim(module):
+    shims = sorted(m for m in imports_of(MODULES[module]) if m.split(".")[0] == "shims")
+    assert module == "cli" or shims == [], f"{module} imports {shims}"
+
+
+def test_the_checker_resolves_imports_and_would_catch_a_violation():
+    assert imports_of(PACKAGE / "local_tier.py") == {"layout", "manifest", "backends.local",
+                                                     "errors"}
+    assert {"integrity", "errors", "layout"} <= imports_of(PACKAGE / "backends" / "local.py")
+    assert "backends" in FORBIDDEN[_layer("layout")]
+    assert _layer("backends.local") == "backends" and _layer("shims.deepspeed") == "shims"
