@@ -20,6 +20,7 @@ from .errors import (  # noqa: E402
     SaveFailedError,
     StagingError,
     TierError,
+    TierUnavailableError,
     TransientTierError,
     UploadFailedError,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "TieredStorageReader",
     "TieredStorageWriter",
     "TierError",
+    "TierUnavailableError",
     "TransientTierError",
     "UploadFailedError",
     "__version__",

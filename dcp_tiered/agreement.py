@@ -12,19 +12,33 @@ process alone.
 from __future__ import annotations
 
 import datetime
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from .errors import DcpTieredError
+
+T = TypeVar("T")
+
+
+_GROUPS: dict[tuple[int, float], dist.ProcessGroup] = {}
+
 
 class Agreement:
-    """Collective decisions; construct it on every rank, in the same order (a group is made)."""
+    """Collective decisions; construct it on every rank, in the same order (the first one
+    with a given timeout makes the process's agreement group; later ones share it, so a
+    process that builds many managers does not accumulate gloo groups)."""
 
     def __init__(self, timeout_secs: float = 1800.0) -> None:
-        self.group = (dist.new_group(backend="gloo",
-                                     timeout=datetime.timedelta(seconds=timeout_secs))
-                      if dist.is_available() and dist.is_initialized() else None)
+        self.group: dist.ProcessGroup | None = None
+        if dist.is_available() and dist.is_initialized():
+            key = (id(dist.group.WORLD), timeout_secs)
+            if key not in _GROUPS:
+                _GROUPS[key] = dist.new_group(
+                    backend="gloo", timeout=datetime.timedelta(seconds=timeout_secs))
+            self.group = _GROUPS[key]
         self.world_size = dist.get_world_size() if self.group is not None else 1
 
     def vote(self, flags: list[int]) -> list[int]:
@@ -58,6 +72,21 @@ class Agreement:
         box = [obj]
         dist.broadcast_object_list(box, src=src, group=self.group)
         return box[0]
+
+    def from_rank0(self, fn: Callable[[], T]) -> T:
+        """``fn()`` run by rank 0 alone (one listing of a tier, not one per rank); its value on
+        every rank, or the DcpTieredError it raised, raised on every rank."""
+        value: Any = None
+        error: DcpTieredError | None = None
+        if self.group is None or dist.get_rank() == 0:
+            try:
+                value = fn()
+            except DcpTieredError as e:
+                error = e
+        value, error = self.broadcast((value, error))
+        if error is not None:
+            raise error
+        return value
 
     def barrier(self) -> None:
         if self.group is not None:

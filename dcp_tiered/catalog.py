@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from . import layout
 from .backends.remote import RemoteBackend
-from .errors import CheckpointNotFoundError, ConfigError, TierError
+from .errors import CheckpointNotFoundError, ConfigError, TierError, TierUnavailableError
 from .local_tier import LocalTier
 
 logger = logging.getLogger(__name__)
@@ -24,7 +24,10 @@ class StepLocation:
     verified_format: bool  # False: a vanilla DCP directory without our manifest
 
 
-def list_steps(tier: LocalTier, remote: RemoteBackend | None) -> list[StepLocation]:
+def list_steps(tier: LocalTier, remote: RemoteBackend | None, *,
+               strict: bool = False) -> list[StepLocation]:
+    """Committed steps on both tiers, oldest first. An unreadable remote raises
+    TierUnavailableError with ``strict``; otherwise it is logged and left out."""
     found: dict[str, StepLocation] = {
         s.name: StepLocation(s.name, s.committed_at_ns, True, False, s.verified_format)
         for s in tier.steps()
@@ -33,7 +36,12 @@ def list_steps(tier: LocalTier, remote: RemoteBackend | None) -> list[StepLocati
     if remote is not None:
         try:
             remote_steps = remote.committed_steps()
-        except TierError as e:  # a local copy is still worth restoring from
+        except TierError as e:
+            if strict:
+                raise TierUnavailableError(
+                    f"cannot read the remote tier {remote.config.url}: {e}. Which steps exist "
+                    "there is unknown, so nothing was restored: fix the remote's address, "
+                    "credentials or reachability (the cause above) and restore again") from e
             logger.warning("remote tier %s unavailable, looking at %s only: %s",
                            remote.config.url, tier.root, e)
             remote = None
@@ -61,7 +69,14 @@ def resolve(
 ) -> StepLocation:
     """Map 'latest' (or None) or a step name to a committed step on some tier, or raise."""
     where = tier.root + (f" or {remote.config.url}" if remote is not None else "")
-    steps = list_steps(tier, remote)
+    try:
+        steps = list_steps(tier, remote, strict=True)
+    except TierUnavailableError as e:
+        steps = list_steps(tier, None)
+        if not steps:  # "no checkpoint" would be a guess: say what is wrong instead
+            raise
+        logger.warning("remote tier unavailable (%s); resolving %r among the local steps of %s",
+                       e, checkpoint_id or layout.LATEST, tier.root)
     if checkpoint_id is None or checkpoint_id == layout.LATEST:
         name = layout.newest((s.name, s.committed_at_ns) for s in steps)
         if name is None:

@@ -17,7 +17,8 @@ Library errors subclass the built-in exception a caller would naturally catch::
     └── TierError                            a storage tier failed
         ├── TransientTierError               5xx, SlowDown, timeouts, resets; retried
         ├── PermanentTierError               AccessDenied, NoSuchBucket; not retried
-        └── UploadFailedError                a step could not be made durable remotely
+        ├── UploadFailedError                a step could not be made durable remotely
+        └── TierUnavailableError             a configured tier cannot be read (restore)
 
 Note: ``dcp.save``/``dcp.load`` re-raise any rank's failure as
 ``torch.distributed.checkpoint.api.CheckpointException`` (a ``BaseException``); the
@@ -40,6 +41,7 @@ __all__ = [
     "SaveFailedError",
     "StagingError",
     "TierError",
+    "TierUnavailableError",
     "TransientTierError",
     "UploadFailedError",
 ]
@@ -110,6 +112,11 @@ class PermanentTierError(TierError):
 
 class UploadFailedError(TierError):
     """A step could not be made durable on the remote tier."""
+
+
+class TierUnavailableError(TierError):
+    """A configured tier cannot be read, so which steps exist is unknown: a restore refuses to
+    guess (it could start from scratch, or from an old step, while newer ones exist)."""
 
 
 def causes(e: BaseException) -> list[BaseException]:

@@ -43,6 +43,10 @@ class LocalTier:
         for name in self.backend.list_names():
             if not layout.is_step_name(name) or not self.backend.is_dir(name):
                 continue
+            if self.backend.is_link(name):  # never followed: it may lead out of the root
+                logger.warning("ignoring %s/%s: a symbolic link, not a step of ours", self.root,
+                               name)
+                continue
             try:
                 if self.backend.exists(name, layout.MANIFEST_NAME):
                     found.append(StepInfo(name, self._committed_at(name), True))
@@ -63,7 +67,7 @@ class LocalTier:
             return -1
 
     def has_step(self, name: str) -> bool:
-        return self.backend.is_dir(name) and (
+        return self.backend.is_dir(name) and not self.backend.is_link(name) and (
             self.backend.exists(name, layout.MANIFEST_NAME)
             or self.backend.exists(name, layout.DCP_METADATA_NAME)
         )
@@ -113,7 +117,14 @@ class LocalTier:
 
     def read_manifest(self, step: str) -> manifest.Manifest:
         where = os.path.join(self.root, step, layout.MANIFEST_NAME)
-        return manifest.parse(self.backend.read_file(step, layout.MANIFEST_NAME), where=where)
+        try:
+            data = self.backend.read_file(step, layout.MANIFEST_NAME)
+        except FileNotFoundError:
+            raise
+        except OSError as e:  # a link, FIFO or device where the manifest should be
+            raise ManifestError(f"{where}: cannot be read as a manifest ({e.strerror}); restore "
+                                "the step from another tier or load an earlier step") from e
+        return manifest.parse(data, where=where)
 
     def delete_step(self, step: str, *, reason: str) -> None:
         """Delete a committed step. It is renamed out of sight first, so a crash halfway

@@ -37,6 +37,7 @@ from . import cadence, housekeeping, layout, uploads
 from .admission import Admission, Headroom, shortfall
 from .agreement import Agreement
 from .backends.local import available_memory_bytes
+from .backends.remote import RemoteBackend
 from .cadence import Decision, SavePolicy
 from .catalog import list_steps
 from .distributed import checkpoint_process_group
@@ -46,6 +47,7 @@ from .errors import (
     DcpTieredError,
     InsufficientSpaceError,
     SaveFailedError,
+    TierUnavailableError,
     describe,
 )
 from .events import EventLog
@@ -410,15 +412,40 @@ class CheckpointManager:
 
     # ------------------------------------------------------------ restore
 
-    def restore(self, app_state: dict[str, Any], step: int | None = None) -> int | None:
+    def restore(self, app_state: dict[str, Any], step: int | None = None, *,
+                on_unreadable_tier: str = "raise") -> int | None:
         """Load the newest step that verifies (or ``step``) into ``app_state``.
 
         Looks in memory, then the local disk, then the remote tier, and falls back to older
         steps when a newer one fails verification, logging why. A step restored from memory
         only is then saved to the local (and remote) tier. Returns the step to continue
-        from (one past the restored step), or None when there is nothing to restore.
+        from (one past the restored step), or None when every tier was read and holds none.
+
+        If the remote tier cannot be read, which steps exist is unknown: this raises
+        TierUnavailableError on every rank, naming the tier and the cause, rather than start
+        from scratch (or from an older step) while newer ones may exist. With
+        ``on_unreadable_tier="skip"`` it restores from the tiers it can read, with an ERROR log.
         """
-        candidates = self._agree.broadcast(self._candidates(step))  # rank 0's list, in order
+        if on_unreadable_tier not in ("raise", "skip"):
+            raise ConfigError(f"on_unreadable_tier must be 'raise' or 'skip', "
+                              f"not {on_unreadable_tier!r}")
+
+        def listing() -> tuple[list[tuple[str, str]], str | None]:
+            try:
+                return self._candidates(step, self._remote), None
+            except TierUnavailableError as e:  # the other tiers, if they are wanted
+                return (self._candidates(step, None) if on_unreadable_tier == "skip"
+                        else []), str(e)
+
+        # One listing, rank 0's: every rank tries the same steps, in the same order.
+        candidates, unreadable = self._agree.from_rank0(listing)
+        if unreadable is not None:
+            if on_unreadable_tier == "raise":
+                raise TierUnavailableError(
+                    f"{unreadable}. To restore from the tiers that can be read instead, call "
+                    "restore(..., on_unreadable_tier='skip').")
+            logger.error("%s; restoring from the other tiers (on_unreadable_tier='skip')",
+                         unreadable)
         if not candidates:
             if step is not None:
                 raise CheckpointNotFoundError(f"step {step} is in no tier of this manager")
@@ -470,14 +497,15 @@ class CheckpointManager:
             problem = "another rank's snapshot is missing or fails verification"
         return problem
 
-    def _candidates(self, step: int | None) -> list[tuple[str, str]]:
+    def _candidates(self, step: int | None,
+                    remote: RemoteBackend | None) -> list[tuple[str, str]]:
         """(step name, tier) pairs to try, newest first, nearest tier first."""
         found: list[tuple[int, int, str, str]] = []
         order = {"memory": 0, "local": 1}
         if self._memory is not None:
             for name, committed_at in self._memory.steps().items():
                 found.append((layout.step_number(name) or -1, committed_at, name, "memory"))
-        for s in list_steps(self._local.local_tier, self._remote):
+        for s in list_steps(self._local.local_tier, remote, strict=True):
             found.append((layout.step_number(s.name) or -1, s.committed_at_ns, s.name, "local"))
         if step is not None:
             found = [f for f in found if f[2] == step_name(step)]
@@ -525,7 +553,8 @@ class CheckpointManager:
                         self._uploading.remove(rec)
                         self._fail(rec, "remote", TimeoutError(
                             f"not durable after close(timeout_secs={timeout_secs})"))
-                failed, pending = self._agree.vote([int(bool(self._failures)), int(bool(self._uploading))])
+                failed, pending = self._agree.vote([int(bool(self._failures)),
+                                                    int(bool(self._uploading))])
                 if failed:
                     self._raise_failures()
                 if not pending:

@@ -201,8 +201,9 @@ def parse(data: bytes, *, where: str) -> Manifest:
     hint = "restore the step from another tier or an earlier step; do not edit manifests by hand"
     try:
         body = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ManifestError(f"{where}: manifest is not valid JSON ({e}); {hint}") from e
+    except (ValueError, RecursionError) as e:  # bad JSON, 5,000-digit numbers, deep nesting
+        raise ManifestError(f"{where}: manifest is not valid JSON ({str(e)[:200]}); "
+                            f"{hint}") from e
     if not isinstance(body, dict) or body.get("format") != FORMAT:
         raise ManifestError(f"{where}: not a dcp_tiered manifest; {hint}")
     if body.get("version") != VERSION:
@@ -245,9 +246,12 @@ def _decode(body: dict[str, Any]) -> Manifest:
             file_checksum=str(info["checksum"]),
             raw_offset=int(item["raw_offset"]) if item.get("raw_offset") is not None else None,
         )
-        if locations[index].offset + locations[index].length > locations[index].file_size:
+        loc = locations[index]
+        if min(loc.offset, loc.length, loc.file_size, loc.rank) < 0:
+            raise ManifestError(f"item {fqn!r} has a negative offset, length, size or rank")
+        if loc.offset + loc.length > loc.file_size:
             raise ManifestError(f"item {fqn!r} extends past the end of {path!r}")
-        if not 0 <= (locations[index].raw_offset or 0) < locations[index].length:
+        if not 0 <= (loc.raw_offset or 0) < loc.length:
             raise ManifestError(f"item {fqn!r} has a raw offset outside the item")
     sdm = {str(k): _decode_entry(v) for k, v in body["state_dict_metadata"].items()}
     planner_data = {

@@ -213,7 +213,8 @@ class TieredStorageReader(StorageReader):
         """Whether to read ``name`` from the local tier (present, with the manifest's size);
         False means the remote, and raises when there is none to fall back on."""
         can_fetch = self._remote is not None and self._manifest is not None
-        here = bool(self._step and self._step.local) and self._tier.backend.exists(*self._dir, name)
+        here = (bool(self._step and self._step.local)
+                and self._tier.backend.is_regular_file(*self._dir, name))  # no links, FIFOs
         if here:
             size = self._tier.backend.file_size(*self._dir, name)
             expected = int(self._manifest.files[name]["size"]) if self._manifest else size
@@ -229,7 +230,8 @@ class TieredStorageReader(StorageReader):
                            problem, self._remote.config.url if self._remote else "")
         elif not can_fetch:
             raise MissingShardError(
-                f"data file {name!r} of step {self.checkpoint_id!r} is missing from "
+                f"data file {name!r} of step {self.checkpoint_id!r} is missing (or not a "
+                f"plain file: links, FIFOs and devices are never read) from "
                 f"{os.path.join(self.root, *self._dir)} and no remote tier holds the step; "
                 "restore it from another tier or load an earlier step"
             )

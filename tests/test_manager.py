@@ -182,6 +182,39 @@ def test_restore_of_nothing_and_of_nothing_valid(tiers):
     assert "step-0" in str(e.value)
 
 
+@pytest.mark.parametrize("broken", ["unreachable", "no-such-bucket"])
+def test_restore_never_starts_from_scratch_when_the_remote_cannot_be_read(tmp_path, s3, broken,
+                                                                          caplog):
+    """A fresh node (no memory, no disk) whose remote cannot be read: restore raises
+    TierUnavailableError naming the tier and the cause, never "nothing to restore" (which
+    would start training from step 0 beside the real history). Opting in restores from what
+    can be read, with an ERROR."""
+    from dcp_tiered import RemoteConfig, RetryConfig, SaveFailedError, TierUnavailableError
+
+    endpoint = "http://127.0.0.1:9" if broken == "unreachable" else None  # nothing listens
+    bucket = s3.bucket if broken == "unreachable" else "no-such-bucket-dcp-tiered"
+    remote = RemoteConfig(url=f"s3://{bucket}/run", storage_options=s3.options(endpoint),
+                          retry=RetryConfig(max_attempts=2, initial_backoff_secs=0.05))
+    tiers = {"memory": tmp_path / "shm", "local": tmp_path / "disk", "remote": remote}
+    with CheckpointManager(**tiers) as mgr:
+        with pytest.raises(TierUnavailableError) as e:
+            mgr.restore(_state())
+        assert f"s3://{bucket}/run" in str(e.value)
+        assert ("NoSuchBucket" if broken == "no-such-bucket" else "Connect") in str(e.value)
+        assert "on_unreadable_tier='skip'" in str(e.value)
+        with caplog.at_level(logging.ERROR):
+            assert mgr.restore(_state(), on_unreadable_tier="skip") is None
+        assert "on_unreadable_tier='skip'" in caplog.text
+    mgr = CheckpointManager(**tiers)
+    mgr.save(0, _state(), force=True)  # the disk takes it; its upload fails
+    with pytest.raises(SaveFailedError, match="remote tier"):
+        mgr.close()
+    with CheckpointManager(**tiers) as mgr:  # a local step: still no guessing by default
+        with pytest.raises(TierUnavailableError):
+            mgr.restore(_state())
+        assert mgr.restore(_state(), on_unreadable_tier="skip") == 1
+
+
 def test_a_save_that_does_not_fit_is_skipped_or_refused_and_writes_nothing(tmp_path, tmpfs):
     shm = tmpfs(4)
     adm = Admission(memory_margin_bytes=0)

@@ -164,6 +164,20 @@ def test_facade_restores_from_s3_on_a_fresh_node(tmp_path, s3):
     assert losses(run) == losses(reference)
 
 
+def test_facade_refuses_to_start_from_scratch_when_the_remote_cannot_be_read(tmp_path, s3):
+    """A fresh node whose remote cannot be read (a bucket that does not exist): every rank
+    raises TierUnavailableError naming it, instead of training from iteration 0."""
+    remote = ["--remote", "s3://no-such-bucket-dcp-tiered/run",
+              "--storage-options", json.dumps(s3.options())]
+    proc = facade(tmp_path / "run", "--iters", "2", *remote, check=False)
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    for rank in range(2):
+        assert f"[rank{rank}]: dcp_tiered.errors.TierUnavailableError" in out, out[-3000:]
+    assert "NoSuchBucket" in out and "on_unreadable_tier='skip'" in out
+    assert not (tmp_path / "run" / "losses-0.jsonl").exists()  # no training step ran
+
+
 def test_facade_keeps_every_step_the_remote_does_not_hold(tmp_path):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("uploads fail: the remote root is under a regular file")

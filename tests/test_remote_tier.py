@@ -33,8 +33,9 @@ def state(v: float, mib: float = 1) -> dict:
             "meta": {"v": v, "tag": f"s{v}"}}
 
 
-def blank() -> dict:
-    return {"a": torch.zeros(2**18), "b": torch.zeros(64, 64), "meta": {"v": -1.0, "tag": ""}}
+def blank(mib: float = 1) -> dict:
+    return {"a": torch.zeros(int(mib * 2**18)), "b": torch.zeros(64, 64),
+            "meta": {"v": -1.0, "tag": ""}}
 
 
 def equal(x: dict, y: dict) -> bool:
@@ -55,8 +56,9 @@ def save(root, remote, step, sd, **kw) -> TieredStorageWriter:
     return writer
 
 
-def load(root, remote=None, step="latest", **kw) -> tuple[dict, TieredStorageReader]:
-    sd = blank()
+def load(root, remote=None, step="latest", mib: float = 1,
+         **kw) -> tuple[dict, TieredStorageReader]:
+    sd = blank(mib)
     reader = TieredStorageReader(root, remote=remote, **kw)
     dcp.load(sd, checkpoint_id=step, storage_reader=reader, no_dist=True)
     return sd, reader
@@ -75,6 +77,19 @@ def test_step_becomes_durable_and_restores_from_remote_alone(tmp_path, remote):
     assert reader.files_read_remotely
     got, _ = load(root, remote, "step-1")
     assert equal(got, state(1))
+
+
+def test_a_long_lived_reader_sees_steps_made_durable_after_it_was_built(tmp_path, remote):
+    """One reader on a fresh node, 'latest' asked twice: the second time it names the step
+    another node made durable meanwhile (no stale fsspec/s3fs listing)."""
+    save(tmp_path / "a", remote, "step-1", state(1)).wait_durable(timeout_secs=60)
+    reader = TieredStorageReader(tmp_path / "fresh", remote=remote)
+    got = blank()
+    dcp.load(got, checkpoint_id="latest", storage_reader=reader, no_dist=True)
+    assert reader.checkpoint_id == "step-1"
+    save(tmp_path / "b", remote, "step-2", state(2)).wait_durable(timeout_secs=60)
+    dcp.load(got, checkpoint_id="latest", storage_reader=reader, no_dist=True)
+    assert reader.checkpoint_id == "step-2" and equal(got, state(2))
 
 
 def test_corrupt_local_file_is_fetched_from_remote_with_warning(tmp_path, remote, caplog):
@@ -129,6 +144,7 @@ def test_twenty_percent_faults_every_step_durable_and_never_partial(tmp_path, s3
                                          max_backoff_secs=0.5))
     direct = RemoteConfig(url=cfg.url, storage_options=s3.options(), retry=FAST_RETRY)
     seen_bad: list[str] = []
+    observed: set[str] = set()
     stop = threading.Event()
 
     def observer() -> None:  # every step that looks committed must be whole, at every moment
@@ -136,7 +152,10 @@ def test_twenty_percent_faults_every_step_durable_and_never_partial(tmp_path, s3
         while not stop.is_set():
             for step in listing.committed_steps():
                 try:
-                    got, _ = load(tmp_path / "obs-empty", direct, step)
+                    got, _ = load(tmp_path / "obs-empty", direct, step, mib=12)
+                    observed.add(step)
+                    if not equal(got, state(int(step.split("-")[1]), mib=12)):
+                        seen_bad.append(f"{step}: loaded, but not what was saved")
                 except BaseException as e:  # noqa: BLE001
                     seen_bad.append(f"{step}: {e!r}")
 
@@ -153,6 +172,7 @@ def test_twenty_percent_faults_every_step_durable_and_never_partial(tmp_path, s3
         stop.set()
         watcher.join(timeout=120)
     assert seen_bad == []
+    assert observed, "the observer never saw a committed step (a stale listing?)"
     shutil.rmtree(root)
     for i in range(3):
         sd = {"a": torch.zeros(12 * 2**18), "b": torch.zeros(64, 64), "meta": {"v": -1, "tag": ""}}
@@ -242,6 +262,21 @@ def test_unreachable_remote_still_restores_the_local_copy(tmp_path, s3, caplog):
                         storage_options=s3.options("http://127.0.0.1:9"))  # nothing listens
     got, reader = load(root, dead)
     assert equal(got, state(1)) and "unavailable" in caplog.text
+
+
+def test_unreachable_remote_and_nothing_local_is_not_called_an_empty_run(tmp_path, s3):
+    """Nothing local and a remote that cannot be read: the error says the tier cannot be read
+    (typed, naming it), not that no checkpoint exists."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from dcp_tiered import TierUnavailableError
+
+    dead = RemoteConfig(url=f"s3://{s3.bucket}/run", retry=RetryConfig(max_attempts=2),
+                        storage_options=s3.options("http://127.0.0.1:9"))  # nothing listens
+    with pytest.raises(CheckpointException) as e:
+        load(tmp_path / "fresh", dead)
+    (err, *_), = [f if isinstance(f, tuple) else (f,) for f in e.value.failures.values()]
+    assert isinstance(err, TierUnavailableError) and f"s3://{s3.bucket}/run" in str(err)
 
 
 def test_missing_bucket_is_reported_not_mistaken_for_an_empty_run(tmp_path, s3, caplog):

@@ -439,3 +439,80 @@ def test_untracked_async_save_never_has_its_buffers_reused(tmp_path):
     again = writer.stage(state(3))  # back to the first slot: must not overwrite `staged`
     assert torch.equal(staged["w"], state(1)["w"]) and torch.equal(again["w"], state(3)["w"])
     assert staged["w"].data_ptr() != again["w"].data_ptr()
+
+
+# ---------------------------------------------------------------- hostile entries in a root
+
+
+def _resign(body: dict) -> str:
+    """A tampered manifest with a valid self-checksum (it is a CRC, not a signature)."""
+    from dcp_tiered import manifest as manifest_module
+
+    body.pop("manifest_checksum", None)
+    body["manifest_checksum"] = manifest_module._self_checksum(body)
+    return json.dumps(body)
+
+
+@pytest.mark.parametrize("edit", ["negative-offset", "huge-length", "negative-size", "deep-json",
+                                  "huge-int", "infinity"])
+def test_crafted_numbers_are_refused_before_any_read(tmp_path, edit):
+    save(tmp_path, "step-1", state())
+    path = tmp_path / "step-1" / "manifest.json"
+    body = json.loads(path.read_text())
+    item = body["items"][0]
+    if edit == "negative-offset":
+        item["offset"], item["length"] = -4096, 64
+        path.write_text(_resign(body))
+    elif edit == "huge-length":
+        item["length"] = 8 * 2**30
+        body["files"][item["file"]]["size"] = 8 * 2**30 + item["offset"]
+        path.write_text(_resign(body))
+    elif edit == "negative-size":
+        body["files"][item["file"]]["size"] = -1
+        item["offset"] = item["length"] = 0
+        path.write_text(_resign(body))
+    elif edit == "deep-json":
+        path.write_text("[" * 200_000 + "]" * 200_000)
+    elif edit == "huge-int":
+        path.write_text(json.dumps(body).replace('"world_size": 1', '"world_size": ' + "9" * 5000))
+    else:
+        path.write_text(json.dumps(body).replace('"world_size": 1', '"world_size": Infinity'))
+    with pytest.raises(CheckpointException) as e:
+        load(tmp_path, "step-1")
+    assert isinstance(failure(e), (ManifestError, IntegrityError)), failure(e)
+
+
+def test_bad_entries_in_other_steps_neither_block_nor_hang_a_good_load(tmp_path):
+    """Beside a good step: steps whose manifest is a FIFO, a link to /dev/zero, or deeply
+    nested JSON, and a step directory that is a link out of the root. Loading the good step
+    works at once; asking for a bad one gives a typed error; nothing outside is read."""
+    save(tmp_path / "root", "step-1", state(1))
+    root = tmp_path / "root"
+    for step, make in (("step-7", lambda p: os.mkfifo(p)),
+                       ("step-8", lambda p: os.symlink("/dev/zero", p)),
+                       ("step-9", lambda p: p.write_text("[" * 200_000))):
+        (root / step).mkdir()
+        make(root / step / "manifest.json")
+    save(tmp_path / "elsewhere", "step-20", state(20))
+    os.symlink(tmp_path / "elsewhere" / "step-20", root / "step-20")
+    assert_state_equal(load(root, "step-1"), state(1))
+    for step in ("step-7", "step-8", "step-9"):
+        with pytest.raises(CheckpointException) as e:
+            load(root, step)
+        assert isinstance(failure(e), ManifestError), failure(e)
+    with pytest.raises(CheckpointException) as e:
+        load(root, "step-20")  # a link is not a step of ours
+    assert isinstance(failure(e), CheckpointNotFoundError)
+    save(root, "step-21", state(21))  # the writer (sweep, planning) is not blocked either
+    assert_state_equal(load(root, "step-21"), state(21))
+
+
+def test_a_data_file_that_is_a_link_is_never_read(tmp_path):
+    save(tmp_path / "root", "step-1", state(1))
+    save(tmp_path / "other", "step-1", state(2))
+    data = _data_file(tmp_path / "root")
+    data.unlink()
+    os.symlink(_data_file(tmp_path / "other"), data)  # same name and size, other bytes
+    with pytest.raises(CheckpointException) as e:
+        load(tmp_path / "root", "step-1")
+    assert isinstance(failure(e), MissingShardError) and "never read" in str(failure(e))

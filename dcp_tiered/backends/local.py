@@ -13,6 +13,7 @@ import fcntl
 import logging
 import os
 import shutil
+import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -111,6 +112,9 @@ class LocalBackend:
 
     def is_dir(self, *names: str) -> bool:
         return self._child(*names).is_dir()
+
+    def is_link(self, *names: str) -> bool:
+        return self._child(*names).is_symlink()
 
     def list_names(self) -> list[str]:
         try:
@@ -239,11 +243,39 @@ class LocalBackend:
 
     # ------------------------------------------------------------ reading
 
+    def is_regular_file(self, *names: str) -> bool:
+        """A plain file (not a link, FIFO or device): the only kind we read."""
+        try:
+            return stat.S_ISREG(os.lstat(self._child(*names)).st_mode)
+        except FileNotFoundError:
+            return False
+
     def read_file(self, *names: str) -> bytes:
-        return self._child(*names).read_bytes()
+        with self.open_read(*names) as f:
+            return f.read()
 
     def open_read(self, *names: str) -> BinaryIO:
-        return open(self._child(*names), "rb")
+        """Open a plain file of ours for reading. Links are never followed (they could lead
+        out of the root, to /dev/zero, ...), and a FIFO or device is refused before a read
+        could block or never end: OSError naming the path and what it is."""
+        path = self._child(*names)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise OSError(errno.ELOOP, "a symbolic link: dcp_tiered never reads through "
+                              "links (they can lead out of the root); replace it with the file "
+                              "itself", str(path)) from None
+            raise
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.EINVAL, "not a regular file (a FIFO, device or directory): "
+                              "refused before reading", str(path))
+            os.set_blocking(fd, True)
+            return os.fdopen(fd, "rb")
+        except BaseException:
+            os.close(fd)
+            raise
 
     @staticmethod
     def read_range_into(f: BinaryIO, offset: int, buffer: memoryview) -> memoryview:

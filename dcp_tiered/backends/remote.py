@@ -261,8 +261,10 @@ class RemoteBackend:
         return {p[len(self.base) + 1 :]: int(info["size"]) for p, info in found.items()}
 
     def committed_steps(self) -> list[str]:
-        """Steps whose commit marker exists."""
-        self.fs.invalidate_cache(self.base)
+        """Steps whose commit marker exists, as the store holds them now."""
+        # All of it: s3fs drops only the path and its parents, and glob reads the step prefixes'
+        # own cached listings, so a long-lived reader would miss steps committed since.
+        self.fs.invalidate_cache()
         pattern = f"{self.base}/*/{layout.REMOTE_MARKER}"
         try:
             found = self._call("list", "", lambda: self.fs.glob(pattern))

@@ -250,11 +250,12 @@ class TrainerTiers:
             if scratch:
                 shutil.rmtree(scratch, ignore_errors=True)
 
-    def committed(self) -> list[str]:
-        """The committed ``checkpoint-N`` steps on any tier, oldest first."""
+    def committed(self, *, strict: bool = False) -> list[str]:
+        """The committed ``checkpoint-N`` steps on any tier, oldest first. With ``strict``, a
+        remote that cannot be read raises TierUnavailableError instead of being left out."""
         remote = remote_backend(self.remote, self.storage_options)
-        steps = [s.name for s in catalog.list_steps(LocalTier(LocalBackend(self.root)), remote)
-                 if _STEP_RE.match(s.name)]
+        listed = catalog.list_steps(LocalTier(LocalBackend(self.root)), remote, strict=strict)
+        steps = [s.name for s in listed if _STEP_RE.match(s.name)]
         return sorted(steps, key=lambda n: int(_STEP_RE.match(n).group(1)))  # type: ignore
 
     def latest(self) -> str | None:
@@ -263,7 +264,7 @@ class TrainerTiers:
         return steps[-1] if steps else None
 
     def _resolve(self, wanted: str | bool) -> str:
-        steps = self.committed()
+        steps = self.committed(strict=True)  # an unreadable remote is not "nothing to resume"
         where = self.root + (f" or {self.remote}" if self.remote else "")
         if wanted is True:
             if not steps:

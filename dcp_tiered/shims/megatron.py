@@ -49,6 +49,7 @@ from ..errors import (
     ConfigError,
     DcpTieredError,
     SaveFailedError,
+    TierUnavailableError,
     describe,
 )
 from ..housekeeping import prune_local, prune_remote
@@ -237,15 +238,22 @@ class EasyCkpt:
     # ------------------------------------------------------------ loading
 
     def load_checkpoint(self, model: Any, optimizer: Any, opt_param_scheduler: Any,
-                        load_arg: str = "load", strict: bool = True, concat: bool = False) -> int:
-        """Restores the newest iteration that verifies; returns it (0: nothing to restore)."""
+                        load_arg: str = "load", strict: bool = True, concat: bool = False,
+                        on_unreadable_tier: str = "raise") -> int:
+        """Restores the newest iteration that verifies; returns it (0: every tier was read and
+        holds none). A remote tier that cannot be read raises TierUnavailableError on every rank
+        (``on_unreadable_tier="skip"``: restore from the other tiers, with an ERROR log)."""
         if concat:
             raise ConfigError("concat=True is not supported: checkpoints reshard on load")
         root = {"load": self.load_dir, "save": self.save_dir}.get(load_arg)
         if root is None:
             raise ConfigError(f"load_arg must be 'load' or 'save', got {load_arg!r}")
+        if on_unreadable_tier not in ("raise", "skip"):
+            raise ConfigError(f"on_unreadable_tier must be 'raise' or 'skip', "
+                              f"not {on_unreadable_tier!r}")
         reasons = []
-        for iteration, tier in self._agree.broadcast(self._candidates(root)):
+        for iteration, tier in self._agree.from_rank0(
+                lambda: self._candidates(root, skip_unreadable=on_unreadable_tier == "skip")):
             if tier == "memory":
                 loaded, problem = _attempt(self._load_memory, iteration, model, optimizer,
                                            opt_param_scheduler)
@@ -271,15 +279,25 @@ class EasyCkpt:
         logger.info("easyckpt: nothing to restore in %s", root)
         return 0
 
-    def _candidates(self, root: str) -> list[tuple[int, str]]:
+    def _candidates(self, root: str, *, skip_unreadable: bool) -> list[tuple[int, str]]:
         """(iteration, tier): newest first, memory before storage for the same iteration."""
         found = set()
         if self.memory is not None:
             found |= {(n, "memory") for n in map(layout.step_number, self.memory.steps())
                       if n is not None}
         # Listing only: a writer on the load directory would sweep it and resume its uploads.
-        for s in list_steps(LocalTier(LocalBackend(root)),
-                            remote_backend(self.remote, self.storage_options)):
+        tier, remote = LocalTier(LocalBackend(root)), remote_backend(self.remote,
+                                                                     self.storage_options)
+        try:
+            steps = list_steps(tier, remote, strict=True)
+        except TierUnavailableError as e:
+            if not skip_unreadable:
+                raise TierUnavailableError(
+                    f"{e}. To restore from the other tiers instead, call "
+                    "load_checkpoint(..., on_unreadable_tier='skip').") from e
+            logger.error("easyckpt: %s; restoring from the other tiers", e)
+            steps = list_steps(tier, None)
+        for s in steps:
             if s.name.startswith("iter_") and (n := layout.step_number(s.name)) is not None:
                 found.add((n, "storage"))
         return sorted(found, key=lambda c: (-c[0], c[1] != "memory"))
