@@ -2,7 +2,7 @@
 
 The manager and the framework adapters decide together (did any rank fail? is every rank's
 write done? which step do we all try?) through this one class. It runs on a gloo group of its
-own, created with it: never the training group, so an NCCL-only default group works and a vote
+own (``distributed.agreement_group()``, one per process): never the training group, so an NCCL-only default group works and a vote
 on the training thread never interleaves with training collectives; never the group a
 background save runs its collectives on (``checkpoint_process_group()``), so a vote cannot
 interleave with those either. Without a default process group every method answers for this
@@ -11,19 +11,17 @@ process alone.
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from .distributed import agreement_group
 from .errors import DcpTieredError
 
 T = TypeVar("T")
 
-
-_GROUPS: dict[tuple[int, float], dist.ProcessGroup] = {}
 
 
 class Agreement:
@@ -32,13 +30,7 @@ class Agreement:
     process that builds many managers does not accumulate gloo groups)."""
 
     def __init__(self, timeout_secs: float = 1800.0) -> None:
-        self.group: dist.ProcessGroup | None = None
-        if dist.is_available() and dist.is_initialized():
-            key = (id(dist.group.WORLD), timeout_secs)
-            if key not in _GROUPS:
-                _GROUPS[key] = dist.new_group(
-                    backend="gloo", timeout=datetime.timedelta(seconds=timeout_secs))
-            self.group = _GROUPS[key]
+        self.group = agreement_group(timeout_secs)
         self.world_size = dist.get_world_size() if self.group is not None else 1
 
     def vote(self, flags: list[int]) -> list[int]:
@@ -75,7 +67,8 @@ class Agreement:
 
     def from_rank0(self, fn: Callable[[], T]) -> T:
         """``fn()`` run by rank 0 alone (one listing of a tier, not one per rank); its value on
-        every rank, or the DcpTieredError it raised, raised on every rank."""
+        every rank, or what it raised raised on every rank (never rank 0 alone, which would
+        leave the others waiting here): a DcpTieredError as itself, anything else described."""
         value: Any = None
         error: DcpTieredError | None = None
         if self.group is None or dist.get_rank() == 0:
@@ -83,6 +76,8 @@ class Agreement:
                 value = fn()
             except DcpTieredError as e:
                 error = e
+            except Exception as e:  # noqa: BLE001 - e.g. an OSError listing the local root
+                error = DcpTieredError(f"on rank 0: {type(e).__name__}: {e}")
         value, error = self.broadcast((value, error))
         if error is not None:
             raise error

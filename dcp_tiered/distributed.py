@@ -1,12 +1,14 @@
-"""Process-group helper for async saves."""
+"""The process groups of the checkpoint layer: made once per process, destroyed at exit."""
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import datetime
 
 import torch.distributed as dist
 
-_GROUPS: dict[int, dist.ProcessGroup] = {}
+_GROUPS: dict[tuple[str, int, float], dist.ProcessGroup] = {}
 
 
 def checkpoint_process_group(timeout_secs: float = 1800.0) -> dist.ProcessGroup | None:
@@ -18,11 +20,34 @@ def checkpoint_process_group(timeout_secs: float = 1800.0) -> dist.ProcessGroup 
     by every rank in the same order, like any group creation. Returns None without a
     default process group.
     """
+    return _group("save", timeout_secs)
+
+
+def agreement_group(timeout_secs: float = 1800.0) -> dist.ProcessGroup | None:
+    """The gloo group the lifecycle's votes run on (see :mod:`dcp_tiered.agreement`): apart
+    from the training group and from the one background saves use. Same rules as above."""
+    return _group("agreement", timeout_secs)
+
+
+def _group(purpose: str, timeout_secs: float) -> dist.ProcessGroup | None:
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    key = id(dist.group.WORLD)
+    key = (purpose, id(dist.group.WORLD), timeout_secs)
     if key not in _GROUPS:
         _GROUPS[key] = dist.new_group(
             backend="gloo", timeout=datetime.timedelta(seconds=timeout_secs)
         )
     return _GROUPS[key]
+
+
+@atexit.register
+def _destroy_groups() -> None:
+    """Our groups go before the interpreter tears down: a gloo group left to the C++ exit path
+    can abort a finished job ("terminate called without an active exception")."""
+    groups = list(_GROUPS.values())
+    _GROUPS.clear()
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    for group in groups:
+        with contextlib.suppress(Exception):  # already destroyed with the default group
+            dist.destroy_process_group(group)
