@@ -1,17 +1,17 @@
 """dcp_tiered: fast, atomic, verifiable torch.distributed.checkpoint storage."""
 
-__version__ = "0.1.0"
-
-from .admission import Admission  # noqa: E402
-from .cadence import Every, SavePolicy  # noqa: E402
-from .config import RemoteConfig, RetryConfig  # noqa: E402
-from .distributed import checkpoint_process_group  # noqa: E402
-from .errors import (  # noqa: E402
+from ._version import __version__
+from .admission import Admission
+from .cadence import Every, SavePolicy
+from .config import RemoteConfig, RetryConfig
+from .distributed import checkpoint_process_group
+from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     CommitError,
     ConfigError,
     DcpTieredError,
+    ForeignPathError,
     InsufficientSpaceError,
     IntegrityError,
     ManifestError,
@@ -24,38 +24,39 @@ from .errors import (  # noqa: E402
     TransientTierError,
     UploadFailedError,
 )
-from .manager import CheckpointManager  # noqa: E402
-from .rank_state import RankState  # noqa: E402
-from .reader import TieredStorageReader  # noqa: E402
-from .retention import Retention, RetentionPolicy  # noqa: E402
-from .writer import TieredStorageWriter  # noqa: E402
+from .manager import CheckpointManager
+from .rank_state import RankState
+from .reader import TieredStorageReader
+from .retention import Retention, RetentionPolicy
+from .writer import TieredStorageWriter
 
 __all__ = [
     "Admission",
-    "CheckpointManager",
-    "Every",
-    "RankState",
-    "Retention",
-    "RetentionPolicy",
-    "SaveFailedError",
-    "SavePolicy",
     "CheckpointExistsError",
+    "CheckpointManager",
     "CheckpointNotFoundError",
     "CommitError",
     "ConfigError",
     "DcpTieredError",
+    "Every",
+    "ForeignPathError",
     "InsufficientSpaceError",
     "IntegrityError",
     "ManifestError",
     "MissingShardError",
     "PermanentTierError",
+    "RankState",
     "RemoteConfig",
+    "Retention",
+    "RetentionPolicy",
     "RetryConfig",
+    "SaveFailedError",
+    "SavePolicy",
     "StagingError",
-    "TieredStorageReader",
-    "TieredStorageWriter",
     "TierError",
     "TierUnavailableError",
+    "TieredStorageReader",
+    "TieredStorageWriter",
     "TransientTierError",
     "UploadFailedError",
     "__version__",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import os
 
 import torch.distributed as dist
 
@@ -27,6 +28,13 @@ def agreement_group(timeout_secs: float = 1800.0) -> dist.ProcessGroup | None:
     """The gloo group the lifecycle's votes run on (see :mod:`dcp_tiered.agreement`): apart
     from the training group and from the one background saves use. Same rules as above."""
     return _group("agreement", timeout_secs)
+
+
+def is_node_leader() -> bool:
+    """Whether this process writes its node's node-wide files: ``LOCAL_RANK`` 0 (as torchrun
+    sets it), else global rank 0 (without torchrun, a node is one process or the whole job)."""
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return int(os.environ.get("LOCAL_RANK", rank)) == 0
 
 
 def _group(purpose: str, timeout_secs: float) -> dist.ProcessGroup | None:

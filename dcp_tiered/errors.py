@@ -7,6 +7,7 @@ Library errors subclass the built-in exception a caller would naturally catch::
     ├── ConfigError(ValueError)              bad argument or unsafe checkpoint name
     ├── CheckpointNotFoundError(FileNotFoundError)
     ├── CheckpointExistsError(FileExistsError)
+    │   └── ForeignPathError                 the path holds something that is not our step
     ├── MissingShardError(FileNotFoundError) a data file named by the manifest is gone
     ├── ManifestError(ValueError)            manifest unreadable, tampered or of another version
     ├── IntegrityError                       checksum or size mismatch
@@ -33,6 +34,7 @@ __all__ = [
     "CommitError",
     "ConfigError",
     "DcpTieredError",
+    "ForeignPathError",
     "InsufficientSpaceError",
     "IntegrityError",
     "ManifestError",
@@ -61,6 +63,11 @@ class CheckpointNotFoundError(DcpTieredError, FileNotFoundError):
 
 class CheckpointExistsError(DcpTieredError, FileExistsError):
     """A committed step with that name exists and overwrite was not asked for."""
+
+
+class ForeignPathError(CheckpointExistsError):
+    """The step's path holds files that are not a checkpoint of ours: never replaced, even
+    with overwrite; the message says to move them away or save elsewhere."""
 
 
 class MissingShardError(DcpTieredError, FileNotFoundError):

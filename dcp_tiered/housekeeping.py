@@ -26,14 +26,16 @@ def prune_local(tier: LocalTier, policy: RetentionPolicy, remote: RemoteBackend 
               if s.verified_format and s.committed_at_ns >= 0]
     deleted = []
     for name in evictions(states, policy):
-        if remote is not None and _awaiting_remote(tier, remote, name):
+        if remote is not None and awaiting_remote(tier, remote, name):
             continue
         tier.delete_step(name, reason=f"retention of the {label} tier")
         deleted.append(name)
     return deleted
 
 
-def _awaiting_remote(tier: LocalTier, remote: RemoteBackend, step: str) -> bool:
+def awaiting_remote(tier: LocalTier, remote: RemoteBackend, step: str) -> bool:
+    """Whether ``step`` asks for promotion and ``remote`` does not hold it durably yet (or it
+    cannot be told): such a step is the only durable copy and must not be deleted."""
     try:
         m = tier.read_manifest(step)
         return m.promote and not tiering.is_durable(remote, m)

@@ -35,31 +35,30 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from . import cadence, housekeeping, layout, uploads
 from .admission import Admission, Headroom, shortfall
-from .agreement import Agreement
 from .backends.local import available_memory_bytes
 from .backends.remote import RemoteBackend
 from .cadence import Decision, SavePolicy
 from .catalog import list_steps
-from .distributed import checkpoint_process_group
 from .errors import (
     CheckpointNotFoundError,
     ConfigError,
     DcpTieredError,
     InsufficientSpaceError,
-    SaveFailedError,
-    TierUnavailableError,
     describe,
 )
 from .events import EventLog
+from .lifecycle import Conventions, Lifecycle, failure, raise_failures
 from .memory_tier import MemoryTier
 from .rank_state import RankState
 from .reader import TieredStorageReader
 from .retention import Retention
 from .staging import state_bytes
-from .writer import TieredStorageWriter
 
 logger = logging.getLogger(__name__)
 
+
+
+CONVENTIONS = Conventions("CheckpointManager")
 
 
 def step_name(step: int) -> str:
@@ -127,12 +126,15 @@ class CheckpointManager:
         self._ranks_on_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         # Saves run their collectives on one group, the manager's votes on another: a vote on
         # the training thread never interleaves with a background save's collectives.
-        self._save_pg = checkpoint_process_group(collective_timeout_secs)
-        self._agree = Agreement(collective_timeout_secs)
         options = dict(writer_options or {})
         options.setdefault("overwrite", True)  # a replayed step replaces its abandoned twin
-        self._local = TieredStorageWriter(local, remote=remote, storage_options=storage_options,
-                                          **options)
+        self._lifecycle = Lifecycle(CONVENTIONS, remote=remote, storage_options=storage_options,
+                                    writer_options=options,
+                                    collective_timeout_secs=collective_timeout_secs)
+        # Saves run their collectives on one group, the manager's votes on another: a vote on
+        # the training thread never interleaves with a background save's collectives.
+        self._save_pg, self._agree = self._lifecycle.group, self._lifecycle.agree
+        self._local = self._lifecycle.writers.get(local)  # recovered: crashes swept, uploads on
         if memory is not None and os.path.realpath(memory) == os.path.realpath(local):
             raise ConfigError("memory and local must be different directories")
         self._memory = MemoryTier(memory, self.rank) if memory is not None else None
@@ -359,8 +361,7 @@ class CheckpointManager:
         where = (self._remote.config.url if tier == "remote" and self._remote is not None
                  else self._memory.root if tier == "memory" and self._memory is not None
                  else self._local.root)
-        self._failures.append({"rank": self.rank, "step": rec.name, "tier": tier, "where": where,
-                               "error": describe(error)})
+        self._failures.append(failure(self.rank, rec.name, tier, where, error))
         self._events.emit("failed", step=rec.step, rank=self.rank, tier=tier, where=where,
                           error=describe(error))
 
@@ -384,14 +385,9 @@ class CheckpointManager:
 
     def _raise_failures(self) -> None:
         mine, self._failures = self._failures, []
-        failures = [f for part in self._agree.gather(mine) for f in part]
-        lines = "\n".join(f"  rank {f['rank']}: {f['step']} on the {f['tier']} tier "
-                          f"({f['where']}): {f['error']}" for f in failures)
-        raise SaveFailedError(
-            f"{len(failures)} checkpoint failure(s) since the last save:\n{lines}\n"
-            "Earlier committed steps are intact; fix the cause and keep training, or restore.",
-            failures,
-        )
+        raise_failures(self._agree, mine, "checkpoint failure(s) since the last save",
+                       "Earlier committed steps are intact; fix the cause and keep training, "
+                       "or restore")
 
     # ------------------------------------------------------------ retention
 
@@ -426,53 +422,30 @@ class CheckpointManager:
         from scratch (or from an older step) while newer ones may exist. With
         ``on_unreadable_tier="skip"`` it restores from the tiers it can read, with an ERROR log.
         """
-        if on_unreadable_tier not in ("raise", "skip"):
-            raise ConfigError(f"on_unreadable_tier must be 'raise' or 'skip', "
-                              f"not {on_unreadable_tier!r}")
+        def load(candidate: tuple[str, str]) -> str | None:
+            name, tier = candidate
+            return (self._load_memory(name, app_state) if tier == "memory"
+                    else self._load_dcp(name, app_state))
 
-        def listing() -> tuple[list[tuple[str, str]], str | None]:
-            try:
-                return self._candidates(step, self._remote), None
-            except TierUnavailableError as e:  # the other tiers, if they are wanted
-                return (self._candidates(step, None) if on_unreadable_tier == "skip"
-                        else []), str(e)
-
-        # One listing, rank 0's: every rank tries the same steps, in the same order.
-        candidates, unreadable = self._agree.from_rank0(listing)
-        if unreadable is not None:
-            if on_unreadable_tier == "raise":
-                raise TierUnavailableError(
-                    f"{unreadable}. To restore from the tiers that can be read instead, call "
-                    "restore(..., on_unreadable_tier='skip').")
-            logger.error("%s; restoring from the other tiers (on_unreadable_tier='skip')",
-                         unreadable)
-        if not candidates:
+        chosen = self._lifecycle.restore(
+            lambda with_remote: self._candidates(step, self._remote if with_remote else None),
+            load, on_unreadable_tier=on_unreadable_tier, retry="restore",
+            name=lambda c: f"{c[0]} from the {c[1]} tier")
+        if chosen is None:
             if step is not None:
                 raise CheckpointNotFoundError(f"step {step} is in no tier of this manager")
             return None
-        reasons = []
-        for name, tier in candidates:
-            problem = (self._load_memory(name, app_state) if tier == "memory"
-                       else self._load_dcp(name, app_state))
-            if problem is not None:
-                reasons.append(f"{name} ({tier}): {problem}")
-                logger.warning("cannot restore %s from the %s tier, trying an older step: %s",
-                               name, tier, problem)
-                continue
-            number = layout.step_number(name)
-            assert number is not None
-            self.restored_step = number
-            logger.info("restored %s from the %s tier", name, tier)
-            self._events.emit("restored", step=number, tier=tier, rank=self.rank)
-            if tier == "memory" and not any(n == name and t != "memory" for n, t in candidates):
-                # Only host memory has it: persist it down the tiers before going on.
-                self._start(number, app_state,
-                            Decision(local=True, remote=self._remote is not None),
-                            time.perf_counter())
-            return number + 1
-        raise CheckpointNotFoundError(
-            "no step could be restored; every candidate failed:\n  " + "\n  ".join(reasons)
-        )
+        name, tier = chosen
+        number = layout.step_number(name)
+        assert number is not None
+        self.restored_step = number
+        logger.info("restored %s from the %s tier", name, tier)
+        self._events.emit("restored", step=number, tier=tier, rank=self.rank)
+        if tier == "memory" and (name, "local") not in self._lifecycle.listed:
+            # Only host memory has it: persist it down the tiers before going on.
+            self._start(number, app_state, Decision(local=True, remote=self._remote is not None),
+                        time.perf_counter())
+        return number + 1
 
     def _load_dcp(self, name: str, app_state: dict[str, Any]) -> str | None:
         reader = TieredStorageReader(self._local.root, remote=self._remote.config
@@ -485,17 +458,13 @@ class CheckpointManager:
         return None
 
     def _load_memory(self, name: str, app_state: dict[str, Any]) -> str | None:
-        """Every rank loads its own snapshot; all succeed, or every rank moves on."""
+        """This rank's own snapshot (ranks agree on the outcome in the restore loop)."""
         assert self._memory is not None
-        problem = None
         try:
             self._memory.load(name, app_state)
         except (DcpTieredError, OSError) as e:
-            problem = f"rank {self.rank}: {type(e).__name__}: {e}"
-        failed = self._agree.vote([int(problem is not None)])[0]
-        if failed and problem is None:
-            problem = "another rank's snapshot is missing or fails verification"
-        return problem
+            return f"rank {self.rank}: {type(e).__name__}: {e}"
+        return None
 
     def _candidates(self, step: int | None,
                     remote: RemoteBackend | None) -> list[tuple[str, str]]:
@@ -570,7 +539,7 @@ class CheckpointManager:
         self._housekeeper.shutdown()
         if self._memory is not None:
             self._memory.close()
-        self._local.close(wait_durable=False)  # close() above waited (bounded) already
+        self._lifecycle.release()  # close() above waited (bounded) already
         if self._local_keeper is not None:
             self._local.local_tier.backend.unlock(self._local_keeper)
 

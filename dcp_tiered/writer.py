@@ -30,7 +30,6 @@ from torch.futures import Future
 from typing_extensions import Self  # a dependency of torch itself
 
 from . import (
-    __version__,
     _torch_compat,
     catalog,
     commit,
@@ -41,12 +40,14 @@ from . import (
     uploads,
 )
 from ._priority import lower_this_thread
+from ._version import __version__
 from .backends.local import LocalBackend
 from .backends.remote import RemoteBackend, remote_backend
 from .config import RemoteConfig
 from .errors import (
     CheckpointExistsError,
     ConfigError,
+    ForeignPathError,
     InsufficientSpaceError,
     UploadFailedError,
 )
@@ -104,7 +105,8 @@ class TieredStorageWriter(StorageWriter):
         commit_timeout_secs: how long nodes wait for each other during the commit.
         remote: an fsspec URL (``s3://bucket/run1``, ``file:///shared/run1``) or a
             :class:`RemoteConfig`. Committed steps are then copied there in the background;
-            steps committed locally but not yet durable are re-enqueued when a writer starts.
+            steps committed locally but not yet durable are re-enqueued by :meth:`recover`
+            (which the first save runs).
         storage_options: fsspec options for ``remote`` (ignored with a RemoteConfig).
     """
 
@@ -142,12 +144,8 @@ class TieredStorageWriter(StorageWriter):
         self._step: str | None = None
         self._save: tuple[_SaveInfo, list[int]] | None = None  # coordinator: own info, nodes
         self._leading: tuple[str, int] | None = None  # (tmp dir, lock fd) until published
-        self._tier.recover_and_sweep()
         self._remote = remote_backend(remote, storage_options)
-        self._uploader: uploads.Uploader | None = None
-        if self._remote is not None:
-            self._uploader = uploads.acquire_uploader(self._tier, self._remote)
-            self._uploader.resume()
+        self._uploader: uploads.Uploader | None = None  # this writer's hold on the uploads
 
     @property
     def root(self) -> str:
@@ -174,6 +172,20 @@ class TieredStorageWriter(StorageWriter):
         state["_uploader"] = None
         return state
 
+    def recover(self) -> None:
+        """Finish what a crash left under ``root`` (interrupted overwrites and deletes, temporary
+        directories of dead saves) and re-enqueue the upload of every committed step that is
+        not durable yet. Building a writer does neither; the first save does both, and
+        :class:`~dcp_tiered.manager.CheckpointManager` and the shims call this when they start.
+        Safe to call again, and on every rank of a node at once."""
+        self._tier.recover_and_sweep()
+        self._hold_uploads()
+
+    def _hold_uploads(self) -> None:
+        if self._remote is not None and self._uploader is None:
+            self._uploader = uploads.acquire_uploader(self._tier, self._remote)
+            self._uploader.resume()
+
     # ------------------------------------------------------------ durability
 
     def durability(self, step: str) -> tiering.Durability:
@@ -185,6 +197,7 @@ class TieredStorageWriter(StorageWriter):
         committed one) is durable on the remote tier; raise UploadFailedError if it cannot be."""
         if self._remote is None:
             raise ConfigError("this writer has no remote tier; pass remote= to wait for one")
+        self._hold_uploads()
         if step is not None:
             steps = [layout.validate_step_name(step)]
         else:
@@ -317,6 +330,8 @@ class TieredStorageWriter(StorageWriter):
             self._leading = None
         # Every earlier save of this process is over, so unlocked leftovers are abandoned.
         self._tier.recover_and_sweep()
+        if self._stager is not None:  # the trainer's writer, not a copy in DCP's subprocess
+            self._hold_uploads()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         step = self._step
@@ -336,7 +351,7 @@ class TieredStorageWriter(StorageWriter):
             )
         if (self._tier.backend.exists(step) and not self._tier.has_step(step)
                 and not self._tier.is_pending(step)):
-            raise CheckpointExistsError(
+            raise ForeignPathError(
                 f"{self._tier.backend.path_of(step)} exists and is not a checkpoint step (no "
                 "manifest or DCP .metadata); it was left untouched. Move it away, or save "
                 "under another step name."

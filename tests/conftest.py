@@ -151,3 +151,26 @@ def fault_proxy(s3):
             print(err)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+class NcclLikeDefaultGroup:
+    """Runs workers beside a default group that refuses dcp_tiered's collectives, as an
+    NCCL-only group refuses CPU tensors (tests/workers/nccl_like/sitecustomize.py)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        directory.mkdir()
+        self.env = {"DCP_TIERED_REFUSED_DIR": str(directory),
+                    "PYTHONPATH": os.pathsep.join(filter(None, [
+                        str(WORKERS / "nccl_like"), os.environ.get("PYTHONPATH")]))}
+
+    def refused(self, processes: int) -> list[str]:
+        """Every collective refused, after checking that ``processes`` ran with the guard."""
+        records = [json.loads(p.read_text()) for p in self.directory.glob("*.json")]
+        assert len(records) >= processes, f"only {len(records)} processes ran with the guard"
+        return [call for record in records for call in record]
+
+
+@pytest.fixture
+def nccl_like(tmp_path) -> NcclLikeDefaultGroup:
+    return NcclLikeDefaultGroup(tmp_path / "refused")

@@ -195,13 +195,16 @@ def test_existing_tag_fails_on_every_rank_at_one_call_and_the_next_save_works(tm
     assert cli("verify", str(tmp_path / "ckpt"), "last").returncode == 0  # the first 'last' is whole
 
 
-def test_fresh_node_restores_from_s3_through_deepspeeds_own_load_checkpoint(tmp_path, s3):
+def test_fresh_node_restores_from_s3_through_deepspeeds_own_load_checkpoint(tmp_path, s3,
+                                                                           nccl_like):
     """flush() leaves the last step durable on S3; with the local directory gone, DeepSpeed's
-    own engine.load_checkpoint(dir) restores it bit-exact and training resumes identically."""
+    own engine.load_checkpoint(dir) restores it bit-exact and training resumes identically.
+    Beside a default group that refuses our collectives (as an NCCL-only one would)."""
     url = s3.url()
     args = ["--out", str(tmp_path), "--stage", "2", "--mode", "async", "--remote", url,
             "--storage-options", json.dumps(s3.options())]
-    torchrun("ds_roundtrip.py", 2, *args, "--phase", "remote-save", timeout=240, env=ENV)
+    env = {**ENV, **nccl_like.env}
+    torchrun("ds_roundtrip.py", 2, *args, "--phase", "remote-save", timeout=240, env=env)
     import shutil
 
     import s3fs
@@ -209,7 +212,7 @@ def test_fresh_node_restores_from_s3_through_deepspeeds_own_load_checkpoint(tmp_
     fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3.options())
     assert fs.exists(f"{url}/global_step3/_COMMITTED.json")  # durable when flush returned
     shutil.rmtree(tmp_path / "ckpt")  # the node is gone
-    torchrun("ds_roundtrip.py", 2, *args, "--phase", "remote-restore", timeout=240, env=ENV)
+    torchrun("ds_roundtrip.py", 2, *args, "--phase", "remote-restore", timeout=240, env=env)
     for rank in range(2):
         restored = json.loads((tmp_path / f"restored-{rank}.json").read_text())
         live = json.loads((tmp_path / f"live-{rank}.json").read_text())
@@ -218,3 +221,4 @@ def test_fresh_node_restores_from_s3_through_deepspeeds_own_load_checkpoint(tmp_
         assert restored["resumed"] == live["live"]
         assert restored["client"] == "hi"
     assert (tmp_path / "ckpt" / "latest").read_text() == "global_step3"
+    assert nccl_like.refused(processes=4) == []

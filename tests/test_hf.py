@@ -22,16 +22,20 @@ pytest.importorskip("accelerate")
 WORKER = "hf_resume.py"
 
 
-def run(tmp_path: Path, nproc: int, phase: str, *args: str) -> dict:
+def run(tmp_path: Path, nproc: int, phase: str, *args: str, env: dict | None = None,
+        fails: bool = False) -> dict:
+    """Runs the worker; returns what rank 0 recorded (with ``fails``: what train() raised)."""
     argv = ["--out", str(tmp_path), "--phase", phase, *args]
     if nproc > 1:
-        torchrun(WORKER, nproc, *argv, timeout=240, env={"DS_ACCELERATOR": "cpu"})
+        proc = torchrun(WORKER, nproc, *argv, timeout=240, check=not fails,
+                        env={"DS_ACCELERATOR": "cpu", **(env or {})})
     else:  # a plain process: Trainer without torch.distributed
         proc = subprocess.run([sys.executable, str(REPO / "tests" / "workers" / WORKER), *argv],
                               capture_output=True, text=True, timeout=240, cwd=REPO,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads((tmp_path / f"{phase}.json").read_text())
+                              env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+                              check=False)
+    assert (proc.returncode != 0) == fails, proc.stderr[-4000:]
+    return json.loads((tmp_path / f"{phase}{'-end-0' if fails else ''}.json").read_text())
 
 
 def same_params(tmp_path: Path, a: str, b: str) -> list[str]:
@@ -42,36 +46,51 @@ def same_params(tmp_path: Path, a: str, b: str) -> list[str]:
 
 
 @pytest.mark.parametrize("nproc,mode", [(1, "async"), (2, "async"), (1, "sync")])
-def test_resume_from_step_4_of_8_is_bit_identical(tmp_path, nproc, mode):
+def test_resume_from_step_4_of_8_is_bit_identical(tmp_path, nproc, mode, nccl_like):
     full = run(tmp_path, nproc, "full", "--mode", mode)
     assert full["left"] == ["checkpoint-6", "checkpoint-8"]  # save_total_limit=2
     assert {"manifest.json", ".metadata", "trainer_state.json"} <= set(full["files"])
     stopped = run(tmp_path, nproc, "stop", "--mode", mode)
     assert stopped["step"] == 4 and stopped["left"] == ["checkpoint-2", "checkpoint-4"]
     assert same_params(tmp_path, "full", "stop")  # really stopped early
-    resumed = run(tmp_path, nproc, "resume", "--mode", mode)
+    # Beside a default group that refuses our collectives, as an NCCL-only one would.
+    resumed = run(tmp_path, nproc, "resume", "--mode", mode, env=nccl_like.env)
+    assert nccl_like.refused(processes=nproc) == []
     assert resumed["step"] == 8
     assert same_params(tmp_path, "full", "resume") == []
 
 
-def test_under_deepspeed_saves_go_through_the_deepspeed_shim(tmp_path):
+def test_under_deepspeed_a_fresh_node_resumes_from_s3_alone(tmp_path, s3):
+    """HF + DeepSpeed: Trainer's own layout, the DeepSpeed step committed by dcp_tiered inside
+    it, Trainer's files (trainer_state.json, each rank's RNG state) carried inside the step.
+    train() returns once the steps are durable on S3; with the output directory gone (a fresh
+    node), resume_from_checkpoint=True rebuilds checkpoint-4 from S3 and resumes bit-exact."""
     pytest.importorskip("deepspeed")
-    run(tmp_path, 2, "full", "--zero", "2")
-    stopped = run(tmp_path, 2, "stop", "--zero", "2")
-    # Trainer's own layout, with the DeepSpeed step committed by dcp_tiered inside it.
-    assert {"trainer_state.json", "latest", "global_step4"} <= set(stopped["files"])
+    remote = ["--remote", s3.url(), "--storage-options", json.dumps(s3.options())]
+    full = run(tmp_path, 2, "full", "--zero", "2")
+    assert full["left"] == ["checkpoint-6", "checkpoint-8"]  # save_total_limit=2, ours
+    stopped = run(tmp_path, 2, "stop", "--zero", "2", *remote)
+    assert {"trainer_state.json", "latest", "global_step4", "rng_state_0.pth",
+            "rng_state_1.pth"} <= set(stopped["files"])
     step = tmp_path / "run" / "checkpoint-4" / "global_step4"
     assert {"manifest.json", "mp_rank_00_model_states.pt"} <= set(os.listdir(step))
-    resumed = run(tmp_path, 2, "resume", "--zero", "2")
+    import shutil
+
+    shutil.rmtree(tmp_path / "run")  # the node is gone; only S3 holds the run
+    resumed = run(tmp_path, 2, "resume", "--zero", "2", *remote)
     assert resumed["step"] == 8
     assert same_params(tmp_path, "full", "resume") == []
 
 
 def test_rotation_never_deletes_a_step_that_is_not_durable(tmp_path):
     (tmp_path / "not-a-dir").write_text("uploads under this path fail")
-    full = run(tmp_path, 1, "full", "--remote", f"file://{tmp_path}/not-a-dir/remote")
+    end = run(tmp_path, 1, "full", "--remote", f"file://{tmp_path}/not-a-dir/remote",
+              fails=True)
+    # The end of train() says the steps are not durable, instead of returning as if they were.
+    assert end["error"].startswith("SaveFailedError") and "not durable" in end["error"]
     # save_total_limit=2, but no step reached the remote tier: all four are the only copies.
-    assert full["left"] == ["checkpoint-2", "checkpoint-4", "checkpoint-6", "checkpoint-8"]
+    left = sorted(p.name for p in (tmp_path / "run-full").glob("checkpoint-*"))
+    assert left == ["checkpoint-2", "checkpoint-4", "checkpoint-6", "checkpoint-8"]
 
 
 def test_resume_on_a_fresh_node_from_s3(tmp_path, s3):
@@ -93,4 +112,5 @@ def test_example_trains_and_resumes(tmp_path):
 
     assert "resumed from: none" in example(6)
     assert "resumed from: checkpoint-6" in example(10)
-    assert sorted(os.listdir(tmp_path / "out")) == ["checkpoint-10", "checkpoint-8"]
+    assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == [
+        "checkpoint-10", "checkpoint-8"]

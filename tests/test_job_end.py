@@ -95,6 +95,7 @@ def test_exit_without_close_warns_once_and_the_next_writer_resumes_the_upload(
     assert len(warnings) == 1 and "step-1" in warnings[0] and "resumes" in warnings[0], proc.stderr
     assert "Retrying" not in proc.stderr and "cannot schedule new futures" not in proc.stderr
     writer = TieredStorageWriter(tmp_path / "ckpt", remote=url, storage_options=s3.options())
+    writer.recover()  # the explicit step: finish what the last job left, uploads included
     writer.close(timeout_secs=120)  # waits for the resumed upload
     assert TieredStorageWriter(tmp_path / "ckpt", remote=url, storage_options=s3.options()
                                ).durability("step-1") == Durability.DURABLE_REMOTE

@@ -1,7 +1,8 @@
 """The package's layers, checked from its imports (every import, also inside functions).
 
-Dependencies point one way: the entry points (manager, DCP writer and reader, CLI) use the
-tiers and the upload queue, which use the backends; policy and format modules do no I/O and
+Dependencies point one way: the entry points (manager, CLI) and the shims use the lifecycle
+core, which uses the DCP writer and reader, which use the tiers and the upload queue, which use
+the backends; policy and format modules do no I/O and
 import neither tiers nor backends; nothing but the CLI and the shims themselves imports a shim.
 """
 
@@ -18,7 +19,9 @@ POLICY = {"layout", "manifest", "integrity", "retention", "cadence", "admission"
           "errors", "memory_format", "safe_unpickle", "rank_state", "agreement"}
 BACKENDS = {"backends", "backends.local", "backends.remote"}
 TIERS = {"local_tier", "memory_tier", "tiering", "uploads", "commit", "catalog", "housekeeping"}
-ENTRY_POINTS = {"writer", "reader", "manager", "cli", "staging"}
+DCP = {"writer", "reader", "staging"}  # torch's StorageWriter/StorageReader, and staging
+LIFECYCLE = {"lifecycle"}  # what every entry point shares around a save and a restore
+ENTRY_POINTS = {"manager", "cli"}
 
 
 def imports_of(path: Path) -> set[str]:
@@ -60,16 +63,19 @@ def _layer(module: str) -> str:
         return "shims"
     if module in BACKENDS or top == "backends":
         return "backends"
-    for name, members in (("policy", POLICY), ("tiers", TIERS), ("entry", ENTRY_POINTS)):
+    for name, members in (("policy", POLICY), ("tiers", TIERS), ("dcp", DCP),
+                          ("lifecycle", LIFECYCLE), ("entry", ENTRY_POINTS)):
         if module in members:
             return name
     return "other"
 
 
 FORBIDDEN = {  # layer -> layers it must never import
-    "policy": {"backends", "tiers", "entry", "shims"},
-    "backends": {"tiers", "entry", "shims"},
-    "tiers": {"entry", "shims"},
+    "policy": {"backends", "tiers", "dcp", "lifecycle", "entry", "shims"},
+    "backends": {"tiers", "dcp", "lifecycle", "entry", "shims"},
+    "tiers": {"dcp", "lifecycle", "entry", "shims"},
+    "dcp": {"lifecycle", "entry", "shims"},
+    "lifecycle": {"entry", "shims"},
 }
 
 
@@ -93,3 +99,4 @@ def test_the_checker_resolves_imports_and_would_catch_a_violation():
     assert {"integrity", "errors", "layout"} <= imports_of(PACKAGE / "backends" / "local.py")
     assert "backends" in FORBIDDEN[_layer("layout")]
     assert _layer("backends.local") == "backends" and _layer("shims.deepspeed") == "shims"
+    assert "lifecycle" in FORBIDDEN[_layer("writer")] and "entry" in FORBIDDEN["lifecycle"]

@@ -36,9 +36,15 @@ def starts(out: Path) -> list[int]:
     return [x["start"] for x in lines if "start" in x]
 
 
-def facade(out: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+def visible(directory: Path) -> list[str]:
+    """What a Megatron user sees in a directory: our own dot-files (locks, records) left out."""
+    return sorted(n for n in os.listdir(directory) if not n.startswith(".dcp-tiered"))
+
+
+def facade(out: Path, *args: str, check: bool = True,
+           env: dict | None = None) -> subprocess.CompletedProcess:
     return torchrun("mcore.py", 2, "--out", str(out), "--phase", "facade", *args,
-                    timeout=300, check=check)
+                    timeout=300, check=check, env=env)
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -81,8 +87,7 @@ def test_facade_resumes_after_sigkill_and_keeps_max_ckpt_num(tmp_path):
     assert len(expected) == 12
     ckpt = run / "ckpt"
     # storage every 4 + the memory-only iteration 7, persisted on restore; max_ckpt_num=2
-    assert sorted(os.listdir(ckpt)) == ["iter_0000008", "iter_0000012",
-                                       "latest_checkpointed_iteration.txt"]
+    assert visible(ckpt) == ["iter_0000008", "iter_0000012", "latest_checkpointed_iteration.txt"]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "12"
     text = log.read_text()
     for it in range(1, 13):
@@ -127,7 +132,7 @@ def flip_byte(path: Path, offset: int) -> None:
         f.write(bytes([byte[0] ^ 0xFF]))
 
 
-def test_facade_falls_back_past_corrupt_copies(tmp_path):
+def test_facade_falls_back_past_corrupt_copies(tmp_path, nccl_like):
     reference = tmp_path / "reference"
     facade(reference, "--iters", "14")
     run = tmp_path / "run"
@@ -138,16 +143,18 @@ def test_facade_falls_back_past_corrupt_copies(tmp_path):
         if json.loads(slot.read_text())["step"] == "iter_0000011":
             flip_byte(slot.with_suffix(".data"), 100)
     log = run / "restart.log"
-    facade(run, "--iters", "14", "--attempt", "1", "--log-file", str(log))
+    # Beside a default group that refuses our collectives, as an NCCL-only one would.
+    facade(run, "--iters", "14", "--attempt", "1", "--log-file", str(log), env=nccl_like.env)
+    assert nccl_like.refused(processes=2) == []
     assert starts(run) == [0, 10]
     assert losses(run) == losses(reference)
     text = log.read_text()
     assert "cannot restore iter_0000012 from storage" in text
     assert "IntegrityError: corrupt data in step 'iter_0000012'" in text
-    assert "rank0 dcp_tiered.shims.megatron easyckpt: cannot restore iter_0000011 from memory, " \
-        "trying an older one: rank 0: IntegrityError" in text
-    assert "rank1 dcp_tiered.shims.megatron easyckpt: cannot restore iter_0000011 from memory, " \
-        "trying an older one: failed on another rank" in text
+    assert "rank0 dcp_tiered.lifecycle cannot restore iter_0000011 from memory, " \
+        "trying an older step: rank 0: IntegrityError" in text
+    assert "rank1 dcp_tiered.lifecycle cannot restore iter_0000011 from memory, " \
+        "trying an older step: failed on another rank" in text
     assert "restored iteration 10 from memory" in text
 
 
@@ -195,11 +202,10 @@ def test_facade_disk_full_fails_the_save_and_keeps_the_last_checkpoint(tmp_path,
     proc = facade(run, "--ckpt", str(disk), "--margin", "0", check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert "SaveFailedError: iteration 12 was not saved" in out
+    assert f"SaveFailedError: Megatron checkpoint 'iter_0000012' in {disk} was not saved" in out
     assert "InsufficientSpaceError" in out and "still names the previous checkpoint" in out
     assert (disk / "latest_checkpointed_iteration.txt").read_text() == "8"
-    assert sorted(os.listdir(disk)) == ["iter_0000004", "iter_0000008",
-                                        "latest_checkpointed_iteration.txt"]
+    assert visible(disk) == ["iter_0000004", "iter_0000008", "latest_checkpointed_iteration.txt"]
     verify = subprocess.run([sys.executable, "-m", "dcp_tiered.cli", "verify", str(disk)],
                             capture_output=True, text=True, cwd=REPO, check=False)
     assert verify.returncode == 0, verify.stdout + verify.stderr

@@ -17,7 +17,7 @@ How it maps onto DeepSpeed's checkpoint-engine protocol (deepspeed/runtime/engin
 - ``commit`` (sync and async modes) writes every rank's files as one DCP step named after the
   tag, ``SAVE_DIR/TAG``, on a dedicated gloo group. ``decoupled`` mode launches the write when
   ``save_checkpoint`` returns and lets DeepSpeed's ``get_commit_info`` poll for completion at
-  step boundaries, with a consensus on the training group.
+  step boundaries, with a consensus on the checkpoint layer's own gloo group.
 - DeepSpeed writes ``latest`` right after ``commit`` returns, with a plain ``open``: for an
   async save that is before the data exists. ``save_checkpoint`` is therefore wrapped to pass
   ``save_latest=False``, and rank 0 publishes ``latest`` itself, atomically, once the step is
@@ -29,41 +29,28 @@ How it maps onto DeepSpeed's checkpoint-engine protocol (deepspeed/runtime/engin
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import logging
 import operator
 import os
-import time
-from collections.abc import Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
 from .. import _torch_compat, catalog, tiering
-from ..agreement import Agreement
 from ..backends.local import LocalBackend
 from ..backends.remote import remote_backend
 from ..config import RemoteConfig
-from ..distributed import checkpoint_process_group
-from ..errors import (
-    CheckpointExistsError,
-    CheckpointNotFoundError,
-    ConfigError,
-    SaveFailedError,
-    UploadFailedError,
-    causes,
-    describe,
-)
+from ..distributed import is_node_leader
+from ..errors import CheckpointNotFoundError, ConfigError, describe
 from ..layout import validate_step_name
+from ..lifecycle import Conventions, Lifecycle
 from ..local_tier import LocalTier
 from ..reader import TieredStorageReader
-from ..writer import TieredStorageWriter
 from . import skeleton
 
 try:
@@ -81,6 +68,7 @@ logger = logging.getLogger(__name__)
 MODES = ("sync", "async", "decoupled")
 STUB_FORMAT = "dcp_tiered.deepspeed-stub/1"
 LATEST_NAME = "latest"
+SIDECARS = "dcp_tiered.sidecars"  # files of the framework's own that travel inside the step
 
 
 def deepspeed_classes() -> list[type]:
@@ -107,27 +95,39 @@ class Options:
             raise ConfigError(f"mode must be one of {MODES}, got {self.mode!r}")
 
 
+CONVENTIONS = Conventions(
+    "DeepSpeed",
+    overwrite_hint=("pass overwrite=True to ds_tiers.install()/attach() to replace an existing "
+                    "tag atomically, as stock DeepSpeed does"),
+    kept="'latest' still names the previous checkpoint",
+)
+
+
 class TieredCheckpointEngine(CheckpointEngine):
     """A DeepSpeed ``CheckpointEngine`` that saves each checkpoint as one tiered DCP step.
 
-    Built on every rank (DeepSpeed builds it in ``initialize``): it creates the dedicated
-    gloo group for DCP's collectives there, collectively.
+    Built on every rank (DeepSpeed builds it in ``initialize``): its lifecycle's gloo groups
+    are created there, collectively. What happens around a save (one in flight, failures on
+    every rank, ``latest`` once committed, durability at the end) is
+    :class:`~dcp_tiered.lifecycle.Lifecycle`'s; this class translates DeepSpeed's protocol.
     """
 
     def __init__(self, options: Options | None = None, config_params: Any = None) -> None:
         super().__init__(config_params)
         self.name = "dcp_tiered"
         self.options = options or Options()
-        self._group = checkpoint_process_group()  # DCP's collectives
-        self._agree = Agreement()  # ours: never the training group
-        self._rank = dist.get_rank() if dist.is_initialized() else 0
-        self._writers: dict[str, TieredStorageWriter] = {}
+        self.lifecycle = Lifecycle(
+            CONVENTIONS, remote=self.options.remote,
+            storage_options=self.options.storage_options,
+            writer_options=self.options.writer_options,
+            # async: 'latest' moves once the step is committed; decoupled: when DeepSpeed
+            # commits it; sync: before save_checkpoint returns.
+            publish_early=self.options.mode == "async")
         self._files: dict[str, dict[str, Any]] = {}  # DeepSpeed file name -> split state
         self._info: CheckpointCommitInfo | None = None
         self._want_latest = True  # what the caller passed to save_checkpoint
-        self._inflight: tuple[CheckpointCommitInfo, bool, Future[Any]] | None = None
-        self._publisher = ThreadPoolExecutor(1, thread_name_prefix="dcp-tiered-ds-publish")
-        self._published: Future[None] | None = None
+        self._holding = False  # see holding()
+        self._held: tuple[CheckpointCommitInfo, bool] | None = None
 
     # -------------------------------------------------------------- DeepSpeed protocol
 
@@ -152,42 +152,20 @@ class TieredCheckpointEngine(CheckpointEngine):
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
         if self.options.mode == "decoupled":
-            # DeepSpeed calls this once get_commit_info() said every rank is done.
-            assert self._inflight is not None
-            _, want_latest, fut = self._inflight
-            self._inflight = None
-            _result(fut, info, self._rank)
-            if self._rank == 0:
-                publish(info.save_dir, info.tag, latest=want_latest)
-            return True
-        if self.options.mode == "sync":
-            try:
-                dcp.save(self._state(), checkpoint_id=info.tag, process_group=self._group,
-                         storage_writer=self._writer(info.save_dir))
-            except (Exception, CheckpointException) as e:  # on every rank (DCP's collectives)
-                raise _save_failed(info, e, self._rank) from e
-            if self._rank == 0:
-                publish(info.save_dir, info.tag, latest=self._want_latest)
-            return True
-        self._launch(info)
+            self.wait()  # DeepSpeed calls this once get_commit_info() said every rank is done
+        else:
+            self._launch(info, self.options.mode == "sync")
         return True
 
     def is_decoupled(self) -> bool:
         return self.options.mode == "decoupled"
 
     def get_commit_info(self) -> CheckpointCommitInfo | None:
-        """Decoupled mode, at every step boundary: the info once every rank's write is done.
-
-        Every rank has the same save in flight, so they all take the collective or none does.
-        """
-        if self._inflight is None:
+        """Decoupled mode, at every step boundary: the info once every rank's write is done
+        (collective: every rank has the same save in flight)."""
+        if self.lifecycle.in_flight is None or self._info is None:
             return None
-        info, _, fut = self._inflight
-        status = self._agree.vote([0 if fut.done() else 1, 1 if _failed(fut) else 0])
-        if status[1]:
-            self._inflight = None
-            raise _save_failed(info, fut.exception() if _failed(fut) else None, self._rank)
-        return None if status[0] else info
+        return self._info if self.lifecycle.written() else None
 
     def cleanup(self) -> None:
         self.flush()
@@ -218,87 +196,67 @@ class TieredCheckpointEngine(CheckpointEngine):
         if self.options.remote is None:
             return
         error: BaseException | None = None
-        if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one process per node writes
+        if is_node_leader():  # one process a node writes
             try:
                 adopt(load_dir, tag, self.options.remote, self.options.storage_options)
             except Exception as e:  # noqa: BLE001 - raised on every rank below
                 error = e
-        if self._agree.any(error is not None) and error is None:
-            raise CheckpointNotFoundError(
-                f"cannot prepare {load_dir} for loading on another node (its error says why)")
+        problems = self.lifecycle.agree.gather(None if error is None else describe(error))
         if error is not None:
             raise error
+        if any(problems):
+            raise CheckpointNotFoundError(
+                f"cannot prepare {load_dir} for loading: another node failed: "
+                + "; ".join(p for p in problems if p))
 
     def launch_decoupled(self) -> None:
         """Starts the write of the checkpoint just saved (decoupled mode)."""
         if self._info is not None and self.options.mode == "decoupled":
-            self._launch(self._info)
+            self._launch(self._info, False)
 
     def wait(self) -> None:
-        """Finishes the save in flight and its publication; raises SaveFailedError on every
-        rank if it failed on any (DCP fails the save's future on every rank). Nothing of a
-        failed save is kept, so the next save starts clean. Collective in decoupled mode."""
-        published, self._published = self._published, None
-        if self._inflight is not None:
-            info, _, fut = self._inflight
-            if self.options.mode == "decoupled":
-                _result(fut, info, self._rank)
-                while (ready := self.get_commit_info()) is None:
-                    time.sleep(0.01)  # another rank is still writing
-                self.commit(ready)
-            else:
-                self._inflight = None
-                _result(fut, info, self._rank)
-        if published is not None:
-            published.result()
+        """Collective: finishes the save in flight and its publication; raises
+        SaveFailedError on every rank if it failed on any. Nothing of a failed save is kept,
+        so the next save starts clean."""
+        self.lifecycle.finish()
 
     def flush(self, timeout_secs: float | None = None) -> None:
         """Call on every rank at the end of training: finishes and publishes the last save
         and, with a remote tier, waits until every step saved here is durable there (at most
         ``timeout_secs``, default the remote's ``durable_timeout_secs``). Raises on every rank
         if any rank's save or upload failed."""
-        error: BaseException | None = None
+        self.lifecycle.close(timeout_secs)
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """Within, a checkpoint's write waits for :meth:`release`: HF Trainer writes its own
+        files of a checkpoint (``trainer_state.json``, RNG states) after DeepSpeed's, and they
+        travel inside the step."""
+        self._holding = True
         try:
-            self.wait()
-        except SaveFailedError as e:
-            error = e
-        writers, self._writers = self._writers, {}
-        for writer in writers.values():
-            try:
-                writer.close(timeout_secs)
-            except UploadFailedError as e:
-                error = error or e
-        if self._agree.any(error is not None) and error is None:  # no lone raise
-            error = SaveFailedError("the last DeepSpeed checkpoint failed on another rank "
-                                    "(its error says why); 'latest' names the last good one")
-        if error is not None:
-            raise error
+            yield
+        finally:
+            self._holding = False
 
-    def _launch(self, info: CheckpointCommitInfo) -> None:
-        fut = dcp.async_save(self._state(), checkpoint_id=info.tag, process_group=self._group,
-                             storage_writer=self._writer(info.save_dir))
-        self._inflight = (info, self._want_latest, fut)
-        if self._rank == 0 and self.options.mode == "async":
-            self._published = self._publisher.submit(self._publish_when_done, info,
-                                                     self._want_latest, fut)
+    def release(self, sidecars: Mapping[str, bytes]) -> None:
+        """Starts the write held by :meth:`holding`, with ``sidecars`` (file name: bytes, this
+        rank's) inside the step; :func:`write_sidecars` writes them back from any tier."""
+        held, self._held = self._held, None
+        if held is not None:
+            self._launch(*held, sidecars=sidecars)
 
-    def _publish_when_done(
-        self, info: CheckpointCommitInfo, latest: bool, fut: Future[Any]
-    ) -> None:
-        _result(fut, info, self._rank)
-        publish(info.save_dir, info.tag, latest=latest)
-
-    def _state(self) -> dict[str, Any]:
-        files, self._files = self._files, {}
-        return files
-
-    def _writer(self, save_dir: str) -> TieredStorageWriter:
-        # One writer per directory, kept: its staging buffers are reused save after save.
-        if save_dir not in self._writers:
-            self._writers[save_dir] = TieredStorageWriter(
-                save_dir, remote=self.options.remote,
-                storage_options=self.options.storage_options, **self.options.writer_options)
-        return self._writers[save_dir]
+    def _launch(self, info: CheckpointCommitInfo, sync: bool, *,
+                sidecars: Mapping[str, bytes] | None = None) -> None:
+        if self._holding:
+            self._held = (info, sync)
+            return
+        state: dict[str, Any] = self._files
+        self._files = {}
+        if sidecars:  # as bytes tensors: they load back without unpickling anything
+            state[SIDECARS] = {name: _bytes_tensor(data) for name, data in sidecars.items()}
+        publication = functools.partial(publish, info.save_dir, info.tag,
+                                        latest=self._want_latest)
+        self.lifecycle.save(info.save_dir, info.tag, state, sync=sync, on_commit=publication)
 
     @staticmethod
     def _tag_dir(info: CheckpointCommitInfo) -> str:
@@ -341,7 +299,26 @@ def read_file(
 def file_names(save_dir: str, tag: str) -> list[str]:
     """The DeepSpeed files a committed step holds, from its verified manifest."""
     planner_data = LocalTier(LocalBackend(save_dir)).read_manifest(tag).metadata.planner_data
-    return sorted({str(path[0]) for path in (planner_data or {}).values() if path})
+    return sorted({str(path[0]) for path in (planner_data or {}).values()
+                   if path and path[0] != SIDECARS})
+
+
+def write_sidecars(save_dir: str, tag: str, directory: str, *,
+                   remote: str | RemoteConfig | None = None,
+                   storage_options: Mapping[str, Any] | None = None) -> list[str]:
+    """Writes the files that travel inside step ``tag`` (see
+    :meth:`TieredCheckpointEngine.release`) into ``directory``, from the nearest tier holding a
+    valid copy; returns their names. Not collective."""
+    reader = TieredStorageReader(save_dir, remote=remote, storage_options=storage_options)
+    reader.reset(tag)
+    out: dict[str, Any] = {}
+    _torch_compat.load_keys(out, {SIDECARS}, reader)
+    files = out.get(SIDECARS, {})
+    backend = LocalBackend(directory)
+    for name, data in files.items():
+        validate_step_name(name)  # a plain file name, nothing that climbs out of directory
+        backend.replace_root_file(name, data.numpy().tobytes())
+    return sorted(files)
 
 
 def adopt(save_dir: str, tag: str | None, remote: str | RemoteConfig,
@@ -527,28 +504,8 @@ def _is_stub(path: str) -> bool:
     return STUB_FORMAT.encode() in head
 
 
-def _failed(fut: Future[Any]) -> bool:
-    return fut.done() and fut.exception() is not None
-
-
-def _result(fut: Future[Any], info: CheckpointCommitInfo, rank: int) -> None:
-    try:
-        fut.result()
-    except (Exception, CheckpointException) as e:  # DCP's is a BaseException
-        raise _save_failed(info, e, rank) from e
-
-
-def _save_failed(info: CheckpointCommitInfo, error: BaseException | None,
-                 rank: int) -> SaveFailedError:
-    where = os.path.join(info.save_dir, info.tag)
-    what = f"failed on rank {rank}: {describe(error)}" if error else "failed on another rank"
-    todo = "fix the cause (see the error) and save again"
-    if error is not None and any(isinstance(c, CheckpointExistsError) for c in causes(error)):
-        todo = ("save under a new tag, or pass overwrite=True to ds_tiers.install()/attach() "
-                "to replace an existing tag atomically, as stock DeepSpeed does")
-    return SaveFailedError(
-        f"DeepSpeed checkpoint {info.tag!r} in {info.save_dir} {what}. 'latest' still names "
-        f"the previous checkpoint; {todo}.",
-        [{"rank": rank if error else -1, "step": info.tag, "tier": "local", "where": where,
-          "error": repr(error)}],
-    )
+def _bytes_tensor(data: bytes) -> torch.Tensor:
+    """A copy of ``data`` as a uint8 tensor (torch.frombuffer refuses an empty buffer)."""
+    if not data:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)

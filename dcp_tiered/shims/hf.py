@@ -20,29 +20,25 @@ beside the data for tools that read it.
 are durable on the remote tier (when there is one); the best model's step is pinned.
 
 With DeepSpeed enabled, Trainer saves through ``engine.save_checkpoint``; the wrapper installs
-:mod:`dcp_tiered.shims.deepspeed` instead and leaves Trainer's own flow alone.
+:mod:`dcp_tiered.shims.deepspeed` and keeps Trainer's own layout, with Trainer's files carried
+inside the DeepSpeed step (:mod:`dcp_tiered.shims.hf_deepspeed`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
+import functools
 import json
 import logging
 import os
-import random
 import re
 import shutil
 import tempfile
-import warnings
-from collections.abc import Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
@@ -52,16 +48,16 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from .. import catalog, housekeeping
+from .. import catalog
 from ..backends.local import LocalBackend
 from ..backends.remote import remote_backend
 from ..config import RemoteConfig
-from ..distributed import checkpoint_process_group
 from ..errors import CheckpointNotFoundError, ConfigError
+from ..lifecycle import Conventions, Lifecycle, quiet_single_process
 from ..local_tier import LocalTier
+from ..rank_state import capture_rng, restore_rng
 from ..reader import TieredStorageReader
 from ..retention import RetentionPolicy
-from ..writer import TieredStorageWriter
 
 try:
     from transformers import Trainer
@@ -91,24 +87,19 @@ def wrap(
         remote: a remote tier (fsspec URL or RemoteConfig) every step is promoted to.
         mode: ``"async"`` (``dcp.async_save``: training continues while the step is written)
             or ``"sync"``.
-        writer_options: passed to :class:`TieredStorageWriter` (``thread_count``, ...).
+        writer_options: passed to :class:`TieredStorageWriter` (``thread_count``, ...;
+            ``overwrite`` defaults to True, as Trainer overwrites a step it saves again).
     """
     if mode not in MODES:
         raise ConfigError(f"mode must be one of {MODES}, got {mode!r}")
+    # Trainer replays steps after resuming from an older checkpoint and, like stock Trainer,
+    # saves them again: the new copy replaces the old one atomically.
+    writer_options.setdefault("overwrite", True)
     if trainer.is_deepspeed_enabled:
-        from . import deepspeed as ds_shim
+        from .hf_deepspeed import wrap_deepspeed
 
-        ds_shim.install(mode=mode, remote=remote, storage_options=storage_options,
-                        **writer_options)
-        original = trainer.train
-
-        def train_then_flush(*args: Any, **kwargs: Any) -> Any:
-            out = original(*args, **kwargs)
-            ds_shim.flush(trainer.model_wrapped)
-            return out
-
-        trainer.train = train_then_flush  # type: ignore[method-assign]
-        return trainer
+        return wrap_deepspeed(trainer, mode=mode, remote=remote,
+                              storage_options=storage_options, writer_options=writer_options)
     if trainer.args.load_best_model_at_end:
         raise ConfigError("load_best_model_at_end is not supported by dcp_tiered.shims.hf yet: "
                           "load the best step with TieredStorageReader after training instead")
@@ -130,20 +121,25 @@ class TieredTrainer(Trainer):
         wrap(self, **dict(tiers or {}))
 
 
+CONVENTIONS = Conventions(
+    "HF Trainer", overwrite_hint="pass overwrite=True to wrap() to replace a step atomically",
+    kept="the earlier checkpoint-N steps are intact")
+
+
 class TrainerTiers:
-    """The methods :func:`wrap` puts on a Trainer, and the save in flight."""
+    """The methods :func:`wrap` puts on a Trainer. The lifecycle around each save (one in
+    flight, failures on every rank, ``trainer_state.json`` and ``save_total_limit`` once
+    committed, durability at the end) is :class:`~dcp_tiered.lifecycle.Lifecycle`'s."""
 
     def __init__(self, trainer: Trainer, remote: str | RemoteConfig | None,
                  storage_options: Mapping[str, Any] | None, mode: str,
                  writer_options: dict[str, Any]) -> None:
         self.trainer = trainer
         self.remote, self.storage_options = remote, storage_options
-        self.mode, self.writer_options = mode, writer_options
+        self.mode = mode
         self._train = trainer.train
-        self._writers: dict[str, TieredStorageWriter] = {}
-        self._group: Any = None
-        self._inflight: Future[None] | None = None
-        self._publisher = ThreadPoolExecutor(1, thread_name_prefix="dcp-tiered-hf-publish")
+        self.lifecycle = Lifecycle(CONVENTIONS, remote=remote, storage_options=storage_options,
+                                   writer_options=writer_options)
 
     @property
     def root(self) -> str:
@@ -164,21 +160,13 @@ class TrainerTiers:
             tr.state.best_model_checkpoint = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best}")
         _export_callback_state(tr)
         state = self._state()
-        if self._group is None and dist.is_initialized():
-            self._group = checkpoint_process_group()
-        kwargs = {"checkpoint_id": step, "storage_writer": self._writer(run_dir),
-                  "process_group": self._group, "no_dist": not dist.is_initialized()}
-        with _quiet():
-            if self.mode == "sync":
-                dcp.save(state, **kwargs)
-                done: Future[Any] = Future()
-                done.set_result(None)
-            else:
-                done = dcp.async_save(state, **kwargs)
-        self._inflight = self._publisher.submit(self._publish_when_done, done, run_dir, step,
-                                                state["trainer_state"])
-        if self.mode == "sync":
-            self.wait()
+        limit, best = tr.args.save_total_limit, tr.state.best_model_checkpoint
+        self.lifecycle.retention = RetentionPolicy(
+            keep_latest=limit, pinned=frozenset({os.path.basename(best)} if best else ())
+        ) if limit else None
+        self.lifecycle.save(run_dir, step, state, sync=self.mode == "sync",
+                            on_commit=functools.partial(_write_trainer_state, run_dir, step,
+                                                        state["trainer_state"]))
 
     def _state(self) -> dict[str, Any]:
         tr, args = self.trainer, self.trainer.args
@@ -187,51 +175,27 @@ class TrainerTiers:
             state["optim"] = get_optimizer_state_dict(tr.model, _torch_optimizer(tr.optimizer))
             if tr.lr_scheduler is not None:
                 state["scheduler"] = copy.deepcopy(tr.lr_scheduler.state_dict())
-            state[_rng_key(args.process_index)] = _rng_state()
+            state[_rng_key(args.process_index)] = capture_rng()
         state["trainer_state"] = json.dumps(dataclasses.asdict(tr.state), indent=2, sort_keys=True) + "\n"
         return state
 
-    def _publish_when_done(self, done: Future[Any], run_dir: str, step: str,
-                           trainer_state: str) -> None:
-        """Once committed (rank 0's future ends after every rank's data is written): the
-        plain ``trainer_state.json`` beside the data, then ``save_total_limit``."""
-        done.result()
-        args = self.trainer.args
-        if args.process_index != 0:
-            return
-        tier = LocalTier(LocalBackend(run_dir))
-        tier.backend.write_atomically(step, TRAINER_STATE_NAME, trainer_state.encode())
-        if args.save_total_limit:
-            best = self.trainer.state.best_model_checkpoint
-            policy = RetentionPolicy(keep_latest=args.save_total_limit,
-                                     pinned=frozenset({os.path.basename(best)} if best else ()))
-            housekeeping.prune_local(tier, policy, self._writer(run_dir).remote_backend,
-                                     label="local (save_total_limit)")
-
     def wait(self) -> None:
-        """Finishes the save in flight (and its publication); raises what it raised."""
-        if self._inflight is not None:
-            inflight, self._inflight = self._inflight, None
-            inflight.result()
+        """Collective: finishes the save in flight (and its publication); raises
+        SaveFailedError on every rank if it failed on any."""
+        self.lifecycle.finish()
 
     def wait_durable(self, timeout_secs: float | None = None) -> None:
-        """Blocks until the newest step is on the remote tier (rank 0 promotes it)."""
-        self.wait()
-        self._writer(self.root).wait_durable(timeout_secs=timeout_secs)
-
-    def _writer(self, run_dir: str) -> TieredStorageWriter:
-        if run_dir not in self._writers:
-            self._writers[run_dir] = TieredStorageWriter(
-                run_dir, remote=self.remote, storage_options=self.storage_options,
-                **self.writer_options)
-        return self._writers[run_dir]
+        """Collective: blocks until every step saved here is on the remote tier."""
+        self.lifecycle.wait_durable(timeout_secs)
 
     # ------------------------------------------------------------ resuming
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any,
               **kwargs: Any) -> Any:
         """``Trainer.train``; ``resume_from_checkpoint=True`` picks the newest committed step
-        on any tier, a path or step name picks that step."""
+        on any tier, a path or step name picks that step. Returns once the last step is
+        committed and, with a remote tier, durable there (at most the remote's
+        ``durable_timeout_secs``); raises SaveFailedError on every rank if it is not."""
         scratch = None
         if resume_from_checkpoint:
             step = self._resolve(resume_from_checkpoint)
@@ -244,7 +208,9 @@ class TrainerTiers:
                 f.write(state)
         try:
             out = self._train(resume_from_checkpoint or None, *args, **kwargs)
-            self.wait()  # the last step is committed and published when train() returns
+            # The end of the job: the last step is committed, published and, with a remote
+            # tier, durable there when train() returns (or it raises, on every rank).
+            self.lifecycle.close()
             return out
         finally:
             if scratch:
@@ -303,12 +269,12 @@ class TrainerTiers:
         if path is None:
             return
         key = _rng_key(self.trainer.args.process_index)
-        state = self._load(os.path.basename(path), {key: _rng_state()}, partial=True)
+        state = self._load(os.path.basename(path), {key: capture_rng()}, partial=True)
         if state.get(key) is None:
             logger.info("no RNG state for process %s in %s: resuming with different randomness "
                         "(was the world size different?)", self.trainer.args.process_index, path)
             return
-        _set_rng_state(state[key])
+        restore_rng(state[key])
 
     def _load(self, step: str, wanted: dict[str, Any], *, partial: bool = False) -> dict[str, Any]:
         """Reads ``wanted``'s keys of ``step`` on this rank alone, from the nearest valid tier."""
@@ -319,20 +285,13 @@ class TrainerTiers:
             present = reader.read_metadata().state_dict_metadata
             wanted = {k: v for k, v in wanted.items()
                       if any(f.split(".")[0] == k for f in present)}
-        with _quiet():
+        with quiet_single_process():
             dcp.load(wanted, checkpoint_id=step, storage_reader=reader, no_dist=True,
                      planner=DefaultLoadPlanner(allow_partial_load=partial))
         return wanted
 
 
 # ------------------------------------------------------------------ helpers
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "torch.distributed is disabled")  # one process: yes
-        yield
 
 
 def _torch_optimizer(opt: Any) -> torch.optim.Optimizer:
@@ -351,29 +310,12 @@ def _export_callback_state(tr: Trainer) -> None:
 
 
 def _rng_key(process_index: int) -> str:
-    return f"rng_{process_index}"
+    # RankState's format (capture_rng); steps saved in the older format used "rng_N" and now
+    # resume with different randomness (logged) instead of failing on the other layout.
+    return f"rng_state_{process_index}"
 
 
-def _rng_state() -> dict[str, Any]:
-    """Python, NumPy and torch generators, in types torch's weights_only loader accepts."""
-    algo, keys, pos, has_gauss, cached = np.random.get_state()
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": {"algo": algo, "keys": torch.from_numpy(keys.copy()), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
-        "cpu": torch.random.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    n = state["numpy"]
-    np.random.set_state((n["algo"], n["keys"].numpy(), n["pos"], n["has_gauss"],
-                         n["cached_gaussian"]))
-    torch.random.set_rng_state(state["cpu"])
-    if torch.cuda.is_available() and "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
-
+def _write_trainer_state(run_dir: str, step: str, trainer_state: str) -> None:
+    """Once committed: the plain ``trainer_state.json`` beside the data, for tools."""
+    LocalTier(LocalBackend(run_dir)).backend.write_atomically(step, TRAINER_STATE_NAME,
+                                                              trainer_state.encode())

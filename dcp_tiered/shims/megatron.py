@@ -40,19 +40,12 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .. import layout
-from ..agreement import Agreement
 from ..backends.local import LocalBackend
 from ..backends.remote import remote_backend
 from ..catalog import list_steps
-from ..errors import (
-    CheckpointNotFoundError,
-    ConfigError,
-    DcpTieredError,
-    SaveFailedError,
-    TierUnavailableError,
-    describe,
-)
-from ..housekeeping import prune_local, prune_remote
+from ..distributed import is_node_leader
+from ..errors import ConfigError
+from ..lifecycle import Conventions, Lifecycle, attempt, failure, raise_failures, settled
 from ..local_tier import LocalTier
 from ..memory_tier import MemoryTier
 from ..retention import RetentionPolicy
@@ -87,6 +80,10 @@ logger = logging.getLogger(__name__)
 
 TRACKER = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0
+CONVENTIONS = Conventions(
+    "Megatron", overwrite_hint="save under another iteration or directory",
+    kept=f"{TRACKER} still names the previous checkpoint, which is intact",
+    local_tier="storage")
 
 
 def iteration_dir(iteration: int) -> str:
@@ -95,7 +92,9 @@ def iteration_dir(iteration: int) -> str:
 
 
 class EasyCkpt:
-    """What :func:`initialize` builds; the module functions call the one built last."""
+    """What :func:`initialize` builds; the module functions call the one built last. The
+    lifecycle around each save and restore is :class:`~dcp_tiered.lifecycle.Lifecycle`'s;
+    this class translates Megatron's state and names."""
 
     def __init__(self, save_mem_interval: int | None, save_storage_interval: int | None,
                  max_ckpt_num: int, log_file_path: str | os.PathLike[str] | None = None, *,
@@ -109,28 +108,29 @@ class EasyCkpt:
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise ConfigError(f"{name} must be a non-negative int or None, got {value!r}")
         self.mem_every, self.storage_every = save_mem_interval or 0, save_storage_interval or 0
-        self.retention = RetentionPolicy(keep_latest=max_ckpt_num, keep_every=keep_every)
-        # As everywhere: the remote keeps every checkpoint unless told otherwise.
-        self.remote_retention = (None if remote_max_ckpt_num is None else
-                                 RetentionPolicy(keep_latest=remote_max_ckpt_num,
-                                                 keep_every=keep_every))
         self.save_dir = os.path.abspath(save)
         self.load_dir = os.path.abspath(load) if load is not None else self.save_dir
         self.remote, self.storage_options = remote, storage_options
         self.async_save = async_save
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self._agree = Agreement()  # every vote: on a gloo group of ours, never the training one
         os.makedirs(self.save_dir, exist_ok=True)
         self.log_handler = _log_to(log_file_path, self.rank) if log_file_path else None
-        if int(os.environ.get("LOCAL_RANK", self.rank)) == 0:  # one process per node root
-            LocalTier(LocalBackend(self.save_dir)).sweep_pending()  # a crashed save's leftovers
+        self.lifecycle = Lifecycle(
+            CONVENTIONS, remote=remote, storage_options=storage_options,
+            retention=RetentionPolicy(keep_latest=max_ckpt_num, keep_every=keep_every),
+            # As everywhere: the remote keeps every checkpoint unless told otherwise.
+            remote_retention=(None if remote_max_ckpt_num is None else
+                              RetentionPolicy(keep_latest=remote_max_ckpt_num,
+                                              keep_every=keep_every)),
+            publish_early=False, writer_options={"overwrite": True, **writer_options})
+        if is_node_leader():  # one process per node root: a crashed save's leftovers
+            LocalTier(LocalBackend(self.save_dir)).sweep_pending()
         self.memory = None
         if self.mem_every:
             root = os.path.abspath(memory) if memory else _default_memory_root(self.save_dir)
             self.memory = MemoryTier(root, self.rank)
         self.strategy = TieredSaveShardedStrategy(remote=remote, storage_options=storage_options,
-                                                  **writer_options)
-        self._pending: tuple[int, Any] | None = None  # (iteration, mcore AsyncRequest)
+                                                  writers=self.lifecycle.writers)
         logger.info("easyckpt: memory every %s (%s), storage every %s in %s (remote %s), "
                     "keeping %d", self.mem_every or "never",
                     self.memory.root if self.memory else "-", self.storage_every or "never",
@@ -156,84 +156,75 @@ class EasyCkpt:
 
     def save_storage(self, iteration: int, model: Any, optimizer: Any,
                      opt_param_scheduler: Any) -> None:
-        self.wait()  # one storage save in flight
-        step_dir = os.path.join(self.save_dir, iteration_dir(iteration))
+        self.lifecycle.finish()  # one storage save in flight
+        step = iteration_dir(iteration)
+        step_dir = os.path.join(self.save_dir, step)
+        request, claimed = None, settled()
         if self.rank == 0:  # mcore writes common.pt there first; marked so a crash is swept
-            claim_step_dir(self.save_dir, iteration_dir(iteration))
-        state = state_dict(iteration, model, optimizer, opt_param_scheduler)
-        request, problem = _attempt(dist_checkpointing.save, state, step_dir,
-                                    sharded_strategy=self.strategy,
-                                    async_sharded_save=self.async_save)
-        self._check_saved(iteration, problem)
+            try:
+                claim_step_dir(self.save_dir, step)
+            except Exception as e:  # noqa: BLE001 - e.g. a user's files there: every rank raises
+                claimed = settled(error=e)
+        if self.lifecycle.agree.any(claimed.exception() is not None):
+            future = claimed  # nobody enters mcore's collectives; finish() raises everywhere
+        else:
+            state = state_dict(iteration, model, optimizer, opt_param_scheduler)
+            try:
+                request = dist_checkpointing.save(state, step_dir, sharded_strategy=self.strategy,
+                                                  async_sharded_save=self.async_save)
+                future = self.strategy.in_flight if request is not None else settled()
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - raised everywhere
+                future = settled(error=e)
+        self.lifecycle.track(
+            self.save_dir, step, future,
+            finalize=(lambda: [fn() for fn in request.finalize_fns]) if request else None,
+            on_commit=lambda: self._committed(iteration),
+            on_failure=lambda: self._discard(step))
         logger.info("easyckpt: saving iteration %d to %s%s", iteration, step_dir,
-                    " (in the background)" if self.async_save else "")
-        self._pending = (iteration, request)
-        if not self.async_save:
-            self._finish()
+                    " (in the background)" if request else "")
+        if request is None:
+            self.lifecycle.finish()
+
+    def _committed(self, iteration: int) -> None:
+        replace_file(os.path.join(self.save_dir, TRACKER), str(iteration).encode())
+        logger.info("easyckpt: iteration %d committed in %s; %s now names it", iteration,
+                    self.save_dir, TRACKER)
+
+    def _discard(self, step: str) -> None:
+        """After a failed save: the directory made for mcore's common.pt goes."""
+        tier = self.lifecycle.writers.get(self.save_dir).local_tier
+        if self.rank == 0 and not tier.has_step(step):
+            remove_sidecars(self.save_dir, step)
 
     def save_memory(self, iteration: int, model: Any, optimizer: Any,
                     opt_param_scheduler: Any) -> None:
+        """Each rank's own snapshot; a failure on any rank raises SaveFailedError on every
+        rank (the previous snapshot is intact, and the next save works)."""
         assert self.memory is not None
         sharded, common = save_preprocess(
             state_dict(iteration, model, optimizer, opt_param_scheduler),
             validate_access_integrity=False)
         tensors, objects = _local_parts(sharded)
-        try:  # this rank's own snapshot: a failure here must not stop training or the others
-            self.memory.save(iteration_dir(iteration),
-                             {"tensors": tensors, "objects": objects, "common": common}).result()
-        except (DcpTieredError, OSError) as e:
-            logger.warning("easyckpt: iteration %d was not saved to memory (%s): %s; the "
-                           "previous snapshot is intact", iteration, self.memory.root, e)
-            return
+        _, problem = attempt(lambda: self.memory.save(  # type: ignore[union-attr]
+            iteration_dir(iteration), {"tensors": tensors, "objects": objects,
+                                       "common": common}).result())
+        if self.lifecycle.agree.any(problem is not None):
+            raise_failures(self.lifecycle.agree,
+                           [failure(self.rank, iteration_dir(iteration), "memory",
+                                    self.memory.root, problem)] if problem else [],
+                           f"iteration {iteration} was not saved to memory",
+                           "the previous snapshot is intact; fix the cause (room in "
+                           f"{self.memory.root}?) and training can go on")
         logger.info("easyckpt: saved iteration %d to memory (%s)", iteration, self.memory.root)
 
     def poll(self) -> None:
         """Finishes the storage save in flight if every rank's write is done (collective)."""
-        if self._pending is None:
-            return
-        future = self.strategy.in_flight
-        if self._agree.all(future is None or future.done()):
-            self._finish()
+        if self.lifecycle.in_flight is not None and self.lifecycle.written():
+            self.lifecycle.finish()
 
     def wait(self) -> None:
         """Finishes the storage save in flight (collective): call on every rank at the end."""
-        if self._pending is not None:
-            self._finish()
-
-    def _finish(self) -> None:
-        assert self._pending is not None
-        (iteration, request), self._pending = self._pending, None
-        if request is not None:  # async: the strategy's publish, then mcore's metadata.json
-            _, problem = _attempt(lambda: [fn() for fn in request.finalize_fns])
-            self._check_saved(iteration, problem)
-        if self.rank == 0:
-            replace_file(os.path.join(self.save_dir, TRACKER), str(iteration).encode())
-            logger.info("easyckpt: iteration %d committed in %s; %s now names it", iteration,
-                        self.save_dir, TRACKER)
-        if int(os.environ.get("LOCAL_RANK", self.rank)) == 0:  # every node prunes its own root
-            self._prune()
-
-    def _check_saved(self, iteration: int, problem: str | None) -> None:
-        """Raises SaveFailedError for a failed storage save (DCP fails every rank alike)."""
-        if problem is not None:
-            step = iteration_dir(iteration)
-            if self.rank == 0 and not self.strategy.writer(self.save_dir).local_tier.has_step(step):
-                remove_sidecars(self.save_dir, step)  # the directory made for mcore's common.pt
-            raise SaveFailedError(
-                f"iteration {iteration} was not saved to {self.save_dir}: {problem.rstrip('.')}. "
-                f"{TRACKER} still names the previous checkpoint, which is intact.",
-                [{"rank": self.rank, "step": step, "tier": "local",
-                  "where": self.save_dir, "error": problem}])
-
-    def _prune(self) -> None:
-        writer = self.strategy.writer(self.save_dir)
-        remote = writer.remote_backend
-        try:
-            prune_local(writer.local_tier, self.retention, remote, label="storage")
-            if remote is not None and self.remote_retention is not None and self.rank == 0:
-                prune_remote(remote, self.remote_retention)
-        except (DcpTieredError, OSError) as e:
-            logger.warning("easyckpt: retention pass failed (retried after the next save): %s", e)
+        self.lifecycle.finish()
 
     # ------------------------------------------------------------ loading
 
@@ -248,56 +239,42 @@ class EasyCkpt:
         root = {"load": self.load_dir, "save": self.save_dir}.get(load_arg)
         if root is None:
             raise ConfigError(f"load_arg must be 'load' or 'save', got {load_arg!r}")
-        if on_unreadable_tier not in ("raise", "skip"):
-            raise ConfigError(f"on_unreadable_tier must be 'raise' or 'skip', "
-                              f"not {on_unreadable_tier!r}")
-        reasons = []
-        for iteration, tier in self._agree.from_rank0(
-                lambda: self._candidates(root, skip_unreadable=on_unreadable_tier == "skip")):
-            if tier == "memory":
-                loaded, problem = _attempt(self._load_memory, iteration, model, optimizer,
-                                           opt_param_scheduler)
-                if not self._agree.all(problem is None):  # each rank has its own snapshot
-                    problem = problem or "failed on another rank"
-            else:
-                loaded, problem = self._load_storage(root, iteration, model, optimizer,
-                                                     opt_param_scheduler)
-            if problem is not None:
-                reasons.append(f"{iteration_dir(iteration)} ({tier}): {problem}")
-                logger.warning("easyckpt: cannot restore %s from %s, trying an older one: %s",
-                               iteration_dir(iteration), tier, problem)
-                continue
-            apply_state(loaded, model, optimizer, opt_param_scheduler, strict=strict)
-            logger.info("easyckpt: restored iteration %d from %s", iteration, tier)
-            if tier == "memory" and self.storage_every:
-                self.save_storage(iteration, model, optimizer, opt_param_scheduler)
-            return iteration
-        if reasons:
-            raise CheckpointNotFoundError(
-                "no iteration could be restored; every candidate failed:\n  "
-                + "\n  ".join(reasons))
-        logger.info("easyckpt: nothing to restore in %s", root)
-        return 0
+        loaded: dict[tuple[int, str], Any] = {}
 
-    def _candidates(self, root: str, *, skip_unreadable: bool) -> list[tuple[int, str]]:
+        def load(candidate: tuple[int, str]) -> str | None:
+            iteration, tier = candidate
+            if tier == "memory":
+                state, problem = attempt(self._load_memory, iteration, model, optimizer,
+                                         opt_param_scheduler)
+            else:
+                state, problem = self._load_storage(root, iteration, model, optimizer,
+                                                    opt_param_scheduler)
+            loaded[candidate] = state
+            return problem
+
+        chosen = self.lifecycle.restore(
+            lambda with_remote: self._candidates(root, with_remote), load,
+            on_unreadable_tier=on_unreadable_tier, retry="load_checkpoint",
+            name=lambda c: f"{iteration_dir(c[0])} from {c[1]}")
+        if chosen is None:
+            logger.info("easyckpt: nothing to restore in %s", root)
+            return 0
+        iteration, tier = chosen
+        apply_state(loaded[chosen], model, optimizer, opt_param_scheduler, strict=strict)
+        logger.info("easyckpt: restored iteration %d from %s", iteration, tier)
+        if tier == "memory" and self.storage_every:
+            self.save_storage(iteration, model, optimizer, opt_param_scheduler)
+        return iteration
+
+    def _candidates(self, root: str, with_remote: bool) -> list[tuple[int, str]]:
         """(iteration, tier): newest first, memory before storage for the same iteration."""
         found = set()
         if self.memory is not None:
             found |= {(n, "memory") for n in map(layout.step_number, self.memory.steps())
                       if n is not None}
         # Listing only: a writer on the load directory would sweep it and resume its uploads.
-        tier, remote = LocalTier(LocalBackend(root)), remote_backend(self.remote,
-                                                                     self.storage_options)
-        try:
-            steps = list_steps(tier, remote, strict=True)
-        except TierUnavailableError as e:
-            if not skip_unreadable:
-                raise TierUnavailableError(
-                    f"{e}. To restore from the other tiers instead, call "
-                    "load_checkpoint(..., on_unreadable_tier='skip').") from e
-            logger.error("easyckpt: %s; restoring from the other tiers", e)
-            steps = list_steps(tier, None)
-        for s in steps:
+        remote = remote_backend(self.remote, self.storage_options) if with_remote else None
+        for s in list_steps(LocalTier(LocalBackend(root)), remote, strict=True):
             if s.name.startswith("iter_") and (n := layout.step_number(s.name)) is not None:
                 found.add((n, "storage"))
         return sorted(found, key=lambda c: (-c[0], c[1] != "memory"))
@@ -330,49 +307,41 @@ class EasyCkpt:
         """Collective. mcore's loader reads ``metadata.json`` and ``common.pt`` from the
         directory: they are written from the step's verified data first, one writer a node."""
         step = iteration_dir(iteration)
-        leader = int(os.environ.get("LOCAL_RANK", self.rank)) == 0
-        _, problem = (_attempt(write_sidecars, root, step, remote=self.remote,
-                               storage_options=self.storage_options)
+        agree = self.lifecycle.agree
+        leader = is_node_leader()
+        _, problem = (attempt(write_sidecars, root, step, remote=self.remote,
+                              storage_options=self.storage_options)
                       if leader else (None, None))
-        if not self._agree.all(problem is None):
+        if not agree.all(problem is None):
             return None, problem or "failed on another rank"
         strategy = TieredLoadShardedStrategy(remote=self.remote,
                                              storage_options=self.storage_options)
-        loaded, problem = _attempt(
+        loaded, problem = attempt(
             dist_checkpointing.load,
             state_dict(iteration, model, optimizer, scheduler, is_loading=True),
             os.path.join(root, step), sharded_strategy=strategy)
-        self._agree.barrier()
+        agree.barrier()
         if leader and not LocalTier(LocalBackend(root)).has_step(step):
             remove_sidecars(root, step)
-        if not self._agree.all(problem is None):
-            return None, problem or "failed on another rank"
-        return loaded, None
+        return loaded, problem
 
     def wait_durable(self, timeout_secs: float | None = None) -> None:
         """Finishes the storage save in flight, then blocks until the newest storage
-        checkpoint is on the remote tier; raises UploadFailedError if it cannot get there."""
-        self.wait()
-        self.strategy.writer(self.save_dir).wait_durable(timeout_secs=timeout_secs)
+        checkpoint is on the remote tier; raises on every rank if it cannot get there."""
+        self.lifecycle.wait_durable(timeout_secs)
 
-    def close(self) -> None:
+    def close(self, timeout_secs: float | None = None) -> None:
         """Call on every rank at the end: finishes the last storage save and, with a remote
-        tier, waits until it is durable there (uploads run in this process's threads)."""
+        tier, waits until every checkpoint is durable there (uploads run in this process's
+        threads); raises on every rank if one is not."""
         try:
-            if self.remote is not None and self.strategy.writer(self.save_dir).local_tier.steps():
-                self.wait_durable()
-            else:
-                self.wait()
+            self.lifecycle.close(timeout_secs)
         finally:
-            self._release()
-
-    def _release(self) -> None:
-        self.strategy.close()
-        if self.memory is not None:
-            self.memory.close()
-        if self.log_handler is not None:
-            logging.getLogger("dcp_tiered").removeHandler(self.log_handler)
-            self.log_handler.close()
+            if self.memory is not None:
+                self.memory.close()
+            if self.log_handler is not None:
+                logging.getLogger("dcp_tiered").removeHandler(self.log_handler)
+                self.log_handler.close()
 
 
 # ------------------------------------------------------------------ the state Megatron-LM saves
@@ -424,19 +393,6 @@ def _local_parts(sharded: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]
 
 
 # ------------------------------------------------------------------ helpers
-
-
-def _attempt(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, str | None]:
-    """``(fn(...), None)``, or ``(None, why)`` if it raised: ranks then agree on moving on."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    try:
-        return fn(*args, **kwargs), None
-    # Reported, then every rank tries an older step. DCP's exception is a BaseException.
-    except (Exception, CheckpointException) as e:  # noqa: BLE001
-        return None, describe(e) if isinstance(e, CheckpointException) else \
-            f"rank {rank}: {describe(e)}"
-
-
 
 
 def _default_memory_root(save_dir: str) -> str:
@@ -500,11 +456,11 @@ def wait_durable(timeout_secs: float | None = None) -> None:
     _instance().wait_durable(timeout_secs)
 
 
-def close() -> None:
+def close(timeout_secs: float | None = None) -> None:
     global _current
     if _current is not None:
         current, _current = _current, None
-        current.close()
+        current.close(timeout_secs)
 
 
 def _instance() -> EasyCkpt:

@@ -37,7 +37,8 @@ import torch.distributed.checkpoint as dcp
 
 from ..backends.local import LocalBackend
 from ..distributed import checkpoint_process_group
-from ..errors import CheckpointExistsError
+from ..errors import ForeignPathError
+from ..lifecycle import Writers
 from ..local_tier import LocalTier
 from ..reader import TieredStorageReader
 from ..writer import TieredStorageWriter
@@ -105,22 +106,18 @@ class TieredSaveShardedStrategy(TorchDistSaveShardedStrategy):
 
     def __init__(self, backend: str = "torch_dist", version: int = 1, *,
                  remote: Any = None, storage_options: dict[str, Any] | None = None,
-                 keep_only_main_replica: bool = True, **writer_options: Any) -> None:
+                 keep_only_main_replica: bool = True, writers: Writers | None = None,
+                 **writer_options: Any) -> None:
         super().__init__(backend, version, keep_only_main_replica=keep_only_main_replica)
         self.remote, self.storage_options = remote, storage_options
-        self.writer_options = writer_options
+        # One writer per root, kept (shared with the facade's lifecycle when it made us).
+        self.writers = writers or Writers(remote, storage_options,
+                                          **{"overwrite": True, **writer_options})
         self._group = checkpoint_process_group()
-        self._writers: dict[str, TieredStorageWriter] = {}
         self.in_flight: Future[Any] | None = None  # the newest async save's write
 
     def writer(self, root: str) -> TieredStorageWriter:
-        # One writer per root, kept: its staging buffers are reused save after save.
-        if root not in self._writers:
-            options = {"overwrite": True, **self.writer_options}
-            self._writers[root] = TieredStorageWriter(root, remote=self.remote,
-                                                      storage_options=self.storage_options,
-                                                      **options)
-        return self._writers[root]
+        return self.writers.get(root)
 
     def save(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> None:
         root, step = split_dir(checkpoint_dir)
@@ -158,8 +155,7 @@ class TieredSaveShardedStrategy(TorchDistSaveShardedStrategy):
         return AsyncRequest(None, (), [finalize])
 
     def close(self) -> None:
-        for writer in self._writers.values():
-            writer.close()
+        self.writers.close()
 
     def _planner(self) -> MCoreSavePlanner:
         return MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica,
@@ -189,6 +185,7 @@ class TieredLoadShardedStrategy(TorchDistLoadShardedStrategy):
                  storage_options: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.remote, self.storage_options = remote, storage_options
+        self._group = checkpoint_process_group()  # DCP's collectives: never the training group
 
     def load(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> Any:
         root, step = split_dir(checkpoint_dir)
@@ -201,6 +198,7 @@ class TieredLoadShardedStrategy(TorchDistLoadShardedStrategy):
             sharded_state_dict)
         pyt = mcore_to_pyt_state_dict(flat, True)
         dcp.load(pyt, checkpoint_id=step, storage_reader=self._reader(root),
+                 process_group=self._group,
                  planner=MCoreLoadPlanner(shapes_validation_sharded_tensors=strict_shape,
                                           allow_shape_mismatch_sharded_tensors=loose_shape))
         loaded = {k: _unwrap_pyt_sharded_tensor(v) for k, v in pyt.items()}
@@ -254,7 +252,7 @@ def claim_step_dir(root: str, step: str) -> None:
     removes after a crash. Refuses a directory holding anything but mcore's own files."""
     tier = LocalTier(LocalBackend(root))
     if not tier.has_step(step) and not tier.claim_pending(step, [COMMON_NAME, CONFIG_NAME]):
-        raise CheckpointExistsError(
+        raise ForeignPathError(
             f"{os.path.join(root, step)} holds files that are not a checkpoint of dcp_tiered "
             f"nor mcore's {COMMON_NAME}/{CONFIG_NAME}; it was left untouched. Move it away "
             "or save under another directory.")

@@ -1,10 +1,11 @@
 """HF Trainer through dcp_tiered.shims.hf: a tiny GPT-2 (dropout 0.1, so RNG state matters).
 
-    [torchrun --nproc_per_node=2] tests/workers/hf_resume.py --out DIR --phase full|stop|resume
+    [torchrun --nproc_per_node=2] tests/workers/hf_resume.py --out DIR --phase full|stop|resume|foreign
         [--mode async|sync] [--remote URL --storage-options JSON]
 
 full: 8 steps, saving every 2 (save_total_limit 2); stop: the same, stopped after the save at
-step 4; resume: a fresh Trainer, resume_from_checkpoint=True, to step 8. Rank 0 writes the
+step 4; resume: a fresh Trainer, resume_from_checkpoint=True, to step 8; foreign: a user's
+directory where checkpoint-4 goes fails training, then (moved away) it resumes. Rank 0 writes the
 final params to DIR/params-PHASE.pt and DIR/PHASE.json (the checkpoint dirs left).
 """
 
@@ -19,6 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
+import torch.distributed as dist
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -41,10 +43,35 @@ class StopAt(TrainerCallback):
             control.should_training_stop = True  # after this step's save
 
 
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def foreign_files_in_the_way(trainer, run: Path, out: Path, rank: int) -> None:
+    """A user's own directory sits where checkpoint-4 goes: training raises, on every rank, at
+    one step; what each rank saw goes to foreign-R.json. The directory is then moved away
+    (untouched), and the caller trains again on the same Trainer, resuming."""
+    if rank == 0:
+        (run / "checkpoint-4").mkdir(parents=True)
+        (run / "checkpoint-4" / "notes.txt").write_text("my notes")
+    barrier()
+    try:
+        trainer.train()
+        seen = {"error": None}
+    except Exception as e:  # noqa: BLE001 - recorded for the test
+        seen = {"error": f"{type(e).__name__}: {e}", "at": trainer.state.global_step}
+    (out / f"foreign-{rank}.json").write_text(json.dumps(seen))
+    barrier()
+    if rank == 0:
+        (run / "checkpoint-4").rename(out / "moved-checkpoint-4")
+    barrier()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--phase", required=True, choices=["full", "stop", "resume"])
+    p.add_argument("--phase", required=True, choices=["full", "stop", "resume", "foreign"])
     p.add_argument("--mode", default="async")
     p.add_argument("--remote", default=None)
     p.add_argument("--storage-options", default="{}", help="JSON, for an S3 remote")
@@ -77,9 +104,14 @@ def main() -> None:
                            callbacks=[StopAt(4)] if a.phase == "stop" else []),
                    mode=a.mode, remote=a.remote,
                    storage_options=json.loads(a.storage_options))
-    trainer.train(resume_from_checkpoint=True if a.phase == "resume" else None)
-    if a.remote and a.phase == "stop":
-        trainer.dcp_tiered.wait_durable(timeout_secs=120)  # before this node "dies"
+    if a.phase == "foreign":
+        foreign_files_in_the_way(trainer, run, out, args.process_index)
+    try:  # returns once the last step is durable on the remote tier, or raises
+        trainer.train(resume_from_checkpoint=True if a.phase in ("resume", "foreign") else None)
+    except Exception as e:
+        (out / f"{a.phase}-end-{args.process_index}.json").write_text(
+            json.dumps({"error": f"{type(e).__name__}: {e}"}))
+        raise
     if args.process_index == 0:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()},
                    out / f"params-{a.phase}.pt")

@@ -186,6 +186,10 @@ def phase_facade(args: argparse.Namespace, rank: int) -> None:
                     **({} if args.margin is None else {"free_space_margin_bytes": args.margin}))
     if args.kill_in_storage_save is not None and rank == 0:
         die_while_writing(f"iter_{args.kill_in_storage_save:07d}")
+    save_dir = Path(args.ckpt or os.path.join(args.out, "ckpt"))
+    if args.foreign_at is not None and rank == 0:  # a user's directory where a save goes
+        (save_dir / f"iter_{args.foreign_at:07d}").mkdir()
+        (save_dir / f"iter_{args.foreign_at:07d}" / "notes.txt").write_text("my notes")
     model = mc.tiny_gpt(seed=1 + args.attempt)  # a restart starts from other weights
     opt = mc.TorchAdam(model)
     start = ckpt.load_checkpoint(model, opt, None)
@@ -194,10 +198,26 @@ def phase_facade(args: argparse.Namespace, rank: int) -> None:
         for it in range(start, args.iters):
             loss = mc.train_step(model, opt, it, rank)
             print(json.dumps({"iteration": it + 1, "loss": loss}), file=f, flush=True)
-            ckpt.save_checkpoint_if_needed(it + 1, model, opt, None)
+            try:
+                ckpt.save_checkpoint_if_needed(it + 1, model, opt, None)
+            except Exception as e:
+                if args.foreign_at is None:
+                    raise
+                # Recorded, the user's directory moved away (untouched), and training goes on.
+                write_json(Path(args.out) / f"failed-{rank}.json",
+                           {"iteration": it + 1, "error": f"{type(e).__name__}: {e}"})
+                dist.barrier()
+                if rank == 0:
+                    (save_dir / f"iter_{args.foreign_at:07d}").rename(
+                        Path(args.out) / "moved")
+                dist.barrier()
             if args.kill_at == it + 1 and rank == 0:
                 os.kill(os.getpid(), signal.SIGKILL)
-    ckpt.close()  # with a remote tier: returns once the last checkpoint is durable there
+    try:
+        ckpt.close()  # with a remote tier: returns once the last checkpoint is durable there
+    except Exception as e:  # noqa: BLE001 - recorded for the test, then the exit says it too
+        write_json(Path(args.out) / f"end-{rank}.json", {"error": f"{type(e).__name__}: {e}"})
+        raise
 
 
 def main() -> None:
@@ -218,6 +238,9 @@ def main() -> None:
     parser.add_argument("--sync", action="store_true")
     parser.add_argument("--ckpt", help="the facade's save directory (default OUT/ckpt)")
     parser.add_argument("--margin", type=int, help="the writer's free_space_margin_bytes")
+    parser.add_argument("--foreign-at", type=int, help="a user's directory sits where this "
+                        "iteration's storage save goes; the failure is recorded, the "
+                        "directory moved away, and training goes on")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     dist.init_process_group("gloo")
