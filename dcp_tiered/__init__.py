@@ -1,8 +1,6 @@
 """dcp_tiered: fast, atomic, verifiable torch.distributed.checkpoint storage."""
 
 from ._version import __version__
-from .admission import Admission
-from .cadence import Every, SavePolicy
 from .config import RemoteConfig, RetryConfig
 from .distributed import checkpoint_process_group
 from .errors import (
@@ -25,10 +23,35 @@ from .errors import (
     UploadFailedError,
 )
 from .manager import CheckpointManager
+from .policy.admission import Admission
+from .policy.cadence import Every, SavePolicy
+from .policy.retention import Retention, RetentionPolicy
 from .rank_state import RankState
 from .reader import TieredStorageReader
-from .retention import Retention, RetentionPolicy
+from .tiers.remote import Durability
 from .writer import TieredStorageWriter
+
+
+def _keep_old_module_paths() -> None:
+    """``dcp_tiered.layout``, ``dcp_tiered.tiering``... (the modules before they moved into
+    ``policy/`` and ``tiers/``) still import, as the same module objects."""
+    import importlib
+    import sys
+
+    moved = {"layout": "policy.layout", "manifest": "policy.manifest",
+             "integrity": "policy.integrity", "retention": "policy.retention",
+             "cadence": "policy.cadence", "admission": "policy.admission",
+             "memory_format": "policy.memory_format", "local_tier": "tiers.local",
+             "memory_tier": "tiers.memory", "tiering": "tiers.remote", "commit": "tiers.commit",
+             "catalog": "tiers.catalog", "housekeeping": "tiers.housekeeping",
+             "uploads": "tiers.uploads"}
+    for old, new in moved.items():
+        module = importlib.import_module(f"{__name__}.{new}")
+        sys.modules[f"{__name__}.{old}"] = module
+        globals()[old] = module
+
+
+_keep_old_module_paths()
 
 __all__ = [
     "Admission",
@@ -38,6 +61,7 @@ __all__ = [
     "CommitError",
     "ConfigError",
     "DcpTieredError",
+    "Durability",
     "Every",
     "ForeignPathError",
     "InsufficientSpaceError",

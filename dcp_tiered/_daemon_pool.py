@@ -3,7 +3,7 @@
 ``concurrent.futures`` joins its worker threads at exit, so an upload stuck on a silent
 endpoint would keep a finished job alive for as long as its socket waits. Uploads are
 resumable (the next writer on the root re-enqueues every step that is not durable), so at exit
-they are abandoned instead: these threads are daemons, and ``tiering`` stops their retries.
+they are abandoned instead: these threads are daemons, and the upload queue stops their retries.
 """
 
 from __future__ import annotations

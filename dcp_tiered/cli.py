@@ -6,16 +6,20 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import sys
 from collections.abc import Sequence
 
 from tqdm import tqdm
 
-from . import catalog, integrity, layout, memory_tier
 from .backends.local import LocalBackend
 from .backends.remote import remote_backend
-from .errors import DcpTieredError, ManifestError
-from .local_tier import LocalTier
+from .config import RemoteConfig, RetryConfig
+from .errors import DcpTieredError, ManifestError, TierUnavailableError
+from .policy import integrity, layout
+from .tiers import catalog
+from .tiers import memory as memory_tier
+from .tiers.local import LocalTier
 
 
 def _human(n: float) -> str:
@@ -91,22 +95,36 @@ def _in_progress(tier: LocalTier) -> set[str]:
             if (p := layout.parse_hidden_dir(n)) and p[2] == layout.TMP_SUFFIX}
 
 
+UNREADABLE = 3  # exit status of `status` when a tier could not be read
+
+
 def cmd_status(tier: LocalTier, memory: str | None, remote_url: str | None, as_json: bool) -> int:
-    """Every step of every tier, and how durable it is."""
+    """Every step of every tier, and how durable it is. A tier that cannot be read is named
+    (stderr, and ``unreadable`` in JSON) and the exit status is 3: its steps are unknown."""
     recorded = {}
     if tier.backend.exists(layout.TIERS_RECORD):
         recorded = json.loads(tier.backend.read_file(layout.TIERS_RECORD))
     memory = memory or recorded.get("memory")
-    remote = remote_backend(remote_url or recorded.get("remote"))
+    url = remote_url or recorded.get("remote")
+    # Two attempts, not eight: an operator wants the answer, not a minute of retries.
+    remote = remote_backend(RemoteConfig(url=url, retry=RetryConfig(max_attempts=2))
+                            if url else None)
     rows: dict[str, dict] = {}
     for name in (memory_tier.list_steps(memory) if memory else {}):
         rows.setdefault(name, {})["memory"] = True
-    for s in catalog.list_steps(tier, remote):
+    unreadable: dict[str, str] = {}
+    try:
+        listed = catalog.list_steps(tier, remote, strict=True)
+    except TierUnavailableError as e:
+        unreadable["remote"] = str(e)
+        print(f"dcp-tiered: {e}", file=sys.stderr)
+        listed = catalog.list_steps(tier, None)
+    for s in listed:
         row = rows.setdefault(s.name, {})
-        row["local"], row["remote"] = s.local, s.remote
-        if s.local and not s.remote and s.verified_format:
+        row["local"], row["remote"] = s.local, None if unreadable else s.remote
+        if s.local and not s.remote and s.verified_format and remote is not None:
             try:
-                row["promote"] = tier.read_manifest(s.name).promote and remote is not None
+                row["promote"] = tier.read_manifest(s.name).promote
             except ManifestError:
                 row["promote"] = False
     for name in _in_progress(tier):
@@ -116,25 +134,29 @@ def cmd_status(tier: LocalTier, memory: str | None, remote_url: str | None, as_j
                              "committed-local" if row.get("local") else
                              "memory" if row.get("memory") else "staged")
         if row.get("promote"):
-            row["durability"] += " (upload pending)"
+            row["durability"] += (" (remote unreadable)" if unreadable
+                                  else " (upload pending)")
     ordered = sorted(rows.items(), key=lambda kv: (layout.step_number(kv[0]) or -1, kv[0]))
+    status = UNREADABLE if unreadable else 0
     if as_json:
         print(json.dumps({"root": tier.root, "memory": memory,
                           "remote": remote.config.url if remote else None,
+                          "unreadable": unreadable,
                           "steps": [{"step": k, **v} for k, v in ordered]}, indent=1))
-        return 0
+        return status
     print(f"local:  {tier.root}\nmemory: {memory or '-'}\n"
-          f"remote: {remote.config.url if remote else '-'}")
+          f"remote: {remote.config.url if remote else '-'}"
+          + (" (CANNOT BE READ: its steps are unknown)" if unreadable else ""))
     if not ordered:
         print("no steps")
-        return 0
+        return status
     width = max(len(k) for k, _ in ordered)
     print(f"{'step':<{width}}  memory  local  remote  durability")
-    mark = {True: "yes", False: "-", None: "-"}
+    mark = {True: "yes", False: "-", None: "?" if unreadable else "-"}
     for name, row in ordered:
         print(f"{name:<{width}}  {mark[row.get('memory')]:<6}  {mark[row.get('local')]:<5}  "
               f"{mark[row.get('remote')]:<6}  {row['durability']}")
-    return 0
+    return status
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -198,6 +220,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "convert":
         return cmd_convert(args)
+    if not os.path.isdir(args.root):
+        what = "is not a directory" if os.path.exists(args.root) else "does not exist"
+        print(f"dcp-tiered: {args.root} {what}: give the local tier's directory (the root the "
+              "writer or manager saved into)", file=sys.stderr)
+        return 2
     tier = LocalTier(LocalBackend(args.root))
     try:
         if args.command == "ls":

@@ -39,7 +39,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from . import layout
 from .agreement import Agreement
 from .backends.local import LocalBackend
 from .distributed import checkpoint_process_group
@@ -55,8 +54,9 @@ from .errors import (
     causes,
     describe,
 )
-from .housekeeping import prune_local, prune_remote
-from .retention import RetentionPolicy
+from .policy import layout
+from .policy.retention import RetentionPolicy
+from .tiers.housekeeping import prune_local, prune_remote
 from .writer import TieredStorageWriter
 
 logger = logging.getLogger(__name__)

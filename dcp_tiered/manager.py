@@ -28,31 +28,35 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
-from . import cadence, housekeeping, layout, uploads
-from .admission import Admission, Headroom, shortfall
 from .backends.local import available_memory_bytes
 from .backends.remote import RemoteBackend
-from .cadence import Decision, SavePolicy
-from .catalog import list_steps
 from .errors import (
     CheckpointNotFoundError,
     ConfigError,
     DcpTieredError,
     InsufficientSpaceError,
+    causes,
     describe,
 )
 from .events import EventLog
 from .lifecycle import Conventions, Lifecycle, failure, raise_failures
-from .memory_tier import MemoryTier
+from .policy import cadence, layout
+from .policy.admission import Admission, Headroom, shortfall
+from .policy.cadence import Decision, SavePolicy
+from .policy.memory_format import refused_by_weights_only
+from .policy.retention import Retention
 from .rank_state import RankState
 from .reader import TieredStorageReader
-from .retention import Retention
 from .staging import state_bytes
+from .tiers import housekeeping, uploads
+from .tiers.catalog import list_steps
+from .tiers.memory import MemoryTier
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +106,10 @@ class CheckpointManager:
             collectives before raising instead of hanging.
         writer_options: more TieredStorageWriter arguments for the local tier
             (``sync_files``, ``thread_count``, ``commit_timeout_secs`` ...).
+        allow_pickle: restore non-tensor values with full pickle. Only for checkpoints you
+            trust: a pickle can run arbitrary code. Without it, a state holding a value that
+            ``weights_only`` loading refuses (an ``io.BytesIO``, a custom class) is refused at
+            its first save, on every rank, instead of saving what could never be restored.
     """
 
     def __init__(
@@ -117,6 +125,7 @@ class CheckpointManager:
         events: str | os.PathLike[str] | None = "default",
         collective_timeout_secs: float = 600.0,
         writer_options: Mapping[str, Any] | None = None,
+        allow_pickle: bool = False,
     ) -> None:
         self.policy = policy or SavePolicy()
         self.retention = retention or Retention()
@@ -137,7 +146,9 @@ class CheckpointManager:
         self._local = self._lifecycle.writers.get(local)  # recovered: crashes swept, uploads on
         if memory is not None and os.path.realpath(memory) == os.path.realpath(local):
             raise ConfigError("memory and local must be different directories")
-        self._memory = MemoryTier(memory, self.rank) if memory is not None else None
+        self.allow_pickle = allow_pickle
+        self._memory = (MemoryTier(memory, self.rank, allow_pickle=allow_pickle)
+                        if memory is not None else None)
         self._remote = self._local.remote_backend
         # One process per directory applies retention: whoever holds its lock (the kernel
         # drops it with the process), whatever the node layout.
@@ -159,6 +170,7 @@ class CheckpointManager:
         self._time_based = any(e is not None and e.secs is not None
                                for e in (self.policy.memory, self.policy.local, self.policy.remote))
         self._closed = False
+        self._restorable = allow_pickle  # checked at the first save otherwise
         if self.rank == 0:
             self._record_tiers(memory)
 
@@ -195,10 +207,19 @@ class CheckpointManager:
         check = wanted.any or self._time_based
         short = {tier: self._shortfall(app_state, tier) if check and self._has(tier) else None
                  for tier in ("memory", "local")}
+        refused = None if self._restorable else _refused_value(app_state)
         flags = self._agree.vote(cadence.encode(wanted) + [
             int(bool(self._failures)), int(busy),
             int(short["memory"] is not None), int(short["local"] is not None),
+            int(refused is not None),
         ])
+        if flags[7]:
+            why = next(w for w in self._agree.gather(refused) if w)
+            raise ConfigError(
+                f"step {step} was not saved: {why}, so it could never be restored. Keep "
+                "tensors, numbers, strings, lists and dicts in the state or, for checkpoints "
+                "you trust, construct CheckpointManager(..., allow_pickle=True).")
+        self._restorable = True
         if flags[3]:
             self._raise_failures()
         decision = cadence.agree(flags[:3])
@@ -323,6 +344,9 @@ class CheckpointManager:
             self._in_flight.remove(rec)
             finished = True
             error = rec.future.exception()
+            if error is not None and self._did_not_fit(error):
+                self._skip_unfit(rec, error)
+                continue
             if error is not None:
                 self._fail(rec, rec.tier, error)
                 continue
@@ -350,6 +374,20 @@ class CheckpointManager:
                 self._emit(rec)
         if finished:
             self._prune_in_background()
+
+    def _did_not_fit(self, error: BaseException) -> bool:
+        """A save the tier had no room for after all (the state grew past the estimate, or
+        something else filled the disk): under ``when_full='skip'`` it is skipped, not failed."""
+        return self.admission.when_full == "skip" and any(
+            isinstance(c, InsufficientSpaceError) for c in causes(error))
+
+    def _skip_unfit(self, rec: _InFlight, error: BaseException) -> None:
+        self.skipped_saves += 1
+        logger.warning("step %d was not saved to the %s tier, which had no room for it after "
+                       "all (Admission.when_full='skip'; nothing of it was kept, earlier steps "
+                       "are intact): %s", rec.step, rec.tier, describe(error))
+        self._events.emit("skipped", step=rec.step, tier=rec.tier, rank=self.rank,
+                          reason=describe(error))
 
     def _upload_future(self, rec: _InFlight) -> Future[None] | None:
         """This rank's promotion of the step, if this rank's node leader is this process."""
@@ -449,7 +487,8 @@ class CheckpointManager:
 
     def _load_dcp(self, name: str, app_state: dict[str, Any]) -> str | None:
         reader = TieredStorageReader(self._local.root, remote=self._remote.config
-                                     if self._remote is not None else None)
+                                     if self._remote is not None else None,
+                                     allow_pickle=self.allow_pickle)
         try:
             dcp.load(self._loadable(app_state, reader, name), checkpoint_id=name,
                      storage_reader=reader, process_group=self._save_pg)
@@ -553,6 +592,23 @@ class CheckpointManager:
 def _resolve(app_state: dict[str, Any]) -> dict[str, Any]:
     """``app_state`` with Stateful objects replaced by their state dicts (as DCP does)."""
     return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in app_state.items()}
+
+
+def _refused_value(app_state: dict[str, Any]) -> str | None:
+    """Why a value of ``app_state`` would not load back with ``weights_only`` (None: none)."""
+    pending: list[tuple[str, Any]] = list(_resolve(app_state).items())
+    while pending:
+        path, value = pending.pop()
+        if isinstance(value, dict):
+            pending += [(f"{path}.{k}", v) for k, v in value.items()]
+        elif isinstance(value, (list, tuple)):
+            pending += [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+        elif not isinstance(value, (torch.Tensor, int, float, str, bool, type(None))):
+            why = refused_by_weights_only(value)
+            if why is not None:
+                return f"the value at {path!r} ({type(value).__name__}) would not load back " \
+                       f"with weights_only ({why})"
+    return None
 
 
 def _state_bytes(app_state: dict[str, Any]) -> int:

@@ -26,7 +26,6 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from . import catalog, integrity, layout, manifest
 from .backends.local import LocalBackend
 from .backends.remote import remote_backend
 from .config import RemoteConfig
@@ -37,9 +36,11 @@ from .errors import (
     ManifestError,
     MissingShardError,
 )
-from .local_tier import LocalTier
-from .manifest import ItemLocation
+from .policy import integrity, layout, manifest
+from .policy.manifest import ItemLocation
 from .safe_unpickle import load_dcp_metadata
+from .tiers import catalog
+from .tiers.local import LocalTier
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +127,10 @@ class TieredStorageReader(StorageReader):
             name = os.path.basename(self.root)
             self._step, self._dir = catalog.StepLocation(name, 0, True, False, False), ()
             return self._read_vanilla_metadata()
+        try:
+            self._tier.undo_interrupted_overwrites()
+        except OSError as e:  # a read-only root: what is committed under its name still loads
+            logger.warning("cannot restore interrupted overwrites in %s: %s", self.root, e)
         self._step = catalog.resolve(self._tier, self._remote, self._requested)
         self._dir = (self._step.name,)
         if not self._step.verified_format:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import json
 import logging
 import math
 import os
@@ -29,16 +30,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 from typing_extensions import Self  # a dependency of torch itself
 
-from . import (
-    _torch_compat,
-    catalog,
-    commit,
-    integrity,
-    layout,
-    manifest,
-    tiering,
-    uploads,
-)
+from . import _torch_compat
 from ._priority import lower_this_thread
 from ._version import __version__
 from .backends.local import LocalBackend
@@ -51,8 +43,11 @@ from .errors import (
     InsufficientSpaceError,
     UploadFailedError,
 )
-from .local_tier import LocalTier
+from .policy import integrity, layout, manifest
 from .staging import DoubleBufferStager
+from .tiers import catalog, commit, uploads
+from .tiers import remote as remote_tier
+from .tiers.local import LocalTier
 
 logger = logging.getLogger(__name__)
 
@@ -183,14 +178,29 @@ class TieredStorageWriter(StorageWriter):
 
     def _hold_uploads(self) -> None:
         if self._remote is not None and self._uploader is None:
+            self._remember_remote(self._remote.config.url)
             self._uploader = uploads.acquire_uploader(self._tier, self._remote)
             self._uploader.resume()
 
+    def _remember_remote(self, url: str) -> None:
+        """The root records its remote's URL (never its credentials), so that ``dcp-tiered
+        status ROOT`` finds the remote without being told."""
+        backend = self._tier.backend
+        try:
+            record = json.loads(backend.read_file(layout.TIERS_RECORD))
+        except (OSError, ValueError):
+            record = {}
+        if not isinstance(record, dict):
+            record = {}
+        if record.get("remote") != url:
+            backend.replace_root_file(layout.TIERS_RECORD,
+                                      json.dumps({**record, "remote": url}).encode())
+
     # ------------------------------------------------------------ durability
 
-    def durability(self, step: str) -> tiering.Durability:
+    def durability(self, step: str) -> remote_tier.Durability:
         """Where ``step`` stands: staged, committed-local or durable-remote."""
-        return tiering.durability(self._tier, self._remote, layout.validate_step_name(step))
+        return remote_tier.durability(self._tier, self._remote, layout.validate_step_name(step))
 
     def wait_durable(self, step: str | None = None, timeout_secs: float | None = None) -> None:
         """Block until ``step`` (default: every step enqueued by this process, else the newest

@@ -61,6 +61,9 @@ def main() -> None:
     if rank == 0:
         latest = Path(a.save_dir, "latest").read_text()
         print(f"done at step {a.steps}; latest = {latest}", flush=True)
+    # Before the interpreter exits: a gloo group left to the C++ teardown can abort a finished
+    # job ("terminate called without an active exception").
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

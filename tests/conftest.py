@@ -174,3 +174,13 @@ class NcclLikeDefaultGroup:
 @pytest.fixture
 def nccl_like(tmp_path) -> NcclLikeDefaultGroup:
     return NcclLikeDefaultGroup(tmp_path / "refused")
+
+
+@pytest.fixture
+def shm():
+    """A memory-tier directory in /dev/shm, removed afterwards."""
+    import shutil
+
+    path = Path("/dev/shm") / f"dcp-tiered-test-{uuid.uuid4().hex[:8]}"
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

@@ -59,6 +59,7 @@ def _crash_and_check(tmp_path, point: str, victim: str, seed: int = 0) -> str:
     model = build(seed=1)
     app = AppState(model, make_opt(model))
     writer = TieredStorageWriter(root)
+    writer.recover()  # the explicit recovery step (the first save runs it too)
     assert [n for n in os.listdir(root) if n.startswith(".")] == []
     dcp.save({"app": app}, checkpoint_id="step-3", storage_writer=writer, no_dist=True)
     assert TieredStorageReader(root) and "step-3" in os.listdir(root)

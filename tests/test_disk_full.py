@@ -57,6 +57,7 @@ def test_disk_filling_up_mid_write_loses_nothing(tiny_disk, monkeypatch):
         dcp.save(_state(30, 2.0), checkpoint_id="step-2", storage_writer=writer, no_dist=True)
     assert isinstance(_error(e.value), InsufficientSpaceError)
     monkeypatch.undo()
-    writer = TieredStorageWriter(root, free_space_margin_bytes=0)  # a restart sweeps leftovers
+    writer = TieredStorageWriter(root, free_space_margin_bytes=0)
+    writer.recover()  # a restart sweeps the leftovers
     _only_step_1_left(root)
     dcp.save(_state(4, 3.0), checkpoint_id="step-3", storage_writer=writer, no_dist=True)

@@ -64,7 +64,8 @@ def test_under_deepspeed_a_fresh_node_resumes_from_s3_alone(tmp_path, s3):
     """HF + DeepSpeed: Trainer's own layout, the DeepSpeed step committed by dcp_tiered inside
     it, Trainer's files (trainer_state.json, each rank's RNG state) carried inside the step.
     train() returns once the steps are durable on S3; with the output directory gone (a fresh
-    node), resume_from_checkpoint=True rebuilds checkpoint-4 from S3 and resumes bit-exact."""
+    node), resume_from_checkpoint=True rebuilds checkpoint-4 from S3 and resumes bit-exact,
+    passing over a directory a crashed save left."""
     pytest.importorskip("deepspeed")
     remote = ["--remote", s3.url(), "--storage-options", json.dumps(s3.options())]
     full = run(tmp_path, 2, "full", "--zero", "2")
@@ -77,6 +78,10 @@ def test_under_deepspeed_a_fresh_node_resumes_from_s3_alone(tmp_path, s3):
     import shutil
 
     shutil.rmtree(tmp_path / "run")  # the node is gone; only S3 holds the run
+    # ...and the new node crashed once mid-save: Trainer's files of checkpoint-6 are there, its
+    # step is not. Trainer's own pick would be checkpoint-6; the newest committed step is 4.
+    (tmp_path / "run" / "checkpoint-6").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoint-6" / "trainer_state.json").write_text('{"global_step": 6}')
     resumed = run(tmp_path, 2, "resume", "--zero", "2", *remote)
     assert resumed["step"] == 8
     assert same_params(tmp_path, "full", "resume") == []

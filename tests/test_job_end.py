@@ -6,7 +6,9 @@ that accepts connections and never answers.
 
 from __future__ import annotations
 
+import gc
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -17,8 +19,14 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dcp_tiered import TieredStorageWriter
-from dcp_tiered.tiering import Durability
+from dcp_tiered import (
+    CheckpointManager,
+    Every,
+    SavePolicy,
+    TieredStorageReader,
+    TieredStorageWriter,
+)
+from dcp_tiered.tiers.remote import Durability
 from tests.conftest import REPO
 from tests.s3server import s3fs_options
 
@@ -110,3 +118,31 @@ def test_writers_built_and_closed_in_a_loop_leave_no_threads_behind(tmp_path):
                      storage_writer=writer, no_dist=True)
     left = [t.name for t in threading.enumerate() if t.name not in baseline]
     assert left == [], f"threads left after 6 writers were closed: {left}"
+
+
+def test_managers_built_and_closed_in_a_loop_return_to_the_baseline(tmp_path, shm):
+    """A long-lived process that builds, uses and closes managers (every tier, save and
+    restore) and readers comes back to its threads, descriptors and shared-memory entries."""
+    tiers = {"local": tmp_path / "disk", "memory": shm, "remote": f"file://{tmp_path / 'remote'}"}
+    policy = SavePolicy(memory=Every(steps=1), local=Every(steps=2), remote=Every(steps=4))
+
+    def lifecycle(i: int) -> None:
+        with CheckpointManager(**tiers, policy=policy) as mgr:
+            for step in range(5 * i, 5 * i + 5):
+                mgr.save(step, {"w": torch.full((1024,), float(step))})
+        back = {"w": torch.zeros(1024)}
+        with CheckpointManager(**tiers) as mgr:
+            assert mgr.restore(back) == 5 * i + 5
+        dcp.load(back, checkpoint_id="latest", no_dist=True,
+                 storage_reader=TieredStorageReader(tiers["local"], remote=tiers["remote"]))
+
+    def footprint() -> tuple[list[str], int, list[str]]:
+        gc.collect()
+        return (sorted(t.name for t in threading.enumerate()), len(os.listdir("/proc/self/fd")),
+                sorted(os.listdir("/dev/shm")))
+
+    lifecycle(0)  # what the first one builds for good (the event log's handler, ...)
+    baseline = footprint()
+    for i in range(1, 7):
+        lifecycle(i)
+    assert footprint() == baseline

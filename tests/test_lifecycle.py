@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
+from tests._model import mismatches
 from tests.conftest import read_json, torchrun
 
 pytestmark = pytest.mark.framework
@@ -92,3 +95,63 @@ def test_a_failed_save_raises_on_every_rank_at_one_call_and_the_next_save_works(
         assert "rank 0:" in error, f"rank {rank} does not name the rank that failed: {error}"
     assert (moved / "notes.txt").read_text() == "my notes"  # left as it was
     assert nccl_like.refused(processes=2) == []
+
+
+def test_a_fresh_node_restores_from_the_remote_alone_through_the_manager(tmp_path, s3, shm,
+                                                                           nccl_like):
+    """CheckpointManager's side of the restore bullet (the shims': test_deepspeed's, test_hf's
+    and test_megatron's fresh-node tests). A job saves to memory, disk and S3, and ends; the
+    node is replaced (no memory, no disk); the restarted job restores the newest step on S3 on
+    both ranks and finishes in the state of the first job, bit-exact."""
+    url = s3.url()
+
+    def job(out: str) -> list[dict]:
+        torchrun("managed_train.py", 2, "--memory", str(shm), "--disk", str(tmp_path / "disk"),
+                 "--remote", url, "--steps", "10", "--disk-every", "steps:5",
+                 "--remote-every", "steps:5", "--out", str(tmp_path / out),
+                 env={"TEST_S3_ENDPOINT": s3.endpoint, **nccl_like.env}, timeout=240)
+        return [read_json(tmp_path / f"{out}.rank{r}.json") for r in (0, 1)]
+
+    first = job("first.pt")
+    assert [r["restored"] for r in first] == [None, None]
+    shutil.rmtree(tmp_path / "disk")
+    shutil.rmtree(shm)  # a replacement node: only S3 holds the run
+    second = job("second.pt")
+    assert [r["restored"] for r in second] == [5, 5]  # the newest step on S3
+    a = torch.load(tmp_path / "first.pt", weights_only=True)
+    b = torch.load(tmp_path / "second.pt", weights_only=True)
+    assert mismatches(a, b) == []
+    assert nccl_like.refused(processes=4) == []
+
+
+@pytest.mark.parametrize("zero", [None, 2], ids=["hf", "hf-deepspeed"])
+def test_a_crash_mid_save_leaves_nothing_to_resume_from_and_is_swept(tmp_path, zero):
+    """Process 0 is SIGKILLed while it writes checkpoint-4's data. Nothing under Trainer's names
+    passes for a checkpoint: plain HF has no checkpoint-4 at all; under DeepSpeed, Trainer has
+    already written its own files into checkpoint-4, which is marked pending. The restart sweeps
+    what the crash left, resumes from checkpoint-2 (Trainer's own pick would be checkpoint-4)
+    and ends bit-exact with the uninterrupted run. (The other entry points' crash tests:
+    test_crash, test_deepspeed's kill test, test_megatron's sweep test.)"""
+    zero_args = [] if zero is None else ["--zero", str(zero)]
+
+    def run(phase: str, check: bool = True):
+        return torchrun("hf_resume.py", 2, "--out", str(tmp_path), "--phase", phase,
+                        *zero_args, env=DS_ENV, timeout=240, check=check)
+
+    run("full")
+    assert run("kill", check=False).returncode != 0
+    left = tmp_path / "run"
+    if zero is None:
+        assert sorted(n for n in os.listdir(left) if n.startswith("checkpoint-")) == [
+            "checkpoint-2"]
+    else:
+        assert (left / "checkpoint-4" / ".dcp-tiered-pending.json").is_file()
+        assert not (left / "checkpoint-4" / "global_step4" / "manifest.json").exists()
+    run("resume")
+    resumed = read_json(tmp_path / "resume.json")
+    assert resumed["step"] == 8 and resumed["left"] == ["checkpoint-6", "checkpoint-8"]
+    leftovers = [p.name for p in left.rglob("*") if p.name.endswith(
+        (".dcp-tiered-tmp", ".dcp-tiered-pending.json", ".dcp-tiered-old"))]
+    assert leftovers == []  # swept
+    full = torch.load(tmp_path / "params-full.pt", weights_only=True)
+    assert mismatches(full, torch.load(tmp_path / "params-resume.pt", weights_only=True)) == []

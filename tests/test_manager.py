@@ -4,9 +4,11 @@ resume, memory-tier recovery, failure propagation) is in test_manager_resume.py.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
+import shutil
 import warnings
 
 import pytest
@@ -16,18 +18,20 @@ from dcp_tiered import (
     Admission,
     CheckpointManager,
     CheckpointNotFoundError,
+    ConfigError,
     Every,
     InsufficientSpaceError,
     RankState,
     Retention,
     RetentionPolicy,
+    SaveFailedError,
     SavePolicy,
-    memory_tier,
     rank_state,
 )
-from dcp_tiered.admission import Headroom, shortfall
-from dcp_tiered.cadence import Decision, agree, decide
 from dcp_tiered.cli import main as cli
+from dcp_tiered.policy.admission import Headroom, shortfall
+from dcp_tiered.policy.cadence import Decision, agree, decide
+from dcp_tiered.tiers import memory as memory_tier
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 MIB = 2**20
@@ -231,6 +235,40 @@ def test_a_save_that_does_not_fit_is_skipped_or_refused_and_writes_nothing(tmp_p
     assert _in_memory(shm) == [] and not list(shm.rglob("*.data"))
 
 
+def test_a_save_that_stops_fitting_follows_the_admission_policy(tmp_path, tmpfs):
+    """The state grows past the estimate (optimizer state appears after the first step): the
+    admission check passes on the old size and the write finds no room. Under the default
+    when_full='skip' that save is skipped with a warning and an event, the next ones are
+    refused before writing, nothing raises, and the earlier step is intact; with 'raise' the
+    next save raises SaveFailedError naming the cause."""
+    disk = tmpfs(6)
+    policy = SavePolicy(local=Every(steps=1))
+    options = {"free_space_margin_bytes": 0}
+    lenient = Admission(disk_margin_bytes=0, memory_margin_bytes=0)
+    with CheckpointManager(local=disk, policy=policy, writer_options=options,
+                           admission=lenient) as mgr:
+        mgr.save(0, _state(1))  # 1 MiB: fits
+        mgr.save(1, _state(8))  # 8 MiB: admitted on the 1 MiB estimate, then no room
+        mgr.wait()
+        assert mgr.skipped_saves == 1  # not a failure to raise at the next save
+        assert mgr.save(2, _state(8)) == Decision()  # refused before writing: known size now
+        assert mgr.skipped_saves == 2
+    skipped = [e for e in _events(disk) if e["event"] == "skipped"]
+    assert [e["step"] for e in skipped] == [1, 2] and "InsufficientSpaceError" in skipped[0]["reason"]
+    assert sorted(p.name for p in disk.glob("step-*")) == ["step-0"]
+    back = _state(1, value=7.0)
+    with CheckpointManager(local=disk) as mgr:
+        assert mgr.restore(back) == 1 and torch.equal(back["w"], _state(1)["w"])
+    strict = Admission(disk_margin_bytes=0, memory_margin_bytes=0, when_full="raise")
+    with CheckpointManager(local=disk, policy=policy, writer_options=options,
+                           admission=strict) as mgr:
+        mgr.save(3, _state(1))
+        mgr.save(4, _state(8))
+        mgr.wait()  # step 4's write has failed by now
+        with pytest.raises(SaveFailedError, match="InsufficientSpaceError"):
+            mgr.save(5, _state(1))
+
+
 def test_in_flight_cap_skips_or_blocks(tiers):
     state = _state(64)
     every_step = SavePolicy(memory=None, local=Every(steps=1), remote=None)
@@ -304,3 +342,25 @@ def test_rank_state_round_trips_and_tolerates_a_step_saved_by_fewer_ranks(tiers,
     assert not app["rank"].restored
     assert any("no rank state for rank" in r.message or "holds no rank" in r.message
                for r in caplog.records)
+
+
+def test_a_state_that_could_not_be_restored_is_refused_at_its_first_save_unless_trusted(tiers):
+    """An io.BytesIO (or a custom class) saves, but weights_only loading refuses it: without
+    allow_pickle the first save says so and writes nothing; with it, every tier restores it."""
+    state = {**_state(), "blob": io.BytesIO(b"loader position 17"), "note": {"epoch": [1, 2]}}
+    policy = SavePolicy(memory=Every(steps=1), local=Every(steps=2), remote=Every(steps=2))
+    with CheckpointManager(**tiers, policy=policy) as mgr:
+        with pytest.raises(ConfigError, match=r"'blob' \(BytesIO\).*allow_pickle=True"):
+            mgr.save(0, state)
+    assert not any(tiers["local"].glob("step-*")) and not any(tiers["memory"].rglob("slot-*"))
+    with CheckpointManager(**tiers, policy=policy, allow_pickle=True) as mgr:
+        for step in range(4):
+            mgr.save(step, state)
+    # step-3 from memory (then persisted to disk by the restore), then from disk alone.
+    for tier_left in ("memory", "local"):
+        if tier_left == "local":
+            shutil.rmtree(tiers["memory"])
+        back = {**_state(value=9.0), "blob": io.BytesIO(), "note": {"epoch": [0, 0]}}
+        with CheckpointManager(**tiers, allow_pickle=True) as mgr:
+            assert mgr.restore(back) == 4
+        assert back["blob"].getvalue() == b"loader position 17" and back["note"]["epoch"] == [1, 2]

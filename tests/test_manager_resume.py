@@ -22,20 +22,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from dcp_tiered import memory_tier
+from dcp_tiered.tiers import memory as memory_tier
 from tests._model import mismatches
 from tests.conftest import REPO, WORKERS, read_json, torchrun
 
 pytestmark = pytest.mark.multirank
 STEPS = 30
-
-
-@pytest.fixture
-def shm():
-    """A memory-tier directory in /dev/shm, removed afterwards."""
-    path = Path("/dev/shm") / f"dcp-tiered-test-{uuid.uuid4().hex[:8]}"
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _args(tmp: Path, shm: Path, out: str, *extra: str) -> list[str]:

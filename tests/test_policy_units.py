@@ -17,7 +17,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from dcp_tiered import ConfigError, ManifestError, layout, manifest
+from dcp_tiered import ConfigError, ManifestError
+from dcp_tiered.policy import layout, manifest
 
 names = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9_-]{0,20}", fullmatch=True)
 

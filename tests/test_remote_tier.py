@@ -14,6 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_tiered import (
+    ConfigError,
     RemoteConfig,
     RetryConfig,
     TieredStorageReader,
@@ -21,7 +22,7 @@ from dcp_tiered import (
     UploadFailedError,
 )
 from dcp_tiered.backends.remote import RemoteBackend
-from dcp_tiered.tiering import Durability
+from dcp_tiered.tiers.remote import Durability
 from tests.conftest import REPO, injected_faults
 
 FAST_RETRY = RetryConfig(max_attempts=12, initial_backoff_secs=0.05, max_backoff_secs=0.5)
@@ -121,6 +122,11 @@ def test_hash_prefix_strategy_spreads_data_and_restores(tmp_path, s3):
     fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3.options())
     keys = fs.find(cfg.url.removeprefix("s3://"))
     assert any("/data/" in k for k in keys)
+    # A step named like the hashed data prefix would shadow, and its clean-up delete, every
+    # other step's data: refused before anything is written, wherever the name is used.
+    with pytest.raises(ConfigError, match="reserved"):
+        save(root, cfg, "data", state(2))
+    assert sorted(fs.find(cfg.url.removeprefix("s3://"))) == sorted(keys)
     shutil.rmtree(root)
     got, _ = load(root, cfg)
     assert equal(got, state(1))

@@ -23,10 +23,10 @@ from dcp_tiered import (
     RetryConfig,
     TieredStorageWriter,
     UploadFailedError,
-    housekeeping,
-    layout,
 )
-from dcp_tiered.retention import StepState, evictions
+from dcp_tiered.policy import layout
+from dcp_tiered.policy.retention import StepState, evictions
+from dcp_tiered.tiers import housekeeping
 
 POLICIES = st.builds(
     RetentionPolicy,

@@ -7,8 +7,7 @@ import logging
 import pytest
 from botocore.exceptions import ClientError
 
-from dcp_tiered import PermanentTierError, RetryConfig, TransientTierError
-from dcp_tiered import _retry
+from dcp_tiered import PermanentTierError, RetryConfig, TransientTierError, _retry
 from dcp_tiered.backends.remote import translate
 
 

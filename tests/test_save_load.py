@@ -144,7 +144,7 @@ def test_a_pending_directory_is_replaced_by_the_commit_and_swept_after_a_crash(t
     """What a shim claimed for a step before its commit (mcore's common.pt) is ours: the
     commit replaces it; after a crash a sweep removes exactly the files it was claimed for."""
     from dcp_tiered.backends.local import LocalBackend
-    from dcp_tiered.local_tier import LocalTier
+    from dcp_tiered.tiers.local import LocalTier
 
     tier = LocalTier(LocalBackend(tmp_path))
     assert tier.claim_pending("step-1", ["common.pt"])
@@ -301,7 +301,7 @@ def test_targets_that_cannot_take_the_bytes_directly_still_load_exactly(tmp_path
 
 
 def test_raw_offset_that_does_not_fit_the_item_is_refused(tmp_path):
-    from dcp_tiered import manifest
+    from dcp_tiered.policy import manifest
 
     save(tmp_path, "step-1", big_state())
     path = tmp_path / "step-1" / "manifest.json"
@@ -395,17 +395,24 @@ def test_stale_temporary_directories_are_swept_inside_root_only(tmp_path, caplog
     outside = tmp_path / ".step-3.def456.dcp-tiered-tmp"
     outside.mkdir()
     caplog.set_level("INFO", logger="dcp_tiered")
-    TieredStorageWriter(root)
+    TieredStorageWriter(root).recover()
     assert not stale.exists() and outside.exists()
     assert "deleting" in caplog.text and str(stale) in caplog.text
     assert_state_equal(load(root), state())
 
 
 def test_interrupted_non_atomic_overwrite_is_rolled_back(tmp_path):
+    """A crash between the two renames of a non-atomic overwrite: the committed step is only
+    under its hidden old name. A reader finds it anyway (before any writer recovers the root),
+    and a writer's recovery gives it back its name too."""
     save(tmp_path, "step-1", state(1))
     os.rename(tmp_path / "step-1", tmp_path / ".step-1.abc.dcp-tiered-old")
-    TieredStorageWriter(tmp_path)
-    assert_state_equal(load(tmp_path), state(1))
+    assert_state_equal(load(tmp_path), state(1))  # 'latest' with no writer in sight
+    save(tmp_path, "step-2", state(2))
+    os.rename(tmp_path / "step-2", tmp_path / ".step-2.abc.dcp-tiered-old")
+    TieredStorageWriter(tmp_path).recover()
+    assert (tmp_path / "step-2" / "manifest.json").is_file()
+    assert_state_equal(load(tmp_path), state(2))
 
 
 def test_import_emits_no_warnings_and_has_no_side_effects(tmp_path):
@@ -446,7 +453,7 @@ def test_untracked_async_save_never_has_its_buffers_reused(tmp_path):
 
 def _resign(body: dict) -> str:
     """A tampered manifest with a valid self-checksum (it is a CRC, not a signature)."""
-    from dcp_tiered import manifest as manifest_module
+    from dcp_tiered.policy import manifest as manifest_module
 
     body.pop("manifest_checksum", None)
     body["manifest_checksum"] = manifest_module._self_checksum(body)

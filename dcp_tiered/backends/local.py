@@ -20,10 +20,10 @@ from typing import BinaryIO
 
 import torch
 
-from .. import integrity
 from ..errors import ConfigError, InsufficientSpaceError
-from ..layout import LOCK_NAME as LOCK_FILE
-from ..layout import TMP_SUFFIX
+from ..policy import integrity
+from ..policy.layout import LOCK_NAME as LOCK_FILE
+from ..policy.layout import TMP_SUFFIX
 
 logger = logging.getLogger(__name__)
 

@@ -15,9 +15,10 @@ from typing import Any, TypeVar
 
 import fsspec
 
-from .. import _retry, layout
+from .. import _retry
 from ..config import RemoteConfig
 from ..errors import ConfigError, PermanentTierError, TransientTierError
+from ..policy import layout
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

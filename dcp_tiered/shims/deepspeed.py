@@ -35,22 +35,24 @@ import io
 import logging
 import operator
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .. import _torch_compat, catalog, tiering
+from .. import _torch_compat
 from ..backends.local import LocalBackend
 from ..backends.remote import remote_backend
 from ..config import RemoteConfig
 from ..distributed import is_node_leader
-from ..errors import CheckpointNotFoundError, ConfigError, describe
-from ..layout import validate_step_name
+from ..errors import CheckpointNotFoundError, ConfigError, ManifestError, describe
 from ..lifecycle import Conventions, Lifecycle
-from ..local_tier import LocalTier
+from ..policy.layout import is_step_name, validate_step_name
 from ..reader import TieredStorageReader
+from ..tiers import catalog
+from ..tiers import remote as remote_tier
+from ..tiers.local import LocalTier
 from . import skeleton
 
 try:
@@ -147,7 +149,8 @@ class TieredCheckpointEngine(CheckpointEngine):
             raise ConfigError("save() called outside save_checkpoint (no create() first)")
         name = os.path.relpath(path, self._tag_dir(self._info))
         if name.startswith(os.pardir) or os.path.isabs(name):
-            raise ConfigError(f"DeepSpeed asked to save {path!r} outside {self._tag_dir(self._info)}")
+            raise ConfigError(f"DeepSpeed asked to save {path!r} outside "
+                              f"{self._tag_dir(self._info)}")
         self._files[name] = skeleton.split(state_dict)
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
@@ -189,16 +192,19 @@ class TieredCheckpointEngine(CheckpointEngine):
     # -------------------------------------------------------------- ours
 
     def prepare_load(self, load_dir: str, tag: str | None) -> None:
-        """Before DeepSpeed's loader runs (every rank): with a remote tier, a step that is not
+        """Before DeepSpeed's loader runs (every rank): a step whose overwrite a crash
+        interrupted gets its name back and, with a remote tier, a step that is not
         on this node's disk (a fresh or replaced node) is adopted from the remote, with its
         stubs and, if none is there, ``latest``, so that DeepSpeed finds it. Its data is read
         from the remote, verified, when DeepSpeed loads the files. Collective."""
-        if self.options.remote is None:
-            return
         error: BaseException | None = None
         if is_node_leader():  # one process a node writes
             try:
-                adopt(load_dir, tag, self.options.remote, self.options.storage_options)
+                # DeepSpeed looks for the tag directory itself: a step whose overwrite a
+                # crash interrupted gets its name back first.
+                LocalTier(LocalBackend(load_dir)).undo_interrupted_overwrites()
+                if self.options.remote is not None:
+                    adopt(load_dir, tag, self.options.remote, self.options.storage_options)
             except Exception as e:  # noqa: BLE001 - raised on every rank below
                 error = e
         problems = self.lifecycle.agree.gather(None if error is None else describe(error))
@@ -238,15 +244,19 @@ class TieredCheckpointEngine(CheckpointEngine):
         finally:
             self._holding = False
 
-    def release(self, sidecars: Mapping[str, bytes]) -> None:
+    def release(self, sidecars: Mapping[str, bytes],
+                on_commit: Callable[[], Any] | None = None) -> bool:
         """Starts the write held by :meth:`holding`, with ``sidecars`` (file name: bytes, this
-        rank's) inside the step; :func:`write_sidecars` writes them back from any tier."""
+        rank's) inside the step (:func:`write_sidecars` writes them back from any tier);
+        ``on_commit`` runs on rank 0 once committed. False: nothing was held."""
         held, self._held = self._held, None
         if held is not None:
-            self._launch(*held, sidecars=sidecars)
+            self._launch(*held, sidecars=sidecars, then=on_commit)
+        return held is not None
 
     def _launch(self, info: CheckpointCommitInfo, sync: bool, *,
-                sidecars: Mapping[str, bytes] | None = None) -> None:
+                sidecars: Mapping[str, bytes] | None = None,
+                then: Callable[[], Any] | None = None) -> None:
         if self._holding:
             self._held = (info, sync)
             return
@@ -254,8 +264,13 @@ class TieredCheckpointEngine(CheckpointEngine):
         self._files = {}
         if sidecars:  # as bytes tensors: they load back without unpickling anything
             state[SIDECARS] = {name: _bytes_tensor(data) for name, data in sidecars.items()}
-        publication = functools.partial(publish, info.save_dir, info.tag,
-                                        latest=self._want_latest)
+        latest = self._want_latest
+
+        def publication() -> None:
+            publish(info.save_dir, info.tag, latest=latest)
+            if then is not None:
+                then()
+
         self.lifecycle.save(info.save_dir, info.tag, state, sync=sync, on_commit=publication)
 
     @staticmethod
@@ -315,8 +330,11 @@ def write_sidecars(save_dir: str, tag: str, directory: str, *,
     _torch_compat.load_keys(out, {SIDECARS}, reader)
     files = out.get(SIDECARS, {})
     backend = LocalBackend(directory)
+    for name in files:
+        if not is_step_name(name):  # a plain file name: nothing that climbs out of directory
+            raise ManifestError(f"step {tag!r} in {save_dir} carries a file named {name!r}, "
+                                "which is not a plain file name; nothing was written")
     for name, data in files.items():
-        validate_step_name(name)  # a plain file name, nothing that climbs out of directory
         backend.replace_root_file(name, data.numpy().tobytes())
     return sorted(files)
 
@@ -341,7 +359,7 @@ def adopt(save_dir: str, tag: str | None, remote: str | RemoteConfig,
     tag = validate_step_name(str(tag))
     if tier.has_step(tag) and has_latest:
         return tag
-    tiering.adopt_remote_step(tier, backend, tag)
+    remote_tier.adopt_remote_step(tier, backend, tag)
     publish(save_dir, tag, latest=not has_latest)
     return tag
 

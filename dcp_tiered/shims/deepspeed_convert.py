@@ -41,8 +41,8 @@ from ..errors import (
     ConfigError,
     IntegrityError,
 )
-from ..layout import MANIFEST_NAME
-from ..local_tier import LocalTier
+from ..policy.layout import MANIFEST_NAME
+from ..tiers.local import LocalTier
 from ..writer import TieredStorageWriter
 from . import deepspeed as ds_shim
 

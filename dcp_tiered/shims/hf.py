@@ -48,16 +48,16 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from .. import catalog
 from ..backends.local import LocalBackend
 from ..backends.remote import remote_backend
 from ..config import RemoteConfig
 from ..errors import CheckpointNotFoundError, ConfigError
 from ..lifecycle import Conventions, Lifecycle, quiet_single_process
-from ..local_tier import LocalTier
+from ..policy.retention import RetentionPolicy
 from ..rank_state import capture_rng, restore_rng
 from ..reader import TieredStorageReader
-from ..retention import RetentionPolicy
+from ..tiers import catalog
+from ..tiers.local import LocalTier
 
 try:
     from transformers import Trainer
@@ -160,10 +160,10 @@ class TrainerTiers:
             tr.state.best_model_checkpoint = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best}")
         _export_callback_state(tr)
         state = self._state()
-        limit, best = tr.args.save_total_limit, tr.state.best_model_checkpoint
-        self.lifecycle.retention = RetentionPolicy(
-            keep_latest=limit, pinned=frozenset({os.path.basename(best)} if best else ())
-        ) if limit else None
+        limit, best_dir = tr.args.save_total_limit, tr.state.best_model_checkpoint
+        pinned = frozenset({os.path.basename(best_dir)} if best_dir else ())
+        self.lifecycle.retention = (RetentionPolicy(keep_latest=limit, pinned=pinned)
+                                    if limit else None)
         self.lifecycle.save(run_dir, step, state, sync=self.mode == "sync",
                             on_commit=functools.partial(_write_trainer_state, run_dir, step,
                                                         state["trainer_state"]))
@@ -197,6 +197,9 @@ class TrainerTiers:
         committed and, with a remote tier, durable there (at most the remote's
         ``durable_timeout_secs``); raises SaveFailedError on every rank if it is not."""
         scratch = None
+        # Recovery, explicitly: what a crash left in output_dir is finished or swept, and the
+        # uploads a previous job left are resumed.
+        self.lifecycle.writers.get(self.root)
         if resume_from_checkpoint:
             step = self._resolve(resume_from_checkpoint)
             # Trainer reads trainer_state.json by path; give it the committed step's own copy.

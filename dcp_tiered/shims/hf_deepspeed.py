@@ -33,9 +33,10 @@ from ..backends.remote import remote_backend
 from ..config import RemoteConfig
 from ..distributed import is_node_leader
 from ..errors import CheckpointNotFoundError, DcpTieredError, TierUnavailableError, describe
-from ..housekeeping import awaiting_remote
-from ..local_tier import LocalTier
-from ..retention import RetentionPolicy, StepState, evictions
+from ..policy.layout import is_step_name
+from ..policy.retention import RetentionPolicy, StepState, evictions
+from ..tiers.housekeeping import awaiting_remote
+from ..tiers.local import LocalTier
 from . import deepspeed as ds_shim
 
 logger = logging.getLogger(__name__)
@@ -58,30 +59,43 @@ def wrap_deepspeed(trainer: Any, *, mode: str, remote: str | RemoteConfig | None
     def save_checkpoint(model: Any, trial: Any = None) -> None:
         engine = trainer.model_wrapped.checkpoint_engine
         args, limit = trainer.args, trainer.args.save_total_limit
+        run_dir = os.path.abspath(trainer._get_output_dir(trial=trial))
+        name = f"checkpoint-{trainer.state.global_step}"
+        engine.wait()  # the previous save is committed (or failed, on every rank) first
+        # Trainer writes its files into checkpoint-N before the step exists: the directory is
+        # made pending first, so a crash leaves nothing a resume takes for a checkpoint, and
+        # the next start sweeps it.
+        tier = LocalTier(LocalBackend(run_dir))
+        claimed = args.process_index == 0 and tier.claim_pending(name, [], whole=True)
+        engine.lifecycle.agree.barrier()  # nobody writes into it before the claim
         args.save_total_limit = None  # Trainer's rotation would delete steps still uploading
         try:
             with engine.holding():
                 save(model, trial)
         finally:
             args.save_total_limit = limit
-        run_dir = os.path.abspath(trainer._get_output_dir(trial=trial))
-        step_dir = os.path.join(run_dir, f"checkpoint-{trainer.state.global_step}")
-        engine.release(_own_files(step_dir, args.process_index))
+        settle = functools.partial(tier.settle_pending, name)
+        launched = engine.release(_own_files(os.path.join(run_dir, name), args.process_index),
+                                  on_commit=settle if claimed else None)
+        if claimed and not launched:  # no DeepSpeed step (save_only_model): Trainer's alone
+            settle()
         if args.should_save and limit:
             rotate(run_dir, limit, trainer.state.best_model_checkpoint, remote, storage_options)
 
     @functools.wraps(train)
     def train_then_flush(resume_from_checkpoint: Any = None, *a: Any, **kw: Any) -> Any:
-        if resume_from_checkpoint and remote is not None:
-            resume_from_checkpoint = prepare_resume(
-                os.path.abspath(trainer.args.output_dir), resume_from_checkpoint, remote,
-                storage_options)
+        run_dir = os.path.abspath(trainer.args.output_dir)
+        if is_node_leader() and os.path.isdir(run_dir):  # what a crashed save left
+            LocalTier(LocalBackend(run_dir)).sweep_pending()
+        if resume_from_checkpoint:  # Trainer's own pick could be a crashed save's directory
+            resume_from_checkpoint = prepare_resume(run_dir, resume_from_checkpoint, remote,
+                                                    storage_options)
         out = train(resume_from_checkpoint, *a, **kw)
         ds_shim.flush(trainer.model_wrapped)  # committed, published and durable
         args = trainer.args
         if args.should_save and args.save_total_limit:  # now that every step is durable
-            rotate(os.path.abspath(args.output_dir), args.save_total_limit,
-                   trainer.state.best_model_checkpoint, remote, storage_options)
+            rotate(run_dir, args.save_total_limit, trainer.state.best_model_checkpoint, remote,
+                   storage_options)
         return out
 
     trainer._save_checkpoint = save_checkpoint
@@ -97,6 +111,8 @@ def _own_files(step_dir: str, process_index: int) -> dict[str, bytes]:
                                                     else set())
     files = {}
     for name in backend.list_names():
+        if not is_step_name(name):  # hidden files (our pending marker): not Trainer's
+            continue
         if _RNG.match(name):
             wanted = name in own_rng
         else:
@@ -107,18 +123,21 @@ def _own_files(step_dir: str, process_index: int) -> dict[str, bytes]:
     return files
 
 
-def prepare_resume(run_dir: str, wanted: Any, remote: str | RemoteConfig,
+def prepare_resume(run_dir: str, wanted: Any, remote: str | RemoteConfig | None,
                    storage_options: Mapping[str, Any] | None) -> str:
     """Collective: the ``checkpoint-N`` directory Trainer resumes from, rebuilt from the remote
-    tier (by one process a node) when this node lacks it. ``wanted`` is True (the newest step
-    on either tier) or a checkpoint path or name."""
+    tier (by one process a node) when this node lacks it. ``wanted`` is True (the newest
+    committed step on either tier; never a directory a crash left mid-save) or a checkpoint
+    path or name."""
     agree = Agreement()
     if wanted is True:
         number = agree.from_rank0(lambda: _newest(run_dir, remote, storage_options))
         if number is None:
             raise CheckpointNotFoundError(
-                f"no checkpoint-N in {run_dir} and no global_stepN on {remote}: nothing to "
-                "resume from. Train without resume_from_checkpoint, or check the paths.")
+                f"no committed checkpoint-N in {run_dir}"
+                + (f" and no global_stepN on {remote}" if remote is not None else "")
+                + ": nothing to resume from. Train without resume_from_checkpoint, or check "
+                "the paths.")
     else:
         match = _CHECKPOINT.match(os.path.basename(os.path.normpath(str(wanted))))
         if match is None:
@@ -139,32 +158,39 @@ def prepare_resume(run_dir: str, wanted: Any, remote: str | RemoteConfig,
     return step_dir
 
 
-def _newest(run_dir: str, remote: str | RemoteConfig,
+def _newest(run_dir: str, remote: str | RemoteConfig | None,
             storage_options: Mapping[str, Any] | None) -> int | None:
+    """The newest N whose step is committed here or on the remote tier. A ``checkpoint-N``
+    without its committed step is what a crash left mid-save: Trainer would pick it."""
     local = [int(m.group(1)) for n in (os.listdir(run_dir) if os.path.isdir(run_dir) else [])
-             if (m := _CHECKPOINT.match(n))]
+             if (m := _CHECKPOINT.match(n))
+             and LocalTier(LocalBackend(os.path.join(run_dir, n))).has_step(f"global_step{m[1]}")]
     backend = remote_backend(remote, storage_options)
-    assert backend is not None
     try:
-        on_remote = [int(m.group(1)) for n in backend.committed_steps() if (m := _TAG.match(n))]
+        on_remote = [int(m.group(1)) for n in (backend.committed_steps() if backend else [])
+                     if (m := _TAG.match(n))]
     except DcpTieredError as e:
         raise TierUnavailableError(
-            f"cannot list {backend.config.url}: {e}. Which steps exist there is unknown, so "
-            "nothing was resumed; fix the remote and train again") from e
+            f"cannot list {backend.config.url if backend else remote}: {e}. Which steps exist "
+            "there is unknown, so nothing was resumed; fix the remote and train again") from e
     return max(local + on_remote, default=None)
 
 
-def _rebuild(step_dir: str, tag: str, remote: str | RemoteConfig,
+def _rebuild(step_dir: str, tag: str, remote: str | RemoteConfig | None,
              storage_options: Mapping[str, Any] | None) -> None:
     """``step_dir`` as Trainer wrote it: the step (adopted from the remote if missing), its
     stubs and ``latest``, and Trainer's files from inside the step."""
-    if LocalTier(LocalBackend(step_dir)).has_step(tag) and \
-            os.path.isfile(os.path.join(step_dir, "trainer_state.json")):
-        return
-    ds_shim.adopt(step_dir, tag, remote, storage_options)
-    names = ds_shim.write_sidecars(step_dir, tag, step_dir, remote=remote,
-                                   storage_options=storage_options)
-    logger.info("rebuilt %s from %s: %s", step_dir, remote, ", ".join(names) or "no files")
+    adopted = not LocalTier(LocalBackend(step_dir)).has_step(tag)
+    if adopted:
+        if remote is None:
+            raise CheckpointNotFoundError(
+                f"{step_dir} holds no committed {tag} (a save that did not finish?) and there is "
+                "no remote tier to take it from; resume from another checkpoint")
+        ds_shim.adopt(step_dir, tag, remote, storage_options)
+    if adopted or not os.path.isfile(os.path.join(step_dir, "trainer_state.json")):
+        names = ds_shim.write_sidecars(step_dir, tag, step_dir, remote=remote,
+                                       storage_options=storage_options)
+        logger.info("rebuilt %s: %s", step_dir, ", ".join(names) or "no files")
 
 
 def rotate(run_dir: str, limit: int, best: str | None, remote: str | RemoteConfig | None,

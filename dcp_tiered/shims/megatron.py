@@ -10,7 +10,7 @@
     ckpt.wait()
 
 - **Memory** every ``save_mem_interval`` iterations: each rank copies its shards into host
-  shared memory (:class:`~dcp_tiered.memory_tier.MemoryTier`), which outlives the processes.
+  shared memory (:class:`~dcp_tiered.tiers.memory.MemoryTier`), which outlives the processes.
 - **Storage** every ``save_storage_interval``: a ``torch_dist`` checkpoint ``SAVE/iter_XXXXXXX``
   written by :class:`TieredSaveShardedStrategy` (atomic, checksummed, copied to ``remote`` in
   the background). ``latest_checkpointed_iteration.txt`` moves, atomically, once the iteration
@@ -39,16 +39,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .. import layout
 from ..backends.local import LocalBackend
 from ..backends.remote import remote_backend
-from ..catalog import list_steps
 from ..distributed import is_node_leader
 from ..errors import ConfigError
 from ..lifecycle import Conventions, Lifecycle, attempt, failure, raise_failures, settled
-from ..local_tier import LocalTier
-from ..memory_tier import MemoryTier
-from ..retention import RetentionPolicy
+from ..policy import layout
+from ..policy.retention import RetentionPolicy
+from ..tiers.catalog import list_steps
+from ..tiers.local import LocalTier
+from ..tiers.memory import MemoryTier
 from .megatron_strategy import (  # raises a clear ImportError without megatron-core
     TieredLoadShardedStrategy,
     TieredSaveShardedStrategy,
@@ -123,7 +123,10 @@ class EasyCkpt:
                               RetentionPolicy(keep_latest=remote_max_ckpt_num,
                                               keep_every=keep_every)),
             publish_early=False, writer_options={"overwrite": True, **writer_options})
-        if is_node_leader():  # one process per node root: a crashed save's leftovers
+        # Recovery, explicitly: what a crash left in the save directory is finished or swept
+        # (mcore's pending directories too), and uploads a previous job left are resumed.
+        self.lifecycle.writers.get(self.save_dir)
+        if is_node_leader():  # one process per node root
             LocalTier(LocalBackend(self.save_dir)).sweep_pending()
         self.memory = None
         if self.mem_every:

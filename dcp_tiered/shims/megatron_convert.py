@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from ..backends.local import LocalBackend
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, ConfigError, IntegrityError
-from ..local_tier import LocalTier
+from ..tiers.local import LocalTier
 from .megatron import iteration_dir
 from .megatron_strategy import TieredSaveShardedStrategy, replace_file
 

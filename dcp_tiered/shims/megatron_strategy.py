@@ -39,8 +39,8 @@ from ..backends.local import LocalBackend
 from ..distributed import checkpoint_process_group
 from ..errors import ForeignPathError
 from ..lifecycle import Writers
-from ..local_tier import LocalTier
 from ..reader import TieredStorageReader
+from ..tiers.local import LocalTier
 from ..writer import TieredStorageWriter
 
 try:

@@ -19,8 +19,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import dcp_tiered.staging
-from dcp_tiered import TieredStorageWriter, checkpoint_process_group, commit, integrity
+from dcp_tiered import TieredStorageWriter, checkpoint_process_group
 from dcp_tiered.backends.local import LocalBackend
+from dcp_tiered.policy import integrity
+from dcp_tiered.tiers import commit
 from tests._model import AppState, build, full_state, make_opt, train_step
 
 POINTS = {}

@@ -1,11 +1,12 @@
 """HF Trainer through dcp_tiered.shims.hf: a tiny GPT-2 (dropout 0.1, so RNG state matters).
 
-    [torchrun --nproc_per_node=2] tests/workers/hf_resume.py --out DIR --phase full|stop|resume|foreign
+    [torchrun --nproc_per_node=2] tests/workers/hf_resume.py --out DIR --phase PHASE
         [--mode async|sync] [--remote URL --storage-options JSON]
 
 full: 8 steps, saving every 2 (save_total_limit 2); stop: the same, stopped after the save at
 step 4; resume: a fresh Trainer, resume_from_checkpoint=True, to step 8; foreign: a user's
-directory where checkpoint-4 goes fails training, then (moved away) it resumes. Rank 0 writes the
+directory where checkpoint-4 goes fails training, then (moved away) it resumes; kill: process
+0 is SIGKILLed while it writes step 4's data. Rank 0 writes the
 final params to DIR/params-PHASE.pt and DIR/PHASE.json (the checkpoint dirs left).
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -41,6 +43,20 @@ class StopAt(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == self.step:
             control.should_training_stop = True  # after this step's save
+
+
+def die_while_writing(step: str) -> None:
+    """SIGKILL this process when its write of step ``step``'s data starts."""
+    import dcp_tiered.writer as writer_module
+
+    original = writer_module.TieredStorageWriter._write_file
+
+    def write_or_die(self, *args, **kwargs):
+        if self.checkpoint_id == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(self, *args, **kwargs)
+
+    writer_module.TieredStorageWriter._write_file = write_or_die
 
 
 def barrier() -> None:
@@ -71,7 +87,7 @@ def foreign_files_in_the_way(trainer, run: Path, out: Path, rank: int) -> None:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--phase", required=True, choices=["full", "stop", "resume", "foreign"])
+    p.add_argument("--phase", required=True, choices=["full", "stop", "resume", "foreign", "kill"])
     p.add_argument("--mode", default="async")
     p.add_argument("--remote", default=None)
     p.add_argument("--storage-options", default="{}", help="JSON, for an S3 remote")
@@ -106,6 +122,8 @@ def main() -> None:
                    storage_options=json.loads(a.storage_options))
     if a.phase == "foreign":
         foreign_files_in_the_way(trainer, run, out, args.process_index)
+    if a.phase == "kill" and args.process_index == 0:
+        die_while_writing("checkpoint-4" if a.zero is None else "global_step4")
     try:  # returns once the last step is durable on the remote tier, or raises
         trainer.train(resume_from_checkpoint=True if a.phase in ("resume", "foreign") else None)
     except Exception as e:

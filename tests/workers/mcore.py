@@ -215,7 +215,7 @@ def phase_facade(args: argparse.Namespace, rank: int) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
     try:
         ckpt.close()  # with a remote tier: returns once the last checkpoint is durable there
-    except Exception as e:  # noqa: BLE001 - recorded for the test, then the exit says it too
+    except Exception as e:  # recorded for the test, then the exit says it too
         write_json(Path(args.out) / f"end-{rank}.json", {"error": f"{type(e).__name__}: {e}"})
         raise
 

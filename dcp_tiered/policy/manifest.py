@@ -23,8 +23,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from ..errors import ManifestError
 from . import integrity
-from .errors import ManifestError
 
 FORMAT = "dcp-tiered-manifest"
 VERSION = 1

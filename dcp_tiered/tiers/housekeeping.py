@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import logging
 
-from . import tiering
-from .backends.remote import RemoteBackend
-from .errors import ManifestError, TierError
-from .local_tier import LocalTier
-from .retention import RetentionPolicy, StepState, evictions
+from ..backends.remote import RemoteBackend
+from ..errors import ManifestError, TierError
+from ..policy.retention import RetentionPolicy, StepState, evictions
+from . import remote as remote_tier
+from .local import LocalTier
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ def awaiting_remote(tier: LocalTier, remote: RemoteBackend, step: str) -> bool:
     cannot be told): such a step is the only durable copy and must not be deleted."""
     try:
         m = tier.read_manifest(step)
-        return m.promote and not tiering.is_durable(remote, m)
+        return m.promote and not remote_tier.is_durable(remote, m)
     except (ManifestError, OSError):
         return True
     except TierError as e:
@@ -50,10 +50,10 @@ def awaiting_remote(tier: LocalTier, remote: RemoteBackend, step: str) -> bool:
 def prune_remote(remote: RemoteBackend, policy: RetentionPolicy) -> list[str]:
     states = []
     for name in remote.committed_steps():
-        marker = tiering.read_marker(remote, name)
+        marker = remote_tier.read_marker(remote, name)
         if marker is not None:
             states.append(StepState(name, int(marker.get("committed_at_ns", 0))))
     doomed = evictions(states, policy)
     for name in doomed:
-        tiering.delete_remote_step(remote, name, reason="retention of the remote tier")
+        remote_tier.delete_remote_step(remote, name, reason="retention of the remote tier")
     return doomed

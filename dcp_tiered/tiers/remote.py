@@ -1,6 +1,6 @@
 """The remote tier's commit protocol: promoting one committed local step, and what it means.
 
-Which steps are promoted, when and on which threads is :mod:`dcp_tiered.uploads`'s job.
+Which steps are promoted, when and on which threads is :mod:`dcp_tiered.tiers.uploads`'s job.
 Durability of a step moves staged → committed-local → durable-remote. On the remote tier a
 step is committed by this protocol, so partial uploads are never visible:
 
@@ -20,17 +20,18 @@ import logging
 import time
 from typing import Any
 
-from . import commit, integrity, layout, manifest
-from ._daemon_pool import DaemonPool
-from .backends.remote import RemoteBackend
-from .errors import (
+from .._daemon_pool import DaemonPool
+from ..backends.remote import RemoteBackend
+from ..errors import (
     CheckpointNotFoundError,
     IntegrityError,
     TierError,
     UploadFailedError,
 )
-from .local_tier import LocalTier
-from .manifest import Manifest
+from ..policy import integrity, layout, manifest
+from ..policy.manifest import Manifest
+from . import commit
+from .local import LocalTier
 
 logger = logging.getLogger(__name__)
 

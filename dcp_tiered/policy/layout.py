@@ -6,7 +6,7 @@ import re
 import zlib
 from collections.abc import Iterable
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 MANIFEST_NAME = "manifest.json"
 DCP_METADATA_NAME = ".metadata"
@@ -31,6 +31,7 @@ RETENTION_LOCK_NAME = ".dcp-tiered-retention.lock"  # held by the process that p
 REMOTE_MARKER = "_COMMITTED.json"
 NODE_RECORDS = "_nodes"
 _HASH_PREFIXES = 16
+HASHED_DATA = "data"  # remote prefix of hashed data keys: never a step name
 
 _STEP_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # fullmatch: no trailing newline
 _TRAILING_INT = re.compile(r"(\d+)$")
@@ -50,6 +51,10 @@ def validate_step_name(name: object) -> str:
         )
     if name == LATEST:
         raise ConfigError(f"'{LATEST}' is reserved for loading; save under a real step name.")
+    if name == HASHED_DATA:
+        raise ConfigError(f"'{HASHED_DATA}' is reserved: it is the remote tier's prefix for "
+                          "hashed data keys (prefix_strategy='hash'), and a step of that name "
+                          "would shadow or delete other steps' objects. Use another name.")
     if not _STEP_RE.fullmatch(name) or ".." in name:
         raise ConfigError(
             f"unsafe checkpoint_id {name!r}: use one name made of letters, digits, '.', '_' "
@@ -59,7 +64,8 @@ def validate_step_name(name: object) -> str:
 
 
 def is_step_name(name: str) -> bool:
-    return bool(_STEP_RE.fullmatch(name)) and ".." not in name and name != LATEST
+    return bool(_STEP_RE.fullmatch(name)) and ".." not in name and name not in (LATEST,
+                                                                                HASHED_DATA)
 
 
 def tmp_dir_name(step: str, save_id: str) -> str:
@@ -122,10 +128,10 @@ def remote_file_key(step: str, name: str, prefix_strategy: str) -> str:
     """Key of a step's file under the remote root; data may be spread over hashed prefixes."""
     if prefix_strategy == "hash" and name.endswith(".distcp"):
         bucket = zlib.crc32(f"{step}/{name}".encode()) % _HASH_PREFIXES
-        return f"data/{bucket:x}/{step}/{name}"
+        return f"{HASHED_DATA}/{bucket:x}/{step}/{name}"
     return f"{step}/{name}"
 
 
 def remote_step_prefixes(step: str) -> list[str]:
     """Every prefix that may hold objects of ``step`` (for cleanup confined to that step)."""
-    return [f"{step}/"] + [f"data/{b:x}/{step}/" for b in range(_HASH_PREFIXES)]
+    return [f"{step}/"] + [f"{HASHED_DATA}/{b:x}/{step}/" for b in range(_HASH_PREFIXES)]

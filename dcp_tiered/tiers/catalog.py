@@ -7,10 +7,10 @@ import logging
 import os
 from dataclasses import dataclass
 
-from . import layout
-from .backends.remote import RemoteBackend
-from .errors import CheckpointNotFoundError, ConfigError, TierError, TierUnavailableError
-from .local_tier import LocalTier
+from ..backends.remote import RemoteBackend
+from ..errors import CheckpointNotFoundError, ConfigError, TierError, TierUnavailableError
+from ..policy import layout
+from .local import LocalTier
 
 logger = logging.getLogger(__name__)
 

@@ -25,11 +25,11 @@ from typing import Any
 
 import torch
 
-from . import layout
-from . import memory_format as fmt
-from ._priority import lower_this_thread
-from .backends.local import LocalBackend
-from .errors import CheckpointNotFoundError, IntegrityError, ManifestError
+from .._priority import lower_this_thread
+from ..backends.local import LocalBackend
+from ..errors import CheckpointNotFoundError, IntegrityError, ManifestError
+from ..policy import layout
+from ..policy import memory_format as fmt
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +47,11 @@ def _header(slot: int) -> str:
 class MemoryTier:
     """One rank's two snapshot slots under ``root/rank-<rank>``."""
 
-    def __init__(self, root: str | os.PathLike[str], rank: int) -> None:
+    def __init__(self, root: str | os.PathLike[str], rank: int, *,
+                 allow_pickle: bool = False) -> None:
         self.root = str(LocalBackend(root).root)
         self.rank = rank
+        self.allow_pickle = allow_pickle  # non-tensor values load with full pickle (trusted)
         self.backend = LocalBackend(os.path.join(self.root, f"rank-{rank}"))
         self._buffers: dict[int, tuple[tuple[Any, ...], torch.Tensor]] = {}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="dcp-tiered-memory",
@@ -156,7 +158,7 @@ class MemoryTier:
             if fmt.region_checksum(buffer, region) != expected:
                 raise IntegrityError(f"{where}: {region.key} fails its checksum")
             tensors[region.key] = fmt.view(buffer, region)
-        objects = fmt.decode_objects(header.objects)
+        objects = fmt.decode_objects(header.objects, allow_pickle=self.allow_pickle)
         for name, value in app_state.items():
             if hasattr(value, "state_dict") and hasattr(value, "load_state_dict"):
                 value.load_state_dict(fmt.fill(value.state_dict(), tensors, objects, where,

@@ -9,9 +9,9 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from . import layout, manifest
-from .backends.local import LocalBackend
-from .errors import ManifestError
+from ..backends.local import LocalBackend
+from ..errors import ManifestError
+from ..policy import layout, manifest
 
 logger = logging.getLogger(__name__)
 
@@ -74,21 +74,29 @@ class LocalTier:
 
     # ------------------------------------------------------------ pending directories
 
-    def claim_pending(self, step: str, sidecars: list[str]) -> bool:
+    def claim_pending(self, step: str, sidecars: list[str], *, whole: bool = False) -> bool:
         """Mark directory ``step`` (created if missing) as made for a save of ``step`` that is
-        not committed yet, holding at most ``sidecars``. Refuses (False) a committed step, a
-        file, or a directory that holds anything else: that is not ours to replace."""
+        not committed yet, holding at most ``sidecars``; with ``whole``, made empty for that
+        save, so that everything in it is the save's (a framework writes its own files there).
+        Refuses (False) a committed step, a file, or a directory that holds anything else: that
+        is not ours to replace."""
         if self.has_step(step):
             return False
         if self.backend.exists(step) and not self.backend.is_dir(step):
             return False
         self.backend.make_dir(step)
-        allowed = set(sidecars) | {layout.PENDING_MARKER}
+        allowed = {layout.PENDING_MARKER} | (set() if whole else set(sidecars))
         if not set(self.backend.list_files(step)) <= allowed:
             return False
-        body = json.dumps({"step": step, "sidecars": sorted(sidecars)}).encode()
+        body = json.dumps({"step": step, "sidecars": sorted(sidecars), "whole": whole}).encode()
         self.backend.write_file(step, layout.PENDING_MARKER, body)
         return True
+
+    def settle_pending(self, step: str) -> None:
+        """The save a ``whole`` pending directory was made for committed: it is no longer
+        pending (its marker goes)."""
+        if self.backend.exists(step, layout.PENDING_MARKER):
+            self.backend.remove_file(step, layout.PENDING_MARKER)
 
     def is_pending(self, step: str) -> bool:
         return self.backend.exists(step, layout.PENDING_MARKER) and not self.has_step(step)
@@ -99,9 +107,13 @@ class LocalTier:
         try:
             body = json.loads(self.backend.read_file(step, layout.PENDING_MARKER))
             sidecars = [n for n in body.get("sidecars", []) if layout.is_step_name(n)]
+            whole = body.get("whole") is True
         except (OSError, ValueError, AttributeError) as e:
             logger.warning("leaving %s/%s alone: unreadable pending marker (%s)", self.root,
                            step, e)
+            return
+        if whole:  # made empty for the save: all of it is the save's
+            self.backend.remove_tree(step, reason=reason)
             return
         for name in [*sidecars, layout.PENDING_MARKER]:
             if self.backend.exists(step, name):
@@ -112,7 +124,8 @@ class LocalTier:
     def sweep_pending(self) -> None:
         """Discard the pending directories a crashed save left (call when no save runs)."""
         for name in self.backend.list_names():
-            if layout.is_step_name(name) and self.backend.is_dir(name) and self.is_pending(name):
+            if (layout.is_step_name(name) and self.backend.is_dir(name)
+                    and not self.backend.is_link(name) and self.is_pending(name)):
                 self.discard_pending(name, reason=f"left by a save of {name} that never committed")
 
     def read_manifest(self, step: str) -> manifest.Manifest:
@@ -155,6 +168,26 @@ class LocalTier:
             except FileNotFoundError:
                 pass  # another rank or a retention pass removed it meanwhile
 
+    def undo_interrupted_overwrites(self) -> None:
+        """Give back its name to a step whose non-atomic overwrite a crash interrupted (only
+        the old, committed version exists, under a hidden name). Readers call this before
+        listing: otherwise that step, perhaps the newest, would not be found until a writer
+        recovers the root. Deletes nothing."""
+        for name in self.backend.list_names():
+            parsed = layout.parse_hidden_dir(name)
+            if parsed is not None and parsed[2] == layout.OLD_SUFFIX \
+                    and self.backend.is_dir(name) and not self.backend.is_link(name):
+                self._undo_overwrite(name, parsed[0])
+
+    def _undo_overwrite(self, name: str, step: str) -> bool:
+        if self.backend.exists(step):
+            return False
+        # Crash between the two renames of a non-atomic overwrite: the old step is the last
+        # committed version, so it goes back under its name.
+        logger.warning("restoring %s/%s from interrupted overwrite", self.root, step)
+        self.backend.rename(name, step)
+        return True
+
     def _recover_entry(self, name: str, step: str, save_id: str, suffix: str) -> None:
         if not self.backend.is_dir(name):
             return
@@ -165,12 +198,7 @@ class LocalTier:
             if not self._upload_area_wanted(step, save_id):
                 self.backend.remove_tree(name, reason="upload records of an abandoned save")
         elif suffix == layout.OLD_SUFFIX:
-            if not self.backend.exists(step):
-                # Crash between the two renames of a non-atomic overwrite: the old step is
-                # the last committed version, so it goes back under its name.
-                logger.warning("restoring %s/%s from interrupted overwrite", self.root, step)
-                self.backend.rename(name, step)
-            else:
+            if not self._undo_overwrite(name, step):
                 self.backend.remove_tree(name, reason="replaced by a newer commit")
         elif self._abandoned(name):
             self.backend.remove_tree(name, reason="temporary directory of a crashed save")

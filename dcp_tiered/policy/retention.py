@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from ..errors import ConfigError
 from . import layout
-from .errors import ConfigError
 
 
 @dataclass(frozen=True)

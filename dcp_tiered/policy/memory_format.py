@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from .._torch_compat import ShardedTensor
+from ..errors import ConfigError, IntegrityError, ManifestError
 from . import integrity
-from ._torch_compat import ShardedTensor
-from .errors import ConfigError, IntegrityError, ManifestError
 
 FORMAT = "dcp-tiered-memory"
 VERSION = 1
@@ -94,8 +94,23 @@ def encode_objects(objects: dict[str, Any]) -> bytes:
     return buf.getvalue()
 
 
-def decode_objects(data: bytes) -> dict[str, Any]:
-    return torch.load(io.BytesIO(data), weights_only=True)
+def decode_objects(data: bytes, *, allow_pickle: bool = False) -> dict[str, Any]:
+    """Non-tensor values: weights_only unless the caller trusts the snapshot."""
+    return torch.load(io.BytesIO(data), weights_only=not allow_pickle)
+
+
+def refused_by_weights_only(value: Any) -> str | None:
+    """Why ``value`` would not load back with ``weights_only=True`` (None: it would)."""
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    try:
+        torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    except Exception as e:  # noqa: BLE001 - torch raises UnpicklingError and kin
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        # torch's message opens with generic advice; the line naming the refused global says
+        # what is wrong.
+        return next((line for line in lines if "WeightsUnpickler error" in line), lines[0])
+    return None
 
 
 def encode_header(*, step: str, rank: int, committed_at_ns: int, data_size: int,

@@ -1,7 +1,7 @@
 """The upload queue: which committed steps this process promotes to the remote tier, when.
 
 One :class:`Uploader` per (local root, remote) per process runs promotions
-(:class:`tiering.Promotion`, the remote commit protocol) in commit order, on daemon threads.
+(:class:`~dcp_tiered.tiers.remote.Promotion`, the remote commit protocol) in commit order, on daemon threads.
 Writers hold it while they live (:func:`acquire_uploader`); the last release stops its threads.
 At interpreter exit, what is still pending is abandoned with one warning: the steps stay
 committed locally and the next writer on the root resumes them.
@@ -18,13 +18,14 @@ import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 
-from . import _retry, layout
-from ._daemon_pool import DaemonPool
-from ._priority import lower_this_thread
-from .backends.remote import RemoteBackend
-from .errors import ManifestError, UploadFailedError
-from .local_tier import LocalTier
-from .tiering import Durability, Promotion, durability, read_marker, upload_verified
+from .. import _retry
+from .._daemon_pool import DaemonPool
+from .._priority import lower_this_thread
+from ..backends.remote import RemoteBackend
+from ..errors import ManifestError, UploadFailedError
+from ..policy import layout
+from .local import LocalTier
+from .remote import Durability, Promotion, durability, read_marker, upload_verified
 
 logger = logging.getLogger(__name__)
 

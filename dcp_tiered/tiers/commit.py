@@ -22,9 +22,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from . import layout
-from .backends.local import LocalBackend
-from .errors import CommitError
+from ..backends.local import LocalBackend
+from ..errors import CommitError
+from ..policy import layout
 
 logger = logging.getLogger(__name__)
 
