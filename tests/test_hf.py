@@ -87,10 +87,13 @@ def test_under_deepspeed_a_fresh_node_resumes_from_s3_alone(tmp_path, s3):
     assert same_params(tmp_path, "full", "resume") == []
 
 
-def test_rotation_never_deletes_a_step_that_is_not_durable(tmp_path):
+@pytest.mark.parametrize("nproc,zero", [(1, []), (2, ["--zero", "2"])], ids=["hf", "hf-deepspeed"])
+def test_rotation_never_deletes_a_step_that_is_not_durable(tmp_path, nproc, zero):
+    if zero:
+        pytest.importorskip("deepspeed")
     (tmp_path / "not-a-dir").write_text("uploads under this path fail")
-    end = run(tmp_path, 1, "full", "--remote", f"file://{tmp_path}/not-a-dir/remote",
-              fails=True)
+    end = run(tmp_path, nproc, "full", "--remote", f"file://{tmp_path}/not-a-dir/remote",
+              *zero, fails=True)
     # The end of train() says the steps are not durable, instead of returning as if they were.
     assert end["error"].startswith("SaveFailedError") and "not durable" in end["error"]
     # save_total_limit=2, but no step reached the remote tier: all four are the only copies.

@@ -28,7 +28,7 @@ def run_to_the_end(adapter: str, out: Path, remote: list[str], env: dict) -> tup
     step committed locally and what each rank's ending raised."""
     if adapter == "deepspeed":
         torchrun("ds_roundtrip.py", 2, "--out", str(out), "--stage", "1", "--mode", "async",
-                 "--phase", "remote-down", *remote, env={**DS_ENV, **env}, timeout=240)
+                 "--phase", "record-end", *remote, env={**DS_ENV, **env}, timeout=240)
         return out / "ckpt" / "global_step3", [read_json(out / f"end-{r}.json") for r in (0, 1)]
     if adapter == "megatron":
         proc = torchrun("mcore.py", 2, "--out", str(out), "--phase", "facade", "--iters", "4",
@@ -155,3 +155,28 @@ def test_a_crash_mid_save_leaves_nothing_to_resume_from_and_is_swept(tmp_path, z
     assert leftovers == []  # swept
     full = torch.load(tmp_path / "params-full.pt", weights_only=True)
     assert mismatches(full, torch.load(tmp_path / "params-resume.pt", weights_only=True)) == []
+
+
+@pytest.mark.parametrize("adapter", ["deepspeed", "hf"])
+def test_a_full_disk_fails_the_save_on_every_rank_with_what_to_do(tmp_path, tmpfs, adapter):
+    """The save directory is a real 2 MiB tmpfs, too small for a checkpoint with the writer's
+    free-space margin: every rank raises SaveFailedError at the same call (DeepSpeed: flush;
+    HF: train), naming InsufficientSpaceError and saying to free space; nothing is left behind
+    under the framework's names. (Megatron's case: test_megatron's disk-full test.)"""
+    out = tmpfs(2)
+    if adapter == "deepspeed":
+        torchrun("ds_roundtrip.py", 2, "--out", str(out), "--stage", "1", "--mode", "async",
+                 "--phase", "record-end", env=DS_ENV, timeout=240)
+        ends = [read_json(out / f"end-{r}.json") for r in (0, 1)]
+        names = os.listdir(out / "ckpt") if (out / "ckpt").exists() else []
+        assert not [n for n in names if n.startswith("global_step")], names
+    else:
+        proc = torchrun("hf_resume.py", 2, "--out", str(out), "--phase", "stop", env=DS_ENV,
+                        timeout=240, check=False)
+        assert proc.returncode != 0
+        ends = [read_json(out / f"stop-end-{r}.json") for r in (0, 1)]
+        assert not list((out / "run").glob("checkpoint-*"))
+    for rank, end in enumerate(ends):
+        error = end["error"] or ""
+        assert error.startswith("SaveFailedError") and "InsufficientSpaceError" in error, error
+        assert "free space" in error, f"rank {rank}: {error}"

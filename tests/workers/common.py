@@ -63,3 +63,19 @@ def finish() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def die_while_writing(step: str) -> None:
+    """SIGKILL this process when its write of step ``step``'s data starts."""
+    import signal
+
+    import dcp_tiered.writer as writer_module
+
+    original = writer_module.TieredStorageWriter._write_file
+
+    def write_or_die(self, *args, **kwargs):
+        if self.checkpoint_id == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(self, *args, **kwargs)
+
+    writer_module.TieredStorageWriter._write_file = write_or_die

@@ -131,7 +131,7 @@ def main() -> None:
     p.add_argument("--storage-options", default="{}", help="JSON fsspec options")
     p.add_argument("--phase", default="roundtrip",
                    choices=["roundtrip", "kill", "resume", "native", "existing-tag",
-                            "remote-save", "remote-restore", "remote-down"],
+                            "remote-save", "remote-restore", "record-end"],
                    help="kill: save global_step3, then SIGKILL every rank during the async "
                         "write of global_step5; resume: load 'latest' and train 2 steps; "
                         "native: save global_step3 with DeepSpeed's own engine and write the "
@@ -139,7 +139,7 @@ def main() -> None:
                         "existing-tag: save tag 'last' twice, then two more tags, recording "
                         "what each call raised; remote-save: save global_step3, train 2 steps, "
                         "flush (durable), then exit; remote-restore: load into a fresh engine; "
-                        "remote-down: as remote-save, recording what flush raised")
+                        "record-end: as remote-save, recording what flush raised")
     a = p.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
@@ -175,14 +175,15 @@ def main() -> None:
     at_save = snapshot(engine)
     engine.save_checkpoint(str(save_dir), tag="global_step3", client_state={"note": "hi", "n": 3})
     live = [train_step(engine, step, rank) for step in (3, 4)]  # while the write runs
-    if a.phase == "remote-down":  # the remote refuses every write: flush must say so
+    if a.phase == "record-end":  # what flush says (a remote that refuses writes, a full disk)
         try:
             ds_tiers.flush(engine)
             error = None
         except Exception as e:  # noqa: BLE001 - recorded for the test
             error = f"{type(e).__name__}: {e}"
+        latest_file = save_dir / "latest"
         write_json(Path(a.out) / f"end-{rank}.json", {
-            "error": error, "latest": (save_dir / "latest").read_text()})
+            "error": error, "latest": latest_file.read_text() if latest_file.exists() else None})
         finish()
     ds_tiers.flush(engine)
     latest = (save_dir / "latest").read_text()

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 import torch.distributed as dist
+from common import die_while_writing
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -43,20 +43,6 @@ class StopAt(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == self.step:
             control.should_training_stop = True  # after this step's save
-
-
-def die_while_writing(step: str) -> None:
-    """SIGKILL this process when its write of step ``step``'s data starts."""
-    import dcp_tiered.writer as writer_module
-
-    original = writer_module.TieredStorageWriter._write_file
-
-    def write_or_die(self, *args, **kwargs):
-        if self.checkpoint_id == step:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return original(self, *args, **kwargs)
-
-    writer_module.TieredStorageWriter._write_file = write_or_die
 
 
 def barrier() -> None:
@@ -137,6 +123,8 @@ def main() -> None:
         (out / f"{a.phase}.json").write_text(json.dumps({
             "left": left, "step": trainer.state.global_step,
             "files": sorted(os.listdir(run / left[-1])) if left else []}))
+    if dist.is_initialized():  # not left to the C++ teardown, where gloo sometimes aborts
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

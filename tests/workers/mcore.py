@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from common import finish, write_json  # also puts the repo on sys.path
+from common import die_while_writing, finish, write_json  # also puts the repo on sys.path
 
 from tests import _megatron as mc
 
@@ -158,21 +158,6 @@ def phase_legacy(args: argparse.Namespace, rank: int, world: int) -> None:
         "compared": len(tensors), "iteration": loaded["iteration"],
         "scheduler": loaded["opt_param_scheduler"],
         "mismatches": [k for k in tensors if not torch.equal(source[k], mine[k])]})
-
-
-def die_while_writing(step: str) -> None:
-    """SIGKILL this rank when its write of ``step``'s data starts (mcore's common.pt is on
-    disk by then)."""
-    import dcp_tiered.writer as writer_module
-
-    original = writer_module.TieredStorageWriter._write_file
-
-    def write_or_die(self, *a, **kw):
-        if self.checkpoint_id == step:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return original(self, *a, **kw)
-
-    writer_module.TieredStorageWriter._write_file = write_or_die
 
 
 def phase_facade(args: argparse.Namespace, rank: int) -> None:
