@@ -4,7 +4,6 @@ resume, memory-tier recovery, failure propagation) is in test_manager_resume.py.
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
@@ -344,13 +343,25 @@ def test_rank_state_round_trips_and_tolerates_a_step_saved_by_fewer_ranks(tiers,
                for r in caplog.records)
 
 
+class Position:
+    """A user's own class in a state: torch's weights_only loading refuses it. (io.BytesIO is
+    refused too, unless a framework imported in the process allowlisted it: megatron-core
+    does, with torch.serialization.add_safe_globals.)"""
+
+    def __init__(self, text: bytes) -> None:
+        self.text = text
+
+    def getvalue(self) -> bytes:
+        return self.text
+
+
 def test_a_state_that_could_not_be_restored_is_refused_at_its_first_save_unless_trusted(tiers):
-    """An io.BytesIO (or a custom class) saves, but weights_only loading refuses it: without
+    """A value weights_only loading refuses saves, but could never be restored: without
     allow_pickle the first save says so and writes nothing; with it, every tier restores it."""
-    state = {**_state(), "blob": io.BytesIO(b"loader position 17"), "note": {"epoch": [1, 2]}}
+    state = {**_state(), "blob": Position(b"loader position 17"), "note": {"epoch": [1, 2]}}
     policy = SavePolicy(memory=Every(steps=1), local=Every(steps=2), remote=Every(steps=2))
     with CheckpointManager(**tiers, policy=policy) as mgr:
-        with pytest.raises(ConfigError, match=r"'blob' \(BytesIO\).*allow_pickle=True"):
+        with pytest.raises(ConfigError, match=r"'blob' \(Position\).*allow_pickle=True"):
             mgr.save(0, state)
     assert not any(tiers["local"].glob("step-*")) and not any(tiers["memory"].rglob("slot-*"))
     with CheckpointManager(**tiers, policy=policy, allow_pickle=True) as mgr:
@@ -360,7 +371,7 @@ def test_a_state_that_could_not_be_restored_is_refused_at_its_first_save_unless_
     for tier_left in ("memory", "local"):
         if tier_left == "local":
             shutil.rmtree(tiers["memory"])
-        back = {**_state(value=9.0), "blob": io.BytesIO(), "note": {"epoch": [0, 0]}}
+        back = {**_state(value=9.0), "blob": Position(b""), "note": {"epoch": [0, 0]}}
         with CheckpointManager(**tiers, allow_pickle=True) as mgr:
             assert mgr.restore(back) == 4
         assert back["blob"].getvalue() == b"loader position 17" and back["note"]["epoch"] == [1, 2]

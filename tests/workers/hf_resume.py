@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 import torch.distributed as dist
-from common import die_while_writing
+from common import die_while_writing, finish
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -123,8 +123,8 @@ def main() -> None:
         (out / f"{a.phase}.json").write_text(json.dumps({
             "left": left, "step": trainer.state.global_step,
             "files": sorted(os.listdir(run / left[-1])) if left else []}))
-    if dist.is_initialized():  # not left to the C++ teardown, where gloo sometimes aborts
-        dist.destroy_process_group()
+    if dist.is_initialized():  # as every multi-rank worker: no interpreter teardown, where
+        finish()                # gloo sometimes aborts a finished job (dcp-cpu-findings)
 
 
 if __name__ == "__main__":
