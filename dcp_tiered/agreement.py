@@ -17,8 +17,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from .distributed import agreement_group
-from .errors import DcpTieredError
+from .distributed import agreement_group, is_node_leader
+from .errors import DcpTieredError, describe
 
 T = TypeVar("T")
 
@@ -81,6 +81,25 @@ class Agreement:
         value, error = self.broadcast((value, error))
         if error is not None:
             raise error
+        return value
+
+    def by_node_leaders(self, fn: Callable[[], T], what: str,
+                        error: type[DcpTieredError] = DcpTieredError) -> T | None:
+        """``fn()`` run by one process a node (node-wide files); its value there, None
+        elsewhere. What it raised is raised on every rank: a node's own error as itself on that
+        node, ``error`` naming it on the others (never one node alone, leaving the rest here)."""
+        value: T | None = None
+        mine: BaseException | None = None
+        if is_node_leader():
+            try:
+                value = fn()
+            except Exception as e:  # noqa: BLE001 - raised on every rank below
+                mine = e
+        problems = [p for p in self.gather(None if mine is None else describe(mine)) if p]
+        if mine is not None:
+            raise mine
+        if problems:
+            raise error(f"{what} failed on another node: {'; '.join(problems)}")
         return value
 
     def barrier(self) -> None:

@@ -348,14 +348,14 @@ class Lifecycle:
     # ------------------------------------------------------------ restore
 
     def restore(self, candidates: Callable[[bool], list[C]],
-                attempt: Callable[[C], str | None], *, on_unreadable_tier: str,
+                load: Callable[[C], str | None], *, on_unreadable_tier: str,
                 retry: str, name: Callable[[C], str] = str) -> C | None:
-        """Collective: the first candidate ``attempt`` loads on every rank, or None if there
+        """Collective: the first candidate ``load`` loads on every rank, or None if there
         are none.
 
         ``candidates(with_remote)`` lists them newest first (rank 0 alone; every rank tries
         the same ones); it raises TierUnavailableError when the remote cannot be read, which
-        is raised on every rank unless ``on_unreadable_tier="skip"``. ``attempt`` returns
+        is raised on every rank unless ``on_unreadable_tier="skip"``. ``load`` returns
         None or why it failed; ranks agree, so one rank's failure moves all to the next.
         ``retry`` is the call that skips an unreadable tier, for the message.
         """
@@ -380,7 +380,7 @@ class Lifecycle:
                          unreadable)
         reasons = []
         for candidate in found:
-            problem = attempt(candidate)
+            problem = load(candidate)
             if self.agree.any(problem is not None):
                 problem = problem or "failed on another rank"
                 reasons.append(f"{name(candidate)}: {problem}")

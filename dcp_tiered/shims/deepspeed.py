@@ -45,8 +45,7 @@ from .. import _torch_compat
 from ..backends.local import LocalBackend
 from ..backends.remote import remote_backend
 from ..config import RemoteConfig
-from ..distributed import is_node_leader
-from ..errors import CheckpointNotFoundError, ConfigError, ManifestError, describe
+from ..errors import CheckpointNotFoundError, ConfigError, ManifestError
 from ..lifecycle import Conventions, Lifecycle
 from ..policy.layout import is_step_name, validate_step_name
 from ..reader import TieredStorageReader
@@ -197,23 +196,15 @@ class TieredCheckpointEngine(CheckpointEngine):
         on this node's disk (a fresh or replaced node) is adopted from the remote, with its
         stubs and, if none is there, ``latest``, so that DeepSpeed finds it. Its data is read
         from the remote, verified, when DeepSpeed loads the files. Collective."""
-        error: BaseException | None = None
-        if is_node_leader():  # one process a node writes
-            try:
-                # DeepSpeed looks for the tag directory itself: a step whose overwrite a
-                # crash interrupted gets its name back first.
-                LocalTier(LocalBackend(load_dir)).undo_interrupted_overwrites()
-                if self.options.remote is not None:
-                    adopt(load_dir, tag, self.options.remote, self.options.storage_options)
-            except Exception as e:  # noqa: BLE001 - raised on every rank below
-                error = e
-        problems = self.lifecycle.agree.gather(None if error is None else describe(error))
-        if error is not None:
-            raise error
-        if any(problems):
-            raise CheckpointNotFoundError(
-                f"cannot prepare {load_dir} for loading: another node failed: "
-                + "; ".join(p for p in problems if p))
+        def prepare() -> None:
+            # DeepSpeed looks for the tag directory itself: a step whose overwrite a crash
+            # interrupted gets its name back first.
+            LocalTier(LocalBackend(load_dir)).undo_interrupted_overwrites()
+            if self.options.remote is not None:
+                adopt(load_dir, tag, self.options.remote, self.options.storage_options)
+
+        self.lifecycle.agree.by_node_leaders(prepare, f"preparing {load_dir} for loading",
+                                             error=CheckpointNotFoundError)
 
     def launch_decoupled(self) -> None:
         """Starts the write of the checkpoint just saved (decoupled mode)."""

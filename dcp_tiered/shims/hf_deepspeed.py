@@ -32,7 +32,7 @@ from ..backends.local import LocalBackend
 from ..backends.remote import remote_backend
 from ..config import RemoteConfig
 from ..distributed import is_node_leader
-from ..errors import CheckpointNotFoundError, DcpTieredError, TierUnavailableError, describe
+from ..errors import CheckpointNotFoundError, DcpTieredError, TierUnavailableError
 from ..policy.layout import is_step_name
 from ..policy.retention import RetentionPolicy, StepState, evictions
 from ..tiers.housekeeping import awaiting_remote
@@ -144,17 +144,9 @@ def prepare_resume(run_dir: str, wanted: Any, remote: str | RemoteConfig | None,
             return str(wanted)  # not Trainer's layout: Trainer says what is wrong with it
         number = int(match.group(1))
     step_dir = os.path.join(run_dir, f"checkpoint-{number}")
-    error = None
-    if is_node_leader():
-        try:
-            _rebuild(step_dir, f"global_step{number}", remote, storage_options)
-        except Exception as e:  # noqa: BLE001 - raised on every rank below
-            error = e
-    problems = [p for p in agree.gather(None if error is None else describe(error)) if p]
-    if error is not None:
-        raise error
-    if problems:
-        raise DcpTieredError(f"cannot rebuild {step_dir} on another node: {'; '.join(problems)}")
+    agree.by_node_leaders(
+        lambda: _rebuild(step_dir, f"global_step{number}", remote, storage_options),
+        f"rebuilding {step_dir}")
     return step_dir
 
 
