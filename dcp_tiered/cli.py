@@ -46,6 +46,9 @@ def cmd_ls(tier: LocalTier) -> int:
         if parsed and parsed[2] == layout.TMP_SUFFIX:
             busy = tier.backend.exists(name, layout.LOCK_NAME) and tier.backend.is_locked(name)
             rows.append((parsed[0], "-", "in progress" if busy else "abandoned (swept by the next writer)"))
+        elif parsed and parsed[2] == layout.QUARANTINE_SUFFIX:
+            rows.append((parsed[0], "-", f"quarantined as {name} (a restore fell back past it; "
+                                        "kept for inspection, delete it by hand)"))
     if not rows:
         print(f"no steps in {tier.root}")
         return 0

@@ -40,6 +40,13 @@ class RemoteConfig:
             data objects over 16 ``<url>/data/<x>/`` prefixes (S3 partitions by key prefix, so
             this avoids SlowDown at scale, as s3torchconnector's prefix strategies do).
         durable_timeout_secs: how long the coordinator waits for other nodes' uploads.
+        verify_uploads: read every uploaded object back and check its CRC32C against the
+            manifest before the step is committed remotely, so a store or proxy that corrupts
+            a PUT is caught at promotion, not at restore (it is uploaded again). Costs one
+            read of each object; turn off only for a store you trust end to end.
+        orphan_grace_secs: objects of a save that was never committed remotely (a killed
+            upload) are removed by the next writer's ``recover()`` once the newest of them is
+            this old; younger ones may belong to a save still uploading.
     """
 
     url: str
@@ -48,6 +55,8 @@ class RemoteConfig:
     max_concurrency: int = 8
     prefix_strategy: str = "none"
     durable_timeout_secs: float = 3600.0
+    verify_uploads: bool = True
+    orphan_grace_secs: float = 3600.0
     retry: RetryConfig = field(default_factory=RetryConfig)
 
     def __post_init__(self) -> None:

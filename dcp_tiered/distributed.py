@@ -30,6 +30,11 @@ def agreement_group(timeout_secs: float = 1800.0) -> dist.ProcessGroup | None:
     return _group("agreement", timeout_secs)
 
 
+def is_job_leader() -> bool:
+    """Global rank 0, or the only process."""
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
 def is_node_leader() -> bool:
     """Whether this process writes its node's node-wide files: ``LOCAL_RANK`` 0 (as torchrun
     sets it), else global rank 0 (without torchrun, a node is one process or the whole job)."""

@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from .agreement import Agreement
 from .backends.local import LocalBackend
+from .backends.remote import remote_backend
 from .distributed import checkpoint_process_group
 from .errors import (
     CheckpointExistsError,
@@ -57,6 +58,8 @@ from .errors import (
 from .policy import layout
 from .policy.retention import RetentionPolicy
 from .tiers.housekeeping import prune_local, prune_remote
+from .tiers.local import LocalTier
+from .tiers.remote import quarantine_remote_step
 from .writer import TieredStorageWriter
 
 logger = logging.getLogger(__name__)
@@ -349,7 +352,8 @@ class Lifecycle:
 
     def restore(self, candidates: Callable[[bool], list[C]],
                 load: Callable[[C], str | None], *, on_unreadable_tier: str,
-                retry: str, name: Callable[[C], str] = str) -> C | None:
+                retry: str, name: Callable[[C], str] = str,
+                abandon: Callable[[list[C], C], None] | None = None) -> C | None:
         """Collective: the first candidate ``load`` loads on every rank, or None if there
         are none.
 
@@ -357,7 +361,8 @@ class Lifecycle:
         the same ones); it raises TierUnavailableError when the remote cannot be read, which
         is raised on every rank unless ``on_unreadable_tier="skip"``. ``load`` returns
         None or why it failed; ranks agree, so one rank's failure moves all to the next.
-        ``retry`` is the call that skips an unreadable tier, for the message.
+        ``retry`` is the call that skips an unreadable tier, for the message. After falling
+        back, ``abandon(skipped, chosen)`` runs on every rank (see :meth:`quarantine`).
         """
         if on_unreadable_tier not in ("raise", "skip"):
             raise ConfigError(f"on_unreadable_tier must be 'raise' or 'skip', "
@@ -387,11 +392,30 @@ class Lifecycle:
                 logger.warning("cannot restore %s, trying an older step: %s", name(candidate),
                                problem)
                 continue
+            if reasons and abandon is not None:
+                abandon(found[:found.index(candidate)], candidate)
             return candidate
         if reasons:
             raise CheckpointNotFoundError(
                 "no step could be restored; every candidate failed:\n  " + "\n  ".join(reasons))
         return None
+
+
+    def quarantine(self, root: str, steps: list[str], *, reason: str) -> None:
+        """Collective: move ``steps`` aside on every node's ``root`` (one process a node) and on
+        the remote tier (rank 0), under names of ours, logged, never deleted. Training that
+        restored an older step saves those step names again; ``latest``, retention and the
+        remote's never-overwrite rule then see only the new saves."""
+        if not steps:
+            return
+        tier = LocalTier(LocalBackend(root))
+        self.agree.by_node_leaders(
+            lambda: [tier.quarantine(step, reason=reason) for step in steps],
+            f"quarantining {', '.join(steps)} in {root}")
+        remote = remote_backend(self.writers.remote, self.writers.storage_options)
+        if remote is not None:
+            self.agree.from_rank0(lambda: [quarantine_remote_step(remote, step, reason=reason)
+                                           for step in steps])
 
 
 def attempt(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, str | None]:

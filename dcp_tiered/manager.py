@@ -468,7 +468,7 @@ class CheckpointManager:
         chosen = self._lifecycle.restore(
             lambda with_remote: self._candidates(step, self._remote if with_remote else None),
             load, on_unreadable_tier=on_unreadable_tier, retry="restore",
-            name=lambda c: f"{c[0]} from the {c[1]} tier")
+            name=lambda c: f"{c[0]} from the {c[1]} tier", abandon=self._abandon)
         if chosen is None:
             if step is not None:
                 raise CheckpointNotFoundError(f"step {step} is in no tier of this manager")
@@ -484,6 +484,13 @@ class CheckpointManager:
             self._start(number, app_state, Decision(local=True, remote=self._remote is not None),
                         time.perf_counter())
         return number + 1
+
+    def _abandon(self, skipped: list[tuple[str, str]], chosen: tuple[str, str]) -> None:
+        """Steps newer than the one restored are abandoned: training saves them again."""
+        number = layout.step_number(chosen[0]) or -1
+        newer = sorted({n for n, _ in skipped if (layout.step_number(n) or -1) > number})
+        self._lifecycle.quarantine(self._local.root, newer,
+                                   reason=f"a restore fell back past it to {chosen[0]}")
 
     def _load_dcp(self, name: str, app_state: dict[str, Any]) -> str | None:
         reader = TieredStorageReader(self._local.root, remote=self._remote.config

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import io
-import json
 import logging
 import math
 import os
@@ -40,6 +39,7 @@ from .policy import integrity, layout, manifest
 from .policy.manifest import ItemLocation
 from .safe_unpickle import load_dcp_metadata
 from .tiers import catalog
+from .tiers import remote as remote_tier
 from .tiers.local import LocalTier
 
 logger = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ class TieredStorageReader(StorageReader):
         # Two buffers reused for every local item (one being read, one being delivered).
         self._read_buffers = [bytearray(), bytearray()]
         self._deferred_error: DcpTieredError | None = None
-        self._strategy: str | None = None  # the step's remote key layout, read from its marker
+        self._keys: layout.RemoteKeys | None = None  # the step's remote keys, from its marker
         self.files_read_remotely: set[str] = set()
 
     @property
@@ -121,7 +121,7 @@ class TieredStorageReader(StorageReader):
             return Metadata(state_dict_metadata={})
 
     def _read_metadata(self) -> Metadata:
-        self.files_read_remotely, self._strategy = set(), None
+        self.files_read_remotely, self._keys = set(), None
         if self._requested is None and self._tier.backend.exists(layout.DCP_METADATA_NAME):
             # The root itself is a vanilla DCP checkpoint directory.
             name = os.path.basename(self.root)
@@ -155,9 +155,17 @@ class TieredStorageReader(StorageReader):
                 logger.warning("local manifest of %s is unusable (%s); using the remote one",
                                step.name, e)
         assert self._remote is not None
-        where = self._remote.url(f"{step.name}/{layout.MANIFEST_NAME}")
-        return manifest.parse(self._remote.get_bytes(f"{step.name}/{layout.MANIFEST_NAME}"),
-                              where=where)
+        self._keys = None
+        key = self._remote_keys_of(step.name).manifest
+        return manifest.parse(self._remote.get_bytes(key), where=self._remote.url(key))
+
+    def _remote_keys_of(self, step: str) -> layout.RemoteKeys:
+        assert self._remote is not None
+        keys = remote_tier.keys_of_step(self._remote, step)
+        if keys is None:
+            raise CheckpointNotFoundError(f"step {step!r} is not committed on "
+                                          f"{self._remote.config.url}")
+        return keys
 
     def _read_vanilla_metadata(self) -> Metadata:
         where = os.path.join(self.root, *self._dir, layout.DCP_METADATA_NAME)
@@ -361,17 +369,20 @@ class TieredStorageReader(StorageReader):
     def _fetch(self, name: str, start: int, end: int) -> bytes:
         assert self._remote is not None and self._step is not None
         self.files_read_remotely.add(name)
-        key = layout.remote_file_key(self._step.name, name, self._prefix_strategy())
-        return self._remote.get_range(key, start, end)
+        return self._remote.get_range(self._remote_keys().file(name), start, end)
 
-    def _prefix_strategy(self) -> str:
+    def _remote_keys(self) -> layout.RemoteKeys:
         assert self._remote is not None and self._step is not None
-        if self._strategy is None:
-            marker = json.loads(
-                self._remote.get_bytes(f"{self._step.name}/{layout.REMOTE_MARKER}")
-            )
-            self._strategy = str(marker.get("prefix_strategy", "none"))
-        return self._strategy
+        if self._keys is None:
+            keys = self._remote_keys_of(self._step.name)
+            if self._manifest is not None and keys.save_id not in (None, self._manifest.save_id):
+                raise IntegrityError(
+                    f"the remote copy of step {self._step.name!r} on {self._remote.config.url} "
+                    f"is another save ({keys.save_id}) than the local one "
+                    f"({self._manifest.save_id}): two jobs saved this step name. Its files "
+                    "cannot stand in for the local copy's; restore another step.")
+            self._keys = keys
+        return self._keys
 
     def _read_buffer(self, which: int, length: int) -> memoryview:
         if len(self._read_buffers[which]) < length:
@@ -475,9 +486,11 @@ class TieredStorageReader(StorageReader):
         assert self._remote is not None and self._manifest is not None and self._step is not None
         step, backend = self._step.name, self._tier.backend
         backend.make_dir(step)
-        for meta in (layout.MANIFEST_NAME, layout.DCP_METADATA_NAME):
+        keys = self._remote_keys()
+        for meta, key in ((layout.MANIFEST_NAME, keys.manifest),
+                          (layout.DCP_METADATA_NAME, keys.metadata)):
             if not backend.exists(step, meta):
-                backend.write_atomically(step, meta, self._remote.get_bytes(f"{step}/{meta}"))
+                backend.write_atomically(step, meta, self._remote.get_bytes(key))
         for name in names:
             size = int(self._manifest.files[name]["size"])
             data = self._fetch(name, 0, size)

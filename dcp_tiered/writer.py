@@ -36,11 +36,13 @@ from ._version import __version__
 from .backends.local import LocalBackend
 from .backends.remote import RemoteBackend, remote_backend
 from .config import RemoteConfig
+from .distributed import is_job_leader
 from .errors import (
     CheckpointExistsError,
     ConfigError,
     ForeignPathError,
     InsufficientSpaceError,
+    TierError,
     UploadFailedError,
 )
 from .policy import integrity, layout, manifest
@@ -136,6 +138,7 @@ class TieredStorageWriter(StorageWriter):
         # Steps saved here but not promoted to the remote tier (see keep_local).
         self.local_only_steps: set[str] = set()
         self._timings: dict[str, dict[str, float]] = {}
+        self._save_ids: dict[str, str] = {}  # step -> id of this writer's last save of it
         self._step: str | None = None
         self._save: tuple[_SaveInfo, list[int]] | None = None  # coordinator: own info, nodes
         self._leading: tuple[str, int] | None = None  # (tmp dir, lock fd) until published
@@ -175,6 +178,14 @@ class TieredStorageWriter(StorageWriter):
         Safe to call again, and on every rank of a node at once."""
         self._tier.recover_and_sweep()
         self._hold_uploads()
+        if self._remote is not None and is_job_leader():
+            # The coordinator's root decides: a save it does not hold committed can never
+            # be committed remotely (its promotion writes the marker).
+            try:
+                remote_tier.sweep_orphans(self._tier, self._remote)
+            except TierError as e:
+                logger.warning("could not look for orphaned uploads on %s: %s",
+                               self._remote.config.url, e)
 
     def _hold_uploads(self) -> None:
         if self._remote is not None and self._uploader is None:
@@ -214,6 +225,20 @@ class TieredStorageWriter(StorageWriter):
             up = uploads.uploader_for(self._tier, self._remote)
             steps = sorted(up.steps()) or [catalog.resolve(self._tier, None, None).name]
         uploads.wait_durable(self._tier, self._remote, steps, timeout_secs)
+        for name in steps:
+            self._check_still_ours(name)
+
+    def _check_still_ours(self, step: str) -> None:
+        """The remote's step must be this writer's save: with ``overwrite=True`` another job
+        on the same root may have replaced the local copy before it was uploaded."""
+        mine = self._save_ids.get(step)
+        marker = None if mine is None else remote_tier.read_marker(self._remote, step)
+        if marker is not None and marker.get("save_id") != mine:
+            raise UploadFailedError(
+                f"step {step!r} is durable on {self._remote.config.url} as another save "
+                f"({marker.get('save_id')}) than this writer's ({mine}): another job (or "
+                f"writer) replaced it in {self.root} (overwrite=True) before it was uploaded. "
+                "This writer's data is not durable; give each job its own root.")
 
     def keep_local(self, step: str) -> None:
         """Do not copy ``step`` to the remote tier when it is saved (decided by rank 0)."""
@@ -417,6 +442,9 @@ class TieredStorageWriter(StorageWriter):
                 backend.remove_file(save.tmp, layout.data_file_name(save.rank, i))
             raise
         self.local_only_steps.discard(save.step)
+        self._save_ids[save.step] = save.save_id
+        while len(self._save_ids) > 1024:  # bounded, oldest first
+            self._save_ids.pop(next(iter(self._save_ids)))
         self._record_timing(save.step, write_s=time.perf_counter() - started,
                             uploads=float(save.node_leader and save.promote))
         logger.debug(
@@ -506,7 +534,8 @@ class TieredStorageWriter(StorageWriter):
 
         def publish() -> None:
             try:
-                commit.publish_step(backend, save.step, save.save_id, save.tmp)
+                commit.publish_step(backend, save.step, save.save_id, save.tmp,
+                                    overwrite=self.overwrite)
             finally:
                 LocalBackend.unlock(lock)
             self._promote(save)
@@ -541,7 +570,7 @@ class TieredStorageWriter(StorageWriter):
         commit.write_step_files(backend, tmp, manifest_bytes, metadata_bytes, sync=self.sync_files)
 
         def publish_own() -> None:
-            commit.publish_step(backend, save.step, save.save_id, tmp)
+            commit.publish_step(backend, save.step, save.save_id, tmp, overwrite=self.overwrite)
 
         if other_nodes:
             store = _torch_compat.default_store()

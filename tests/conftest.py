@@ -131,13 +131,15 @@ def fault_proxy(s3):
     """Start a fault proxy in front of the S3 server; returns a function (rate, seed) -> URL."""
     procs = []
 
-    def start(rate: float, seed: int = 0, stall_secs: float = 6.0, deny: str | None = None) -> str:
+    def start(rate: float, seed: int = 0, stall_secs: float = 6.0, deny: str | None = None,
+              corrupt: str | None = None, corrupt_count: int = 1) -> str:
         port = free_port()
         proc = subprocess.Popen(
             [sys.executable, str(REPO / "tests" / "faultproxy.py"), "--port", str(port),
              "--upstream", s3.endpoint, "--rate", str(rate), "--seed", str(seed),
              "--stall-secs", str(stall_secs), "--max-secs", "900",
-             *(["--deny", deny] if deny else [])],
+             *(["--deny", deny] if deny else []),
+             *(["--corrupt", corrupt, "--corrupt-count", str(corrupt_count)] if corrupt else [])],
             stderr=subprocess.PIPE, text=True)
         procs.append(proc)
         _wait_for_port(port, proc, "fault proxy")

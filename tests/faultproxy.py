@@ -6,6 +6,8 @@ stalls. The Host header is forwarded unchanged, so SigV4 signatures stay valid.
 
 Usage: python tests/faultproxy.py --port P --upstream http://127.0.0.1:Q --rate 0.2 [--seed S]
        [--deny __1_]   (403 AccessDenied for every write of a key containing "__1_")
+       [--corrupt .distcp --corrupt-count N]   (flip one byte in the body of the first N
+                        writes of keys containing ".distcp": the store keeps corrupt data)
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ HOP = {"transfer-encoding", "connection", "keep-alive", "content-length", "conte
 
 
 def build_app(upstream: str, rate: float, seed: int, stall_secs: float, max_secs: float,
-              deny: str | None = None) -> web.Application:
+              deny: str | None = None, corrupt: str | None = None,
+              corrupt_count: int = 0) -> web.Application:
     rng = random.Random(seed)
-    counts = {f: 0 for f in FAULTS} | {"ok": 0, "denied": 0}
+    counts = {f: 0 for f in FAULTS} | {"ok": 0, "denied": 0, "corrupted": 0}
     session: dict[str, ClientSession] = {}
 
     async def handle(request: web.Request) -> web.StreamResponse:
@@ -40,6 +43,12 @@ def build_app(upstream: str, rate: float, seed: int, stall_secs: float, max_secs
         if deny and deny in request.path and request.method in ("PUT", "POST"):
             counts["denied"] += 1  # a permanent failure for the writes of chosen keys
             return web.Response(status=403, body=DENIED, content_type="application/xml")
+        if (corrupt and corrupt in request.path and request.method == "PUT" and len(body) > 64
+                and counts["corrupted"] < corrupt_count):
+            counts["corrupted"] += 1  # the signature covers headers only: the store accepts it
+            flipped = bytearray(body)
+            flipped[len(body) // 2] ^= 0x01
+            body = bytes(flipped)
         fault = rng.choice(FAULTS) if rng.random() < rate else None
         counts[fault or "ok"] += 1
         if fault == "500":
@@ -97,9 +106,12 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stall-secs", type=float, default=6.0)
     p.add_argument("--deny", help="answer 403 AccessDenied to writes of keys containing this")
+    p.add_argument("--corrupt", help="flip a byte in PUT bodies of keys containing this")
+    p.add_argument("--corrupt-count", type=int, default=1, help="how many PUTs to corrupt")
     p.add_argument("--max-secs", type=float, default=1800.0, help="stop by itself after this")
     a = p.parse_args()
-    app = build_app(a.upstream, a.rate, a.seed, a.stall_secs, a.max_secs, a.deny)
+    app = build_app(a.upstream, a.rate, a.seed, a.stall_secs, a.max_secs, a.deny, a.corrupt,
+                    a.corrupt_count)
     web.run_app(app, host="127.0.0.1", port=a.port, print=None, access_log=None)
 
 

@@ -375,3 +375,44 @@ def test_a_state_that_could_not_be_restored_is_refused_at_its_first_save_unless_
         with CheckpointManager(**tiers, allow_pickle=True) as mgr:
             assert mgr.restore(back) == 4
         assert back["blob"].getvalue() == b"loader position 17" and back["note"]["epoch"] == [1, 2]
+
+
+def _flip(data: bytes) -> bytes:
+    raw = bytearray(data)
+    raw[len(raw) // 2] ^= 0xFF
+    return bytes(raw)
+
+
+def test_steps_a_restore_fell_back_past_are_quarantined_and_saved_again(tmp_path, s3):
+    """Every tier holds a corrupt step-3: the restore falls back to step-2, and training then
+    saves step 3 again, on every tier, instead of failing on the abandoned copies."""
+    import s3fs
+
+    from dcp_tiered import RemoteConfig
+
+    remote = RemoteConfig(url=s3.url(), storage_options=s3.options())
+    tiers = {"memory": tmp_path / "shm", "local": tmp_path / "disk", "remote": remote}
+    every = SavePolicy(memory=Every(steps=1), local=Every(steps=1), remote=Every(steps=1))
+    with CheckpointManager(**tiers, policy=every) as mgr:
+        for step in range(4):
+            mgr.save(step, _state(value=step))
+    for slot in (tiers["memory"] / "rank-0").glob("slot-*.json"):
+        if json.loads(slot.read_text())["step"] == "step-3":
+            slot.with_suffix(".data").write_bytes(_flip(slot.with_suffix(".data").read_bytes()))
+    for data in (tiers["local"] / "step-3").glob("*.distcp"):
+        data.write_bytes(_flip(data.read_bytes()))
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3.options())
+    for key in fs.find(f"{remote.url.removeprefix('s3://')}/step-3"):
+        if key.endswith(".distcp"):
+            fs.pipe(key, _flip(fs.cat(key)))
+    target = _state()
+    with CheckpointManager(**tiers, policy=every) as mgr:
+        assert mgr.restore(target) == 3
+        assert torch.equal(target["w"], _state(value=2)["w"])
+        mgr.save(3, _state(value=33))  # the abandoned step-3 no longer stands in the way
+    assert [n for n in _hidden_dirs(tiers["local"]) if n.endswith(".dcp-tiered-quarantined")]
+    assert any("/step-3/_quarantined/" in k for k in fs.find(remote.url.removeprefix("s3://")))
+    fresh = {"memory": None, "local": tmp_path / "fresh", "remote": remote}
+    with CheckpointManager(**fresh) as mgr:  # a new node: only the remote tier
+        assert mgr.restore(target) == 4
+    assert torch.equal(target["w"], _state(value=33)["w"])

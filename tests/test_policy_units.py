@@ -94,3 +94,23 @@ def test_manifest_rejects_unknown_types_even_with_valid_checksum(field, value):
     body["manifest_checksum"] = manifest._self_checksum(body)  # a careful forger
     with pytest.raises(ManifestError):
         manifest.parse(json.dumps(body).encode(), where="m.json")
+
+
+def test_remote_keys_keep_each_save_apart_and_refuse_hostile_markers():
+    from dcp_tiered.policy.layout import RemoteKeys, keys_of_marker, save_id_of_key
+
+    new = RemoteKeys("step-1", "0a1b2c3d4e5f", "hash")
+    assert new.manifest == "step-1/0a1b2c3d4e5f/manifest.json"
+    assert new.file("__0_0.distcp").startswith("data/") and "/step-1/0a1b2c3d4e5f/" in \
+        new.file("__0_0.distcp")
+    assert save_id_of_key("step-1", new.file("__0_0.distcp")) == "0a1b2c3d4e5f"
+    assert not new.owns("step-1/ffffffffffff/manifest.json") and not new.owns("step-1/_COMMITTED.json")
+    old = keys_of_marker("step-1", {"save_id": "whatever", "prefix_strategy": "none"})
+    assert old.save_id is None and old.manifest == "step-1/manifest.json"
+    assert old.owns("step-1/__0_0.distcp") and old.owns("step-1/_nodes/node-0.json")
+    assert not old.owns("step-1/0a1b2c3d4e5f/__0_0.distcp") and not old.owns("step-1/_COMMITTED.json")
+    for bad in ({"layout": 2, "save_id": "../../etc"}, {"layout": 2, "save_id": "ABC"},
+                {"layout": 3, "save_id": "abc"}, {"layout": 2, "save_id": "abc",
+                                                  "prefix_strategy": "weird"}):
+        with pytest.raises(ValueError):
+            keys_of_marker("step-1", bad)

@@ -523,3 +523,24 @@ def test_a_data_file_that_is_a_link_is_never_read(tmp_path):
     with pytest.raises(CheckpointException) as e:
         load(tmp_path / "root", "step-1")
     assert isinstance(failure(e), MissingShardError) and "never read" in str(failure(e))
+
+
+def test_a_step_another_job_commits_meanwhile_is_never_replaced(tmp_path):
+    """Two jobs on one root save the same step name: the one that commits first keeps it; the
+    other is refused at its commit (not told "saved"), and leaves nothing behind."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    root = tmp_path / "shared"
+
+    class OtherJobCommitsMidway(DefaultSavePlanner):
+        def finish_plan(self, new_plan):  # after this save checked the step is free
+            save(root, "step-5", state(2.0))
+            return super().finish_plan(new_plan)
+
+    with pytest.raises(BaseException) as e:
+        dcp.save(state(1.0), checkpoint_id="step-5", storage_writer=TieredStorageWriter(root),
+                 planner=OtherJobCommitsMidway(), no_dist=True)
+    err = failure(e)
+    assert isinstance(err, CheckpointExistsError) and "another job" in str(err)
+    assert_state_equal(load(root, "step-5"), state(2.0))
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith(".step")) == []

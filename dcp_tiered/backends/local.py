@@ -28,19 +28,20 @@ from ..policy.layout import TMP_SUFFIX
 logger = logging.getLogger(__name__)
 
 _AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
 _WRITE_BUFFER_BYTES = 4 * 2**20
 _READ_CHUNK_BYTES = 16 * 2**20
 
 
-def _renameat2_exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two directory entries (Linux renameat2). False if unsupported."""
+def _renameat2(a: Path, b: Path, flags: int) -> bool:
+    """Linux renameat2 with ``flags``; False where the call or the flag is unsupported."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         fn = libc.renameat2
     except (OSError, AttributeError):
         return False
-    rc = fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    rc = fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), flags)
     if rc == 0:
         return True
     err = ctypes.get_errno()
@@ -211,17 +212,25 @@ class LocalBackend:
     def sync_dir(self, name: str | None = None) -> None:
         fsync_dir(self._child(name) if name else self.root)
 
-    def publish(self, tmp_name: str, final_name: str, old_name: str) -> bool:
+    def publish(self, tmp_name: str, final_name: str, old_name: str, *,
+                replace: bool = True) -> bool:
         """Atomically give ``tmp_name`` the name ``final_name``; fsync the root.
 
         If ``final_name`` exists it is swapped out atomically (renameat2 RENAME_EXCHANGE) to
         ``old_name``, so the step exists under its final name at every instant. Returns
-        whether an old step was replaced (it now lives at ``old_name``).
+        whether an old step was replaced (it now lives at ``old_name``). With
+        ``replace=False`` an existing ``final_name`` raises FileExistsError instead, decided
+        by the rename itself (RENAME_NOREPLACE), so two processes cannot both succeed.
         """
         tmp, final = self._child(tmp_name), self._child(final_name)
         replaced = False
-        if final.exists():
-            if _renameat2_exchange(tmp, final):
+        if not replace:
+            if not _renameat2(tmp, final, _RENAME_NOREPLACE):
+                if final.exists():  # no RENAME_NOREPLACE: rename() refuses a non-empty target
+                    raise FileExistsError(errno.EEXIST, "exists", str(final))
+                os.rename(tmp, final)
+        elif final.exists():
+            if _renameat2(tmp, final, _RENAME_EXCHANGE):
                 os.rename(tmp, self._child(old_name))
             else:  # no RENAME_EXCHANGE: a short window, repaired by recover_interrupted()
                 os.rename(final, self._child(old_name))

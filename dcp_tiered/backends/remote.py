@@ -17,7 +17,7 @@ import fsspec
 
 from .. import _retry
 from ..config import RemoteConfig
-from ..errors import ConfigError, PermanentTierError, TransientTierError
+from ..errors import ConfigError, IntegrityError, PermanentTierError, TransientTierError
 from ..policy import layout
 
 logger = logging.getLogger(__name__)
@@ -58,10 +58,25 @@ def _client_error(exc: BaseException) -> Any | None:
     return None
 
 
+def _caused_by(exc: BaseException | None, name: str) -> bool:
+    for _ in range(5):
+        if exc is None:
+            return False
+        if type(exc).__name__ == name:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def translate(exc: BaseException, op: str, where: str) -> BaseException:
     """Map a backend exception to our taxonomy; FileNotFound/FileExists pass through."""
     if isinstance(exc, (FileNotFoundError, FileExistsError)) and _client_error(exc) is None:
         return exc
+    if _caused_by(exc, "FlexibleChecksumError"):
+        # botocore checked the body against the checksum the store recorded with it at
+        # upload: the object is corrupt in the store, and reading it again will not help.
+        return IntegrityError(f"{op} {where}: the stored object fails the checksum recorded at "
+                              f"its upload ({exc}); it is corrupt in the store")
     ce = _client_error(exc)
     if ce is not None:
         err = ce.response.get("Error", {})
@@ -253,13 +268,30 @@ class RemoteBackend:
 
     def sizes(self, prefix: str) -> dict[str, int]:
         """Relative key -> size of every object under ``prefix``, in one listing."""
+        return {key: int(info["size"]) for key, info in self._find(prefix).items()}
+
+    def modified(self, prefix: str) -> dict[str, float]:
+        """Relative key -> last-modified time (epoch seconds) of every object under ``prefix``."""
+        return {key: _mtime(info) for key, info in self._find(prefix).items()}
+
+    def _find(self, prefix: str) -> dict[str, Mapping[str, Any]]:
         path = self.path(prefix)
         self.fs.invalidate_cache(path)
         try:
             found = self._call("list", prefix, lambda: self.fs.find(path, detail=True))
         except FileNotFoundError:
             return {}
-        return {p[len(self.base) + 1 :]: int(info["size"]) for p, info in found.items()}
+        return {p[len(self.base) + 1 :]: info for p, info in found.items()}
+
+    def children(self, prefix: str = "") -> list[str]:
+        """The names directly under ``prefix`` (default: the remote root), in one listing."""
+        path = self.path(prefix) if prefix else self.base
+        self.fs.invalidate_cache(path)
+        try:
+            found = self._call("list", prefix, lambda: self.fs.ls(path, detail=False))
+        except FileNotFoundError:
+            return []
+        return sorted({p.rstrip("/").rpartition("/")[2] for p in found})
 
     def committed_steps(self) -> list[str]:
         """Steps whose commit marker exists, as the store holds them now."""
@@ -294,6 +326,12 @@ def remote_backend(
     if not isinstance(remote, RemoteConfig):
         remote = RemoteConfig(url=remote, storage_options=dict(storage_options or {}))
     return RemoteBackend(remote)
+
+
+def _mtime(info: Mapping[str, Any]) -> float:
+    """An fsspec listing entry's modification time: S3 gives a datetime, local stores a float."""
+    value = info.get("LastModified", info.get("mtime", info.get("created", 0.0)))
+    return value.timestamp() if hasattr(value, "timestamp") else float(value or 0.0)
 
 
 def _split(url: str) -> tuple[str, str]:

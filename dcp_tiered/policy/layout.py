@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import re
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 from ..errors import ConfigError
 
@@ -16,6 +18,9 @@ TMP_SUFFIX = ".dcp-tiered-tmp"
 OLD_SUFFIX = ".dcp-tiered-old"
 UPLOAD_SUFFIX = ".dcp-tiered-up"  # bookkeeping of uploads that start before the local commit
 DELETE_SUFFIX = ".dcp-tiered-del"  # a step being deleted: renamed out of sight first
+# A step a restore fell back past, moved aside so that training can save that step again.
+# Never swept, pruned or loaded: an operator decides what becomes of it.
+QUARANTINE_SUFFIX = ".dcp-tiered-quarantined"
 LOCK_NAME = ".dcp-tiered.lock"
 # In a directory a shim made at a step's path before the step is committed (mcore writes its
 # common.pt there first): which files it may hold. Only such a directory is ours to replace or
@@ -29,11 +34,14 @@ RETENTION_LOCK_NAME = ".dcp-tiered-retention.lock"  # held by the process that p
 
 # Remote tier: a step is committed there once its marker exists (created exclusively, last).
 REMOTE_MARKER = "_COMMITTED.json"
+REMOTE_QUARANTINE = "_quarantined"  # STEP/_quarantined/<save id>.json: a marker moved aside
 NODE_RECORDS = "_nodes"
+REMOTE_LAYOUT = 2  # objects of a save under STEP/<save id>/ (layout 1: directly under STEP/)
 _HASH_PREFIXES = 16
 HASHED_DATA = "data"  # remote prefix of hashed data keys: never a step name
 
 _STEP_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # fullmatch: no trailing newline
+_SAVE_ID_RE = re.compile(r"[0-9a-f]{1,32}")
 _TRAILING_INT = re.compile(r"(\d+)$")
 
 
@@ -84,9 +92,13 @@ def delete_dir_name(step: str, save_id: str) -> str:
     return f".{step}.{save_id}{DELETE_SUFFIX}"
 
 
+def quarantine_dir_name(step: str, save_id: str) -> str:
+    return f".{step}.{save_id}{QUARANTINE_SUFFIX}"
+
+
 def parse_hidden_dir(name: str) -> tuple[str, str, str] | None:
-    """Split a temporary/old entry into ``(step, save_id, suffix)``; None for anything else."""
-    for suffix in (TMP_SUFFIX, OLD_SUFFIX, UPLOAD_SUFFIX, DELETE_SUFFIX):
+    """Split a hidden entry of ours into ``(step, save_id, suffix)``; None for anything else."""
+    for suffix in (TMP_SUFFIX, OLD_SUFFIX, UPLOAD_SUFFIX, DELETE_SUFFIX, QUARANTINE_SUFFIX):
         if name.startswith(".") and name.endswith(suffix):
             stem = name[1 : -len(suffix)]
             step, _, save_id = stem.rpartition(".")
@@ -120,18 +132,96 @@ def newest(steps: Iterable[tuple[str, int]]) -> str | None:
     return best[2] if best else None
 
 
-def node_record_key(step: str, node: int) -> str:
-    return f"{step}/{NODE_RECORDS}/node-{node}.json"
+def is_save_id(value: object) -> bool:
+    return isinstance(value, str) and bool(_SAVE_ID_RE.fullmatch(value))
 
 
-def remote_file_key(step: str, name: str, prefix_strategy: str) -> str:
-    """Key of a step's file under the remote root; data may be spread over hashed prefixes."""
-    if prefix_strategy == "hash" and name.endswith(".distcp"):
-        bucket = zlib.crc32(f"{step}/{name}".encode()) % _HASH_PREFIXES
-        return f"{HASHED_DATA}/{bucket:x}/{step}/{name}"
-    return f"{step}/{name}"
+@dataclass(frozen=True)
+class RemoteKeys:
+    """Where the objects of one save of a step live under the remote root.
+
+    Layout 2 puts every object of a save under ``STEP/<save id>/`` (hashed data under
+    ``data/<h>/STEP/<save id>/``), so two saves of one step name (two jobs sharing a prefix, or
+    a re-save after a quarantine) never write the same key. Only the marker
+    ``STEP/_COMMITTED.json``, created exclusively, says which save *is* the step. Layout 1
+    (``save_id=None``), written before, keeps its objects directly under ``STEP/``.
+    """
+
+    step: str
+    save_id: str | None
+    prefix_strategy: str = "none"
+
+    @property
+    def _base(self) -> str:
+        return f"{self.step}/{self.save_id}/" if self.save_id else f"{self.step}/"
+
+    def file(self, name: str) -> str:
+        """Key of a data file; data may be spread over hashed prefixes."""
+        if self.prefix_strategy == "hash" and name.endswith(".distcp"):
+            bucket = zlib.crc32(f"{self.step}/{name}".encode()) % _HASH_PREFIXES
+            return f"{HASHED_DATA}/{bucket:x}/{self._base}{name}"
+        return f"{self._base}{name}"
+
+    @property
+    def manifest(self) -> str:
+        return f"{self._base}{MANIFEST_NAME}"
+
+    @property
+    def metadata(self) -> str:
+        return f"{self._base}{DCP_METADATA_NAME}"
+
+    def node_record(self, node: int) -> str:
+        return f"{self._base}{NODE_RECORDS}/node-{node}.json"
+
+    def prefixes(self) -> list[str]:
+        """Every prefix that may hold this save's objects (layout 1: the whole step's)."""
+        return [self._base] + [f"{HASHED_DATA}/{b:x}/{self._base}" for b in range(_HASH_PREFIXES)]
+
+    def owns(self, key: str) -> bool:
+        """Whether ``key`` is one of this save's objects (never the step's marker). In layout 1
+        those are the files directly under the step's prefixes and its node records."""
+        for prefix in self.prefixes():
+            if key.startswith(prefix):
+                rest = key[len(prefix):]
+                if self.save_id:
+                    return True
+                return rest != REMOTE_MARKER and ("/" not in rest
+                                                  or rest.startswith(f"{NODE_RECORDS}/"))
+        return False
+
+
+def marker_body(step: str, save_id: str, committed_at_ns: int, prefix_strategy: str) -> dict[str, Any]:
+    return {"step": step, "save_id": save_id, "committed_at_ns": committed_at_ns,
+            "prefix_strategy": prefix_strategy, "layout": REMOTE_LAYOUT}
+
+
+def keys_of_marker(step: str, marker: Mapping[str, Any]) -> RemoteKeys:
+    """The keys of the save a marker commits. Its fields come from storage: a save id that
+    is not one of ours could name a path elsewhere, so it is refused, not used."""
+    strategy = str(marker.get("prefix_strategy", "none"))
+    if strategy not in ("none", "hash"):
+        raise ValueError(f"unknown prefix_strategy {strategy!r}")
+    if marker.get("layout", 1) == 1:
+        return RemoteKeys(step, None, strategy)
+    if marker.get("layout") != REMOTE_LAYOUT or not is_save_id(marker.get("save_id")):
+        raise ValueError(f"unsupported marker (layout {marker.get('layout')!r}, save id "
+                         f"{marker.get('save_id')!r})")
+    return RemoteKeys(step, str(marker["save_id"]), strategy)
+
+
+def quarantine_record_key(step: str, save_id: str) -> str:
+    return f"{step}/{REMOTE_QUARANTINE}/{save_id}.json"
 
 
 def remote_step_prefixes(step: str) -> list[str]:
     """Every prefix that may hold objects of ``step`` (for cleanup confined to that step)."""
     return [f"{step}/"] + [f"{HASHED_DATA}/{b:x}/{step}/" for b in range(_HASH_PREFIXES)]
+
+
+def save_id_of_key(step: str, key: str) -> str | None:
+    """The save id whose layout-2 prefix holds ``key`` of ``step``, or None."""
+    for prefix in remote_step_prefixes(step):
+        if key.startswith(prefix):
+            head = key[len(prefix):].split("/", 1)
+            return head[0] if len(head) == 2 and is_save_id(head[0]) else None
+    return None

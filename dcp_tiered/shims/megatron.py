@@ -258,7 +258,11 @@ class EasyCkpt:
         chosen = self.lifecycle.restore(
             lambda with_remote: self._candidates(root, with_remote), load,
             on_unreadable_tier=on_unreadable_tier, retry="load_checkpoint",
-            name=lambda c: f"{iteration_dir(c[0])} from {c[1]}")
+            name=lambda c: f"{iteration_dir(c[0])} from {c[1]}",
+            abandon=lambda skipped, chosen: self.lifecycle.quarantine(
+                root, sorted({iteration_dir(i) for i, t in skipped
+                              if t == "storage" and i > chosen[0] and root == self.save_dir}),
+                reason=f"a restore fell back past it to {iteration_dir(chosen[0])}"))
         if chosen is None:
             logger.info("easyckpt: nothing to restore in %s", root)
             return 0

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..backends.local import LocalBackend
-from ..errors import CommitError
+from ..errors import CheckpointExistsError, CommitError
 from ..policy import layout
 
 logger = logging.getLogger(__name__)
@@ -40,10 +40,23 @@ def write_step_files(
         backend.sync_dir(tmp)
 
 
-def publish_step(backend: LocalBackend, step: str, save_id: str, tmp: str) -> None:
+def publish_step(backend: LocalBackend, step: str, save_id: str, tmp: str, *,
+                 overwrite: bool = True) -> None:
+    """Rename ``tmp`` to ``step``. Without ``overwrite``, a step that appeared at that name
+    since the save was planned (another job saving into this root) is never replaced: the
+    rename fails, and CheckpointExistsError says so."""
     old = layout.old_dir_name(step, save_id)
     pending = backend.exists(step, layout.PENDING_MARKER)
-    if backend.publish(tmp, step, old):
+    try:
+        replaced = backend.publish(tmp, step, old, replace=overwrite or pending)
+    except FileExistsError:
+        discard_tmp(backend, tmp, reason=f"save {save_id} of {step} lost to another save")
+        raise CheckpointExistsError(
+            f"{backend.path_of(step)} appeared while save {save_id} of it was being written: "
+            "another job (or writer) saves the same step name into this root. It was left "
+            "untouched and this save was not committed; give each job its own root, or save "
+            "under another step name.") from None
+    if replaced:
         backend.remove_tree(old, reason=(
             f"the directory made for {step} before its commit (its files are in the step)"
             if pending else f"overwritten by a new save of {step}"))

@@ -151,6 +151,23 @@ class LocalTier:
         finally:
             self.backend.unlock(lock)
 
+    def quarantine(self, step: str, *, reason: str) -> str | None:
+        """Move committed ``step`` aside under a hidden name of ours (never deleted, swept,
+        listed or loaded), so the step can be saved again; None if there is no such step."""
+        if not self.has_step(step) or self.backend.is_link(step):
+            return None
+        try:
+            save_id = self.read_manifest(step).save_id
+        except (ManifestError, OSError):
+            save_id = ""
+        if not layout.is_save_id(save_id):  # unreadable: any fresh id names it uniquely
+            save_id = uuid.uuid4().hex[:12]
+        name = layout.quarantine_dir_name(step, save_id)
+        self.backend.rename(step, name)
+        logger.warning("quarantined %s/%s as %s: %s. It is kept for inspection; delete it "
+                       "when it is no longer needed.", self.root, step, name, reason)
+        return name
+
     # ------------------------------------------------------------ recovery
 
     def recover_and_sweep(self) -> None:
@@ -189,8 +206,8 @@ class LocalTier:
         return True
 
     def _recover_entry(self, name: str, step: str, save_id: str, suffix: str) -> None:
-        if not self.backend.is_dir(name):
-            return
+        if not self.backend.is_dir(name) or suffix == layout.QUARANTINE_SUFFIX:
+            return  # a quarantined step is an operator's to inspect and delete
         if suffix == layout.DELETE_SUFFIX:
             if self._abandoned(name):
                 self.backend.remove_tree(name, reason="finishing an interrupted delete")

@@ -139,7 +139,10 @@ class MemoryTier:
 
     def steps(self) -> dict[str, int]:
         """Committed step name -> commit time (ns) of this rank's slots."""
-        return {h.step: h.committed_at_ns for h in read_headers(self.backend).values()}
+        out: dict[str, int] = {}
+        for h in read_headers(self.backend).values():  # a step saved again: its newest copy
+            out[h.step] = max(out.get(h.step, 0), h.committed_at_ns)
+        return out
 
     def load(self, step: str, app_state: dict[str, Any]) -> None:
         """Verify ``step``'s snapshot and load it into ``app_state`` (Stateful objects get
@@ -147,7 +150,8 @@ class MemoryTier:
         found = [(s, h) for s, h in read_headers(self.backend).items() if h.step == step]
         if not found:
             raise CheckpointNotFoundError(f"{step} is not in the memory tier {self.backend.root}")
-        slot, header = found[0]
+        # Saved again after a restore fell back past it: the newest copy is the step.
+        slot, header = max(found, key=lambda sh: sh[1].committed_at_ns)
         where = f"memory-tier {step} of rank {self.rank} ({self.backend.path_of(_data(slot))})"
         if self.backend.file_size(_data(slot)) != header.data_size:
             raise IntegrityError(f"{where}: data file has the wrong size")

@@ -25,6 +25,7 @@ from ..backends.remote import RemoteBackend
 from ..errors import (
     CheckpointNotFoundError,
     IntegrityError,
+    ManifestError,
     TierError,
     UploadFailedError,
 )
@@ -81,36 +82,37 @@ class Promotion:
                 if self.tier.backend.is_dir(area):
                     self.tier.backend.remove_tree(area, reason="upload records of a durable step")
                 return
-            # Remote steps are immutable: uploading would overwrite objects a committed step
-            # points at. Leave that copy whole and say so.
+            # Remote steps are immutable: the step is another save's. Leave that copy whole.
             raise UploadFailedError(
                 f"step {self.step!r} is already committed on {self.remote.config.url} by another "
-                f"save ({marker.get('save_id')}); remote steps are never overwritten. Delete it "
-                "there first, or save under a new step name."
+                f"save ({marker.get('save_id')}, not this one's {m.save_id}): two jobs save "
+                "into this prefix, or the step was saved again after it became durable. Remote "
+                "steps are never overwritten: give each job its own remote prefix, or save "
+                "under a new step name."
             )
+        keys = self.keys(m)
         present = set(self.tier.backend.list_files(self.step)) & set(m.files)
         node = node_of_local_files(m, present)
         mine = sorted(n for n in present if int(m.files[n]["rank"]) in m.nodes[node])
-        keys = {name: self._key(name) for name in mine}
         # One listing tells what an earlier, interrupted attempt already uploaded.
-        existing = self.remote.sizes(layout.remote_step_prefixes(self.step)[0])
-        if self.remote.config.prefix_strategy == "hash":
-            for prefix in layout.remote_step_prefixes(self.step)[1:]:
-                existing.update(self.remote.sizes(prefix))
-        jobs = [self._pool.submit(self._upload, m, n, keys[n], existing.get(keys[n])) for n in mine]
+        existing: dict[str, int] = {}
+        for prefix in keys.prefixes()[: 1 if self.remote.config.prefix_strategy != "hash" else None]:
+            existing.update(self.remote.sizes(prefix))
+        jobs = [self._pool.submit(self._upload, m, n, keys.file(n), existing.get(keys.file(n)))
+                for n in mine]
         for fut in jobs:
             fut.result()
         record = {"save_id": m.save_id, "files": {n: m.files[n] for n in mine}}
-        self.remote.put_bytes(layout.node_record_key(self.step, node), json.dumps(record).encode())
+        self.remote.put_bytes(keys.node_record(node), json.dumps(record).encode())
         if self.tier.backend.is_dir(area):
             self.tier.backend.remove_tree(area, reason="upload records of a node copy now uploaded")
         logger.info("uploaded step=%s node=%d files=%d to %s", self.step, node, len(mine),
                     self.remote.config.url)
         if node == 0:
-            self._commit(m)
+            self._commit(m, keys)
 
-    def _key(self, name: str) -> str:
-        return layout.remote_file_key(self.step, name, self.remote.config.prefix_strategy)
+    def keys(self, m: Manifest) -> layout.RemoteKeys:
+        return layout.RemoteKeys(self.step, m.save_id, self.remote.config.prefix_strategy)
 
     def _upload(self, m: Manifest, name: str, key: str, remote_size: int | None) -> None:
         size, checksum = int(m.files[name]["size"]), str(m.files[name]["checksum"])
@@ -120,7 +122,7 @@ class Promotion:
         try:
             if lock is not None and backend.exists(area, f"{name}.done"):
                 return
-            if remote_size == size and self._remote_checksum_matches(key, size, checksum):
+            if remote_size == size and remote_checksum(self.remote, key, size) == checksum:
                 logger.debug("skip %s: already uploaded", key)
                 return
             # Holding the lock, no upload of this key from this node is in flight: any
@@ -131,24 +133,14 @@ class Promotion:
             if lock is not None:
                 backend.unlock(lock)
 
-    def _remote_checksum_matches(self, key: str, size: int, checksum: str) -> bool:
-        stat = self.remote.stat(key)
-        if stat is not None and stat[1] is not None:
-            return stat[1] == checksum
-        crc = 0  # stores without object metadata: read it back
-        for start in range(0, size, _CHUNK_BYTES):
-            end = min(size, start + _CHUNK_BYTES)
-            crc = integrity.checksum(self.remote.get_range(key, start, end), crc)
-        return integrity.format_checksum(crc) == checksum
-
-    def _commit(self, m: Manifest) -> None:
+    def _commit(self, m: Manifest, keys: layout.RemoteKeys) -> None:
         deadline = time.monotonic() + self.remote.config.durable_timeout_secs
         pending = set(range(1, len(m.nodes)))
         delay = 0.05
         while pending:
             for node in sorted(pending):
                 try:
-                    rec = json.loads(self.remote.get_bytes(layout.node_record_key(self.step, node)))
+                    rec = json.loads(self.remote.get_bytes(keys.node_record(node)))
                 except FileNotFoundError:
                     continue
                 if rec.get("save_id") == m.save_id:
@@ -163,42 +155,34 @@ class Promotion:
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
         backend = self.tier.backend
-        self.remote.put_bytes(f"{self.step}/{layout.MANIFEST_NAME}",
-                              backend.read_file(self.step, layout.MANIFEST_NAME))
-        self.remote.put_bytes(f"{self.step}/{layout.DCP_METADATA_NAME}",
+        self.remote.put_bytes(keys.manifest, backend.read_file(self.step, layout.MANIFEST_NAME))
+        self.remote.put_bytes(keys.metadata,
                               backend.read_file(self.step, layout.DCP_METADATA_NAME))
-        marker = {"step": self.step, "save_id": m.save_id, "committed_at_ns": m.committed_at_ns,
-                  "prefix_strategy": self.remote.config.prefix_strategy}
+        marker = layout.marker_body(self.step, m.save_id, m.committed_at_ns,
+                                    self.remote.config.prefix_strategy)
         if not self.remote.create_exclusive(f"{self.step}/{layout.REMOTE_MARKER}",
                                             json.dumps(marker).encode()):
             existing = read_marker(self.remote, self.step) or {}
             if existing.get("save_id") != m.save_id:
+                # Another save won the marker: ours is an orphan, and nobody else removes it.
+                remove_save(self.remote, keys, reason=f"save {m.save_id} of step {self.step} "
+                            f"lost its commit to save {existing.get('save_id')}")
                 raise UploadFailedError(
-                    f"step {self.step!r} is already committed remotely by another save "
-                    f"({existing.get('save_id')}); the remote copy was left untouched"
+                    f"step {self.step!r} was committed on {self.remote.config.url} by another "
+                    f"save ({existing.get('save_id')}) while this one ({m.save_id}) uploaded: two "
+                    "jobs save into this prefix. The other copy was left untouched and this "
+                    "one's objects were removed; give each job its own remote prefix."
                 )
-        self._remove_orphans(m)
+        remove_orphan_saves(self.remote, self.step, keep={m.save_id})
         logger.info("durable-remote step=%s url=%s", self.step, self.remote.config.url)
-
-    def _remove_orphans(self, m: Manifest) -> None:
-        expected = {self._key(n) for n in m.files} | {
-            f"{self.step}/{n}" for n in (layout.MANIFEST_NAME, layout.DCP_METADATA_NAME,
-                                         layout.REMOTE_MARKER)
-        } | {layout.node_record_key(self.step, k) for k in range(len(m.nodes))}
-        for prefix in layout.remote_step_prefixes(self.step):
-            if prefix != f"{self.step}/" and self.remote.config.prefix_strategy != "hash":
-                continue
-            for key in self.remote.sizes(prefix):
-                if key not in expected:
-                    self.remote.remove(key, reason=f"orphan of step {self.step}")
-
-
 
 
 def upload_verified(tier: LocalTier, remote: RemoteBackend, directory: tuple[str, ...], name: str,
                     key: str, checksum: str) -> None:
     """Upload a local file after checking it against its manifest checksum, so promotion
-    never copies corruption. A PUT (or completed multipart upload) that returns is whole."""
+    never copies corruption; then, with ``verify_uploads``, read the stored object back and
+    check it too, so what the store holds is what was written (a store or proxy that
+    corrupts a body gets it again, a few times, before the promotion fails)."""
     actual = tier.backend.file_checksum(*directory, name)
     path = tier.backend.path_of(*directory, name)
     if actual != checksum:
@@ -206,7 +190,143 @@ def upload_verified(tier: LocalTier, remote: RemoteBackend, directory: tuple[str
             f"local file {path} fails its checksum ({actual} != manifest {checksum}); it was "
             "not uploaded. Re-save the step."
         )
-    remote.put_file(path, key, checksum)
+    size = tier.backend.file_size(*directory, name)
+    attempts = min(3, remote.config.retry.max_attempts)  # each one is a whole upload
+    for attempt in range(1, attempts + 1):
+        remote.put_file(path, key, checksum)
+        if not remote.config.verify_uploads:
+            return
+        stored = remote_checksum(remote, key, size, read_back=True)
+        if stored == checksum:
+            return
+        logger.warning("%s holds other bytes than were uploaded (%s, manifest %s; attempt "
+                       "%d of %d): uploading it again", remote.url(key), stored, checksum,
+                       attempt, attempts)
+    remote.remove(key, reason="its stored bytes fail the manifest checksum")
+    raise UploadFailedError(
+        f"{remote.url(key)}: the store kept other bytes than were uploaded ({attempts} "
+        f"attempts; CRC32C of the stored object != manifest {checksum}). Something between "
+        "here and the store corrupts uploads (a proxy, a gateway, the store itself); the step "
+        "stays committed locally and is retried at the next start."
+    )
+
+
+def remote_checksum(remote: RemoteBackend, key: str, size: int, *,
+                    read_back: bool | None = None) -> str | None:
+    """CRC32C of the object at ``key`` if it has ``size`` bytes and is whole, else None. Unless told
+    otherwise, reads it back only where ``verify_uploads`` asks (or the store keeps no
+    metadata); otherwise trusts the checksum recorded with it at upload."""
+    stat = remote.stat(key)
+    if stat is None or stat[0] != size:
+        return None
+    if read_back is None:
+        read_back = remote.config.verify_uploads or stat[1] is None
+    if not read_back:
+        return stat[1]
+    crc = 0
+    try:
+        for start in range(0, size, _CHUNK_BYTES):
+            end = min(size, start + _CHUNK_BYTES)
+            crc = integrity.checksum(remote.get_range(key, start, end), crc)
+    except IntegrityError as e:  # the store's own checksum of it disagrees with its bytes
+        logger.warning("%s", e)
+        return None
+    return integrity.format_checksum(crc)
+
+
+def keys_of_step(remote: RemoteBackend, step: str) -> layout.RemoteKeys | None:
+    """The keys of the save committed as ``step`` on the remote, or None if none is."""
+    marker = read_marker(remote, step)
+    if marker is None:
+        return None
+    try:
+        return layout.keys_of_marker(step, marker)
+    except ValueError as e:
+        raise IntegrityError(f"{remote.url(f'{step}/{layout.REMOTE_MARKER}')}: {e}; this is "
+                             "not a marker dcp_tiered wrote. Restore another step.") from e
+
+
+def remove_save(remote: RemoteBackend, keys: layout.RemoteKeys, *, reason: str) -> None:
+    """Delete every object of one save (never a marker, nor another save's objects)."""
+    for prefix in keys.prefixes():
+        if prefix.startswith(layout.HASHED_DATA) and remote.config.prefix_strategy != "hash" \
+                and keys.prefix_strategy != "hash":
+            continue
+        for key in sorted(remote.sizes(prefix)):
+            if keys.owns(key):
+                remote.remove(key, reason=reason)
+
+
+def quarantined_saves(remote: RemoteBackend, step: str) -> set[str]:
+    prefix = f"{step}/{layout.REMOTE_QUARANTINE}/"
+    return {k[len(prefix):].removesuffix(".json") for k in remote.sizes(prefix)}
+
+
+def remove_orphan_saves(remote: RemoteBackend, step: str, *, keep: set[str],
+                        older_than: float | None = None) -> None:
+    """Delete the objects of saves of ``step`` that no marker or quarantine record names
+    (killed or lost uploads), except the saves in ``keep``; with ``older_than`` (epoch s),
+    only saves whose newest object is older than that (younger ones may still be uploading).
+    Layout-1 objects (directly under the step) are left alone: they may be a quarantined step's."""
+    marker = read_marker(remote, step)
+    keep = keep | quarantined_saves(remote, step) | ({str(marker.get("save_id"))} if marker else set())
+    newest: dict[str, float] = {}
+    found: dict[str, list[str]] = {}
+    prefixes = layout.remote_step_prefixes(step)
+    for prefix in prefixes if remote.config.prefix_strategy == "hash" else prefixes[:1]:
+        for key, mtime in remote.modified(prefix).items():
+            sid = layout.save_id_of_key(step, key)
+            if sid is not None and sid not in keep:
+                found.setdefault(sid, []).append(key)
+                newest[sid] = max(newest.get(sid, 0.0), mtime)
+    for sid, keys in sorted(found.items()):
+        if older_than is not None and newest[sid] >= older_than:
+            continue
+        for key in sorted(keys):
+            remote.remove(key, reason=f"orphan of step {step}: save {sid} was never committed")
+
+
+def sweep_orphans(tier: LocalTier, remote: RemoteBackend) -> None:
+    """Remove what killed uploads left on the remote: saves never committed there, whose
+    newest object is older than ``orphan_grace_secs``, and that are not committed on this
+    (the coordinator's) local tier, whose promotion would still commit them."""
+    pending = {(s.name, tier.read_manifest(s.name).save_id) for s in tier.steps()
+               if s.verified_format and _readable(tier, s.name)}
+    cutoff = time.time() - remote.config.orphan_grace_secs
+    names = set(remote.children()) - {layout.HASHED_DATA}
+    if remote.config.prefix_strategy == "hash":  # a step's data may sit only under data/
+        for bucket in remote.children(f"{layout.HASHED_DATA}/"):
+            names.update(remote.children(f"{layout.HASHED_DATA}/{bucket}/"))
+    for step in sorted(n for n in names if layout.is_step_name(n)):
+        keep = {sid for name, sid in pending if name == step}
+        remove_orphan_saves(remote, step, keep=keep, older_than=cutoff)
+
+
+def _readable(tier: LocalTier, step: str) -> bool:
+    try:
+        tier.read_manifest(step)
+        return True
+    except (ManifestError, OSError):
+        return False
+
+
+def quarantine_remote_step(remote: RemoteBackend, step: str, *, reason: str) -> bool:
+    """Move the commit marker of ``step`` aside (its objects stay where they are), so that
+    ``latest``, retention and the step's immutability ignore it and the step can be saved
+    again. Returns whether a marker was there."""
+    marker = read_marker(remote, step)
+    if marker is None:
+        return False
+    sid = str(marker.get("save_id"))
+    if not layout.is_save_id(sid):
+        raise IntegrityError(f"{remote.url(f'{step}/{layout.REMOTE_MARKER}')} names no valid "
+                             "save id; it was left in place")
+    record = {**marker, "quarantined_at_ns": time.time_ns(), "reason": reason}
+    remote.put_bytes(layout.quarantine_record_key(step, sid), json.dumps(record).encode())
+    remote.remove(f"{step}/{layout.REMOTE_MARKER}", reason=f"quarantined: {reason}")
+    logger.warning("quarantined remote step %s (save %s) of %s: %s; its objects stay under "
+                   "%s", step, sid, remote.config.url, reason, layout.quarantine_record_key(step, sid))
+    return True
 
 
 def durability(tier: LocalTier, remote: RemoteBackend | None, step: str) -> Durability:
@@ -237,17 +357,18 @@ def adopt_remote_step(tier: LocalTier, remote: RemoteBackend, step: str) -> None
     """
     if tier.has_step(step):
         return
-    if read_marker(remote, step) is None:
+    keys = keys_of_step(remote, step)
+    if keys is None:
         raise CheckpointNotFoundError(f"step {step!r} is not committed on {remote.config.url}")
-    manifest_bytes = remote.get_bytes(f"{step}/{layout.MANIFEST_NAME}")
-    m = manifest.parse(manifest_bytes, where=remote.url(f"{step}/{layout.MANIFEST_NAME}"))
+    manifest_bytes = remote.get_bytes(keys.manifest)
+    m = manifest.parse(manifest_bytes, where=remote.url(keys.manifest))
     backend, tmp = tier.backend, layout.tmp_dir_name(step, m.save_id)
     backend.ensure_root()
     backend.make_dir(tmp)
     lock = backend.lock_shared(tmp)  # never swept as abandoned while we fill it
     try:
         commit.write_step_files(backend, tmp, manifest_bytes,
-                                remote.get_bytes(f"{step}/{layout.DCP_METADATA_NAME}"), sync=True)
+                                remote.get_bytes(keys.metadata), sync=True)
         commit.publish_step(backend, step, m.save_id, tmp)
     except BaseException:
         commit.discard_tmp(backend, tmp, reason=f"adoption of remote step {step} failed")
@@ -260,11 +381,9 @@ def adopt_remote_step(tier: LocalTier, remote: RemoteBackend, step: str) -> None
 
 def delete_remote_step(remote: RemoteBackend, step: str, *, reason: str) -> None:
     """Remove a committed remote step: its marker first, so readers stop trusting it before
-    any of its objects go; then everything under its prefixes (and nothing else)."""
+    any of its objects go; then its save's objects (quarantined saves of the name stay)."""
+    keys = keys_of_step(remote, step)
     remote.remove(f"{step}/{layout.REMOTE_MARKER}", reason=reason)
-    for prefix in layout.remote_step_prefixes(step):
-        if prefix != f"{step}/" and remote.config.prefix_strategy != "hash":
-            continue
-        for key in sorted(remote.sizes(prefix)):
-            remote.remove(key, reason=reason)
+    if keys is not None:
+        remove_save(remote, keys, reason=reason)
     remote.remove_empty_dirs(f"{step}/")

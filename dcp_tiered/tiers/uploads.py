@@ -80,7 +80,7 @@ class Uploader:
             try:
                 tmp = layout.tmp_dir_name(step, save_id)
                 where = (tmp,) if backend.exists(tmp, name) else (step,)  # committed meanwhile
-                key = layout.remote_file_key(step, name, self.remote.config.prefix_strategy)
+                key = layout.RemoteKeys(step, save_id, self.remote.config.prefix_strategy).file(name)
                 upload_verified(self.tier, self.remote, where, name, key, checksum)
                 backend.write_file(area, f"{name}.done", b"", sync=False)
             finally:
@@ -141,6 +141,9 @@ class Uploader:
     def shutdown(self, *, cancel: bool = False) -> None:
         self._steps.shutdown(wait=not cancel, cancel_futures=cancel)
         self._files.shutdown(wait=not cancel, cancel_futures=cancel)
+        if self._resume_lock is not None:  # the next uploader on this root resumes, even ours
+            self.tier.backend.unlock(self._resume_lock)
+            self._resume_lock = None
 
     def resume(self) -> None:
         """Re-enqueue committed local steps that are not durable yet (one process per root)."""
