@@ -40,6 +40,7 @@ from .policy import integrity, layout, manifest
 from .policy.manifest import ItemLocation
 from .safe_unpickle import load_dcp_metadata
 from .tiers import catalog
+from .tiers import remote as remote_tier
 from .tiers.local import LocalTier
 
 logger = logging.getLogger(__name__)
@@ -471,20 +472,21 @@ class TieredStorageReader(StorageReader):
     # ------------------------------------------------------------ hydration
 
     def _hydrate(self, names: list[str]) -> None:
-        """Copy whole files fetched from the remote into the local step, each atomically."""
+        """Copy the whole files read from the remote into the local tier, committed like a
+        save (see :func:`remote_tier.hydrate_step`). Caching is optional: when it cannot be
+        done (a full or read-only disk, ...) the load, which has succeeded, is not failed."""
         assert self._remote is not None and self._manifest is not None and self._step is not None
-        step, backend = self._step.name, self._tier.backend
-        backend.make_dir(step)
-        for meta in (layout.MANIFEST_NAME, layout.DCP_METADATA_NAME):
-            if not backend.exists(step, meta):
-                backend.write_atomically(step, meta, self._remote.get_bytes(f"{step}/{meta}"))
-        for name in names:
-            size = int(self._manifest.files[name]["size"])
-            data = self._fetch(name, 0, size)
-            if integrity.format_checksum(integrity.checksum(data)) != self._manifest.files[name]["checksum"]:
-                raise IntegrityError(f"remote copy of {name!r} in step {step!r} is corrupt")
-            backend.write_atomically(step, name, data)
-            logger.info("hydrated %s/%s from %s", step, name, self._remote.config.url)
+        try:
+            remote_tier.hydrate_step(self._tier, self._remote, self._step.name, self._manifest,
+                                     names, self._prefix_strategy())
+        except (DcpTieredError, OSError) as e:
+            logger.warning("hydration of step %s into %s skipped: %s: %s. The load itself "
+                           "succeeded (from %s); nothing was left on the local tier.",
+                           self._step.name, self.root, type(e).__name__, e,
+                           self._remote.config.url)
+            return
+        logger.info("hydrated %s (%s) from %s into %s", self._step.name, ", ".join(names),
+                    self._remote.config.url, self.root)
 
 
 @dataclass

@@ -71,11 +71,13 @@ class Tmpfs:
         return mnt
 
     @staticmethod
-    def remount(mnt: Path, *, read_only: bool) -> None:
-        """A real read-only filesystem (EROFS), which even root cannot write: chmod would not
-        stop root."""
-        subprocess.run(["mount", "-o", f"remount,{'ro' if read_only else 'rw'}", str(mnt)],
-                       check=True, capture_output=True)
+    def remount(mnt: Path, *, read_only: bool | None = None, size_mib: int | None = None) -> None:
+        """Make it a real read-only filesystem (EROFS, which even root cannot write: chmod
+        would not stop root) or writable again, or give it another size."""
+        options = ["remount"] + ([("ro" if read_only else "rw")] if read_only is not None else [])
+        options += [f"size={size_mib}m"] if size_mib is not None else []
+        subprocess.run(["mount", "-o", ",".join(options), str(mnt)], check=True,
+                       capture_output=True)
 
     @staticmethod
     def fill_inodes(directory: Path, leave: int = 0) -> list[Path]:

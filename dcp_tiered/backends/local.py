@@ -227,6 +227,11 @@ class LocalBackend:
             if sync:
                 os.fsync(f.fileno())
 
+    def link_file(self, src: tuple[str, str], dst: tuple[str, str]) -> None:
+        """Give file ``src`` (directory, name) a second name ``dst``: no copy, no new bytes."""
+        with self._writing("link", self._child(*dst)):
+            os.link(self._child(*src), self._child(*dst), follow_symlinks=False)
+
     def write_file(self, directory: str, name: str, data: bytes, *, sync: bool = True) -> None:
         with self.open_write(directory, name, sync=sync) as f:
             f.write(data)
@@ -390,6 +395,11 @@ class LocalBackend:
     def path_of(self, *names: str) -> str:
         """The absolute path of an entry, for libraries that open files themselves."""
         return str(self._child(*names))
+
+    def lock_root_exclusive(self, name: str) -> int:
+        """Wait for an exclusive flock on root-level file ``name`` (created if missing)."""
+        self.ensure_root()
+        return self._lock(self._child(name), fcntl.LOCK_EX)
 
     def try_lock_exclusive(self, name: str) -> int | None:
         """Exclusive flock on root-level file ``name`` if nobody holds it, else None."""
