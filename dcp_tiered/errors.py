@@ -11,7 +11,8 @@ Library errors subclass the built-in exception a caller would naturally catch::
     ├── MissingShardError(FileNotFoundError) a data file named by the manifest is gone
     ├── ManifestError(ValueError)            manifest unreadable, tampered or of another version
     ├── IntegrityError                       checksum or size mismatch
-    ├── InsufficientSpaceError(OSError)      the plan does not fit on the local tier
+    ├── InsufficientSpaceError(OSError)      no room on a tier: bytes or inodes
+    ├── NotWritableError(PermissionError)    a tier's directory is read-only or not ours to write
     ├── StagingError                         staging buffers still held by an earlier save
     ├── CommitError                          a node failed to publish the step
     ├── SaveFailedError                      a background save or upload failed on some rank
@@ -39,6 +40,7 @@ __all__ = [
     "IntegrityError",
     "ManifestError",
     "MissingShardError",
+    "NotWritableError",
     "PermanentTierError",
     "SaveFailedError",
     "StagingError",
@@ -83,7 +85,14 @@ class IntegrityError(DcpTieredError):
 
 
 class InsufficientSpaceError(DcpTieredError, OSError):
-    """The local tier has not enough free space for the save."""
+    """A tier has not enough free space for the save: bytes, or inodes (ENOSPC while bytes
+    are free; the message says which)."""
+
+
+class NotWritableError(DcpTieredError, PermissionError):
+    """A tier's directory cannot be written: a read-only filesystem (EROFS) or no permission
+    (EACCES, EPERM). It does not pass by itself, so it is never skipped like a full disk; the
+    message names the path and what to do (remount read-write, fix the owner or mode)."""
 
 
 class StagingError(DcpTieredError):

@@ -482,22 +482,21 @@ class TieredStorageReader(StorageReader):
     # ------------------------------------------------------------ hydration
 
     def _hydrate(self, names: list[str]) -> None:
-        """Copy whole files fetched from the remote into the local step, each atomically."""
+        """Copy the whole files read from the remote into the local tier, committed like a
+        save (see :func:`remote_tier.hydrate_step`). Caching is optional: when it cannot be
+        done (a full or read-only disk, ...) the load, which has succeeded, is not failed."""
         assert self._remote is not None and self._manifest is not None and self._step is not None
-        step, backend = self._step.name, self._tier.backend
-        backend.make_dir(step)
-        keys = self._remote_keys()
-        for meta, key in ((layout.MANIFEST_NAME, keys.manifest),
-                          (layout.DCP_METADATA_NAME, keys.metadata)):
-            if not backend.exists(step, meta):
-                backend.write_atomically(step, meta, self._remote.get_bytes(key))
-        for name in names:
-            size = int(self._manifest.files[name]["size"])
-            data = self._fetch(name, 0, size)
-            if integrity.format_checksum(integrity.checksum(data)) != self._manifest.files[name]["checksum"]:
-                raise IntegrityError(f"remote copy of {name!r} in step {step!r} is corrupt")
-            backend.write_atomically(step, name, data)
-            logger.info("hydrated %s/%s from %s", step, name, self._remote.config.url)
+        try:
+            remote_tier.hydrate_step(self._tier, self._remote, self._step.name, self._manifest,
+                                     names, self._remote_keys())
+        except (DcpTieredError, OSError) as e:
+            logger.warning("hydration of step %s into %s skipped: %s: %s. The load itself "
+                           "succeeded (from %s); nothing was left on the local tier.",
+                           self._step.name, self.root, type(e).__name__, e,
+                           self._remote.config.url)
+            return
+        logger.info("hydrated %s (%s) from %s into %s", self._step.name, ", ".join(names),
+                    self._remote.config.url, self.root)
 
 
 @dataclass

@@ -391,6 +391,7 @@ class TieredStorageWriter(StorageWriter):
                 "manifest or DCP .metadata); it was left untouched. Move it away, or save "
                 "under another step name."
             )
+        self._tier.backend.check_writable()
         info = _RankInfo(
             step=step,
             node_key=f"{socket.gethostname()}:{self.root}",
@@ -433,13 +434,12 @@ class TieredStorageWriter(StorageWriter):
         lower_this_thread()  # an async save's thread; the trainer's own thread is left alone
         backend = self._tier.backend
         backend.make_dir(save.tmp)
-        lock = backend.lock_shared(save.tmp)
+        lock = None
         try:
+            lock = backend.lock_shared(save.tmp)
             results = self._write_items(save, plan.items, planner)
         except BaseException:
-            LocalBackend.unlock(lock)
-            for i in range(self.thread_count):  # free the space now (e.g. after ENOSPC)
-                backend.remove_file(save.tmp, layout.data_file_name(save.rank, i))
+            self._abandon_tmp(save, lock)
             raise
         self.local_only_steps.discard(save.step)
         self._save_ids[save.step] = save.save_id
@@ -459,6 +459,22 @@ class TieredStorageWriter(StorageWriter):
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
+
+    def _abandon_tmp(self, save: _SaveInfo, lock: int | None) -> None:
+        """After a failed write: free its space now (e.g. after ENOSPC), and remove the
+        temporary directory unless another rank of this node still writes into it (the save
+        fails on every rank anyway; the next save's sweep takes what is left then)."""
+        backend = self._tier.backend
+        if lock is not None:
+            LocalBackend.unlock(lock)
+        try:
+            for i in range(self.thread_count):
+                backend.remove_file(save.tmp, layout.data_file_name(save.rank, i))
+            if not backend.is_locked(save.tmp):
+                commit.discard_tmp(backend, save.tmp, reason=f"the save of {save.step} failed")
+        except OSError as e:  # the original error is the one to report
+            logger.warning("could not remove the files of the failed save of %s: %s", save.step,
+                           e)
 
     def _write_items(
         self, save: _SaveInfo, items: Sequence[WriteItem], planner: SavePlanner
@@ -567,17 +583,24 @@ class TieredStorageWriter(StorageWriter):
             promote=save.promote,
         )
         metadata_bytes = _vanilla_metadata(metadata, locations, save.step)
-        commit.write_step_files(backend, tmp, manifest_bytes, metadata_bytes, sync=self.sync_files)
 
         def publish_own() -> None:
             commit.publish_step(backend, save.step, save.save_id, tmp, overwrite=self.overwrite)
 
-        if other_nodes:
-            store = _torch_compat.default_store()
-            handshake = commit.Handshake(store, save.save_id, self.commit_timeout_secs)
-            handshake.coordinate(other_nodes, manifest_bytes, metadata_bytes, publish_own)
-        else:
-            publish_own()
+        try:
+            commit.write_step_files(backend, tmp, manifest_bytes, metadata_bytes,
+                                    sync=self.sync_files)
+            if other_nodes:
+                store = _torch_compat.default_store()
+                handshake = commit.Handshake(store, save.save_id, self.commit_timeout_secs)
+                handshake.coordinate(other_nodes, manifest_bytes, metadata_bytes, publish_own)
+            else:
+                publish_own()
+        except BaseException:
+            if not other_nodes:  # nothing published: leave no half step (the next save's
+                self._abandon_tmp(save, lock)  # sweep would, but the disk needs room now)
+                self._leading = None
+            raise
         self._leading = None
         LocalBackend.unlock(lock)
         self._record_timing(save.step, commit_s=time.perf_counter() - started)

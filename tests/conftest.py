@@ -51,23 +51,53 @@ def run_ranks():
     return torchrun
 
 
-@pytest.fixture
-def tmpfs(tmp_path):
-    """Mount a real tmpfs of ``size_mib`` (a small disk that fills up); skip where we cannot."""
-    mounted = []
+class Tmpfs:
+    """Mounts real tmpfs filesystems under a test's tmp_path: a small disk that fills up (bytes,
+    or inodes with ``inodes``), which ``remount`` makes read-only and back; skips where the
+    test cannot mount (not root)."""
 
-    def mount(size_mib: int, name: str = "tiny") -> Path:
-        mnt = tmp_path / name
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path, self.mounted = tmp_path, []
+
+    def __call__(self, size_mib: int, name: str = "tiny", inodes: int | None = None) -> Path:
+        mnt = self.tmp_path / name
         mnt.mkdir()
-        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs",
-                               str(mnt)], capture_output=True, text=True)
+        options = f"size={size_mib}m" + (f",nr_inodes={inodes}" if inodes else "")
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mnt)],
+                              capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
-        mounted.append(mnt)
+        self.mounted.append(mnt)
         return mnt
 
-    yield mount
-    for mnt in mounted:
+    @staticmethod
+    def remount(mnt: Path, *, read_only: bool | None = None, size_mib: int | None = None) -> None:
+        """Make it a real read-only filesystem (EROFS, which even root cannot write: chmod
+        would not stop root) or writable again, or give it another size."""
+        options = ["remount"] + ([("ro" if read_only else "rw")] if read_only is not None else [])
+        options += [f"size={size_mib}m"] if size_mib is not None else []
+        subprocess.run(["mount", "-o", ",".join(options), str(mnt)], check=True,
+                       capture_output=True)
+
+    @staticmethod
+    def fill_inodes(directory: Path, leave: int = 0) -> list[Path]:
+        """Create empty files in ``directory`` until only ``leave`` inodes are free (bytes stay
+        free): another tenant's many small files. Returns them, for the test to delete."""
+        directory.mkdir(exist_ok=True)
+        made = []
+        while os.statvfs(directory).f_favail > leave:
+            path = directory / f"f{len(made)}"
+            path.touch()
+            made.append(path)
+        return made
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """``tmpfs(size_mib, name="tiny", inodes=None)`` mounts a real tmpfs (see :class:`Tmpfs`)."""
+    mounts = Tmpfs(tmp_path)
+    yield mounts
+    for mnt in mounts.mounted:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 

@@ -20,7 +20,7 @@ from typing import BinaryIO
 
 import torch
 
-from ..errors import ConfigError, InsufficientSpaceError
+from ..errors import ConfigError, DcpTieredError, InsufficientSpaceError, NotWritableError
 from ..policy import integrity
 from ..policy.layout import LOCK_NAME as LOCK_FILE
 from ..policy.layout import TMP_SUFFIX
@@ -32,6 +32,49 @@ _RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
 _WRITE_BUFFER_BYTES = 4 * 2**20
 _READ_CHUNK_BYTES = 16 * 2**20
+_NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def typed_write_error(e: OSError, path: Path, doing: str, where: Path) -> OSError:
+    """The typed error for an OSError met while ``doing`` something to ``path`` on the
+    filesystem of ``where``: InsufficientSpaceError for ENOSPC/EDQUOT (saying whether bytes or
+    inodes ran out), NotWritableError for EROFS/EACCES/EPERM; anything else unchanged."""
+    if isinstance(e, DcpTieredError) or e.errno not in (errno.ENOSPC, errno.EDQUOT, *_NOT_WRITABLE):
+        return e
+    if e.errno == errno.EROFS:
+        return NotWritableError(e.errno, (
+            f"cannot {doing} {path}: the filesystem of {where} is read-only. Remount it "
+            "read-write (mount -o remount,rw) or point the tier at a writable directory; "
+            "nothing was written and earlier steps are intact"))
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return NotWritableError(e.errno, (
+            f"cannot {doing} {path}: {e.strerror} (uid {os.geteuid()}). Give this process "
+            f"write access to {where} (owner, mode, ACL) or point the tier at a writable "
+            "directory; nothing was written and earlier steps are intact"))
+    if e.errno == errno.EDQUOT:
+        return InsufficientSpaceError(e.errno, (
+            f"disk quota exceeded while trying to {doing} {path}: raise the quota (bytes or "
+            f"files) for {where}, or keep fewer steps; earlier steps are untouched"))
+    try:
+        st = os.statvfs(_nearest_existing(where))
+    except OSError:
+        st = None
+    free = f"{st.f_bavail * st.f_frsize / 2**20:.1f} MiB" if st else "unknown"
+    if st is not None and st.f_files and st.f_favail == 0:
+        return InsufficientSpaceError(e.errno, (
+            f"no free inodes while trying to {doing} {path}: the filesystem of {where} has "
+            f"{free} free but every one of its {st.f_files} inodes is used (each file and "
+            "directory takes one). Delete files there (old steps, other small files) or use "
+            "a filesystem with more inodes; earlier steps are untouched"))
+    return InsufficientSpaceError(e.errno, (
+        f"local disk full while trying to {doing} {path} ({free} free on the filesystem of "
+        f"{where}): free space there or keep fewer steps; earlier steps are untouched"))
 
 
 def _renameat2(a: Path, b: Path, flags: int) -> bool:
@@ -64,12 +107,15 @@ def available_memory_bytes() -> int | None:
 
 def append_line(path: str | os.PathLike[str], line: str) -> None:
     """Append one line with a single O_APPEND write, so lines of several ranks never mix."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        os.write(fd, (line.rstrip("\n") + "\n").encode())
-    finally:
-        os.close(fd)
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (line.rstrip("\n") + "\n").encode())
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise typed_write_error(e, Path(path), "append to", Path(path).parent) from e
 
 
 def fsync_dir(path: Path) -> None:
@@ -95,6 +141,17 @@ class LocalBackend:
     def __repr__(self) -> str:
         return f"LocalBackend({str(self.root)!r})"
 
+    @contextlib.contextmanager
+    def _writing(self, doing: str, path: Path) -> Iterator[None]:
+        """Raise the typed error (see :func:`typed_write_error`) for what fails in the block."""
+        try:
+            yield
+        except OSError as e:
+            typed = typed_write_error(e, path, doing, self.root)
+            if typed is e:
+                raise
+            raise typed from e
+
     # ------------------------------------------------------------ paths
 
     def _child(self, *names: str) -> Path:
@@ -106,7 +163,8 @@ class LocalBackend:
         return path
 
     def ensure_root(self) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
+        with self._writing("create the directory", self.root):
+            self.root.mkdir(parents=True, exist_ok=True)
 
     def exists(self, *names: str) -> bool:
         return self._child(*names).exists()
@@ -133,34 +191,47 @@ class LocalBackend:
         return self._child(*names).stat().st_mtime
 
     def free_bytes(self) -> int:
-        self.ensure_root()
-        st = os.statvfs(self.root)
+        """Free bytes on the root's filesystem (of its nearest existing parent: asking creates
+        nothing, so it works on a read-only filesystem too)."""
+        st = os.statvfs(_nearest_existing(self.root))
         return st.f_bavail * st.f_frsize
+
+    def check_writable(self) -> None:
+        """Raise NotWritableError now if the root's filesystem is read-only, or the root (its
+        nearest existing parent) is not writable by this process: before anything is planned
+        or written, and before a read-only disk's free space could be blamed instead."""
+        where = _nearest_existing(self.root)
+        if os.statvfs(where).f_flag & os.ST_RDONLY:
+            code = errno.EROFS
+        elif not os.access(where, os.W_OK | os.X_OK,
+                           effective_ids=os.access in os.supports_effective_ids):
+            code = errno.EACCES
+        else:
+            return
+        raise typed_write_error(OSError(code, os.strerror(code)), self.root, "write to",
+                                self.root)
 
     # ------------------------------------------------------------ writing
 
     def make_dir(self, name: str) -> None:
         self.ensure_root()
-        self._child(name).mkdir(exist_ok=True)
+        with self._writing("create the directory", self._child(name)):
+            self._child(name).mkdir(exist_ok=True)
 
     @contextlib.contextmanager
     def open_write(self, directory: str, name: str, *, sync: bool = True) -> Iterator[BinaryIO]:
         """Create ``directory/name``; on success flush and fsync it before closing."""
         path = self._child(directory, name)
-        try:
-            with open(path, "wb", buffering=_WRITE_BUFFER_BYTES) as f:
-                yield f
-                f.flush()
-                if sync:
-                    os.fsync(f.fileno())
-        except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise InsufficientSpaceError(
-                    e.errno,
-                    f"local disk full while writing {path}: free space on {self.root} or "
-                    "keep fewer steps; earlier steps are untouched",
-                ) from e
-            raise
+        with self._writing("write", path), open(path, "wb", buffering=_WRITE_BUFFER_BYTES) as f:
+            yield f
+            f.flush()
+            if sync:
+                os.fsync(f.fileno())
+
+    def link_file(self, src: tuple[str, str], dst: tuple[str, str]) -> None:
+        """Give file ``src`` (directory, name) a second name ``dst``: no copy, no new bytes."""
+        with self._writing("link", self._child(*dst)):
+            os.link(self._child(*src), self._child(*dst), follow_symlinks=False)
 
     def write_file(self, directory: str, name: str, data: bytes, *, sync: bool = True) -> None:
         with self.open_write(directory, name, sync=sync) as f:
@@ -171,8 +242,9 @@ class LocalBackend:
         see a partial file)."""
         tmp = f".{name}.{os.getpid()}{TMP_SUFFIX}"
         self.write_file(directory, tmp, data)
-        os.replace(self._child(directory, tmp), self._child(directory, name))
-        fsync_dir(self._child(directory))
+        with self._writing("rename into", self._child(directory, name)):
+            os.replace(self._child(directory, tmp), self._child(directory, name))
+            fsync_dir(self._child(directory))
 
     def map_file(self, name: str, nbytes: int) -> torch.Tensor:
         """A uint8 tensor backed by root-level file ``name`` of exactly ``nbytes`` bytes, shared
@@ -180,7 +252,8 @@ class LocalBackend:
         here with InsufficientSpaceError rather than with SIGBUS on a later write."""
         self.ensure_root()
         path = self._child(name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        with self._writing("create", path):
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             if os.fstat(fd).st_size != nbytes:
                 os.ftruncate(fd, 0)
@@ -193,7 +266,7 @@ class LocalBackend:
                     e.errno, f"cannot reserve {nbytes / 2**20:.1f} MiB for {path}: the "
                     f"filesystem of {self.root} is full; free space or make the tmpfs larger",
                 ) from e
-            raise
+            raise typed_write_error(e, path, "reserve space for", self.root) from e
         os.close(fd)
         return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
 
@@ -202,12 +275,18 @@ class LocalBackend:
         fsynced: readers see the old content or the new, even after a power loss."""
         self.ensure_root()
         tmp = self._child(f".{name}.{os.getpid()}{TMP_SUFFIX}")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self._child(name))
-        fsync_dir(self.root)
+        try:
+            with self._writing("write", self._child(name)):
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, self._child(name))
+                fsync_dir(self.root)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()  # never leave the half-written temporary file behind
+            raise
 
     def sync_dir(self, name: str | None = None) -> None:
         fsync_dir(self._child(name) if name else self.root)
@@ -224,31 +303,34 @@ class LocalBackend:
         """
         tmp, final = self._child(tmp_name), self._child(final_name)
         replaced = False
-        if not replace:
-            if not _renameat2(tmp, final, _RENAME_NOREPLACE):
-                if final.exists():  # no RENAME_NOREPLACE: rename() refuses a non-empty target
-                    raise FileExistsError(errno.EEXIST, "exists", str(final))
+        with self._writing("publish", final):
+            if not replace:
+                if not _renameat2(tmp, final, _RENAME_NOREPLACE):
+                    if final.exists():  # no RENAME_NOREPLACE: rename() refuses a non-empty one
+                        raise FileExistsError(errno.EEXIST, "exists", str(final))
+                    os.rename(tmp, final)
+            elif final.exists():
+                if _renameat2(tmp, final, _RENAME_EXCHANGE):
+                    os.rename(tmp, self._child(old_name))
+                else:  # no RENAME_EXCHANGE: a short window, repaired by recover_interrupted()
+                    os.rename(final, self._child(old_name))
+                    os.rename(tmp, final)
+                replaced = True
+            else:
                 os.rename(tmp, final)
-        elif final.exists():
-            if _renameat2(tmp, final, _RENAME_EXCHANGE):
-                os.rename(tmp, self._child(old_name))
-            else:  # no RENAME_EXCHANGE: a short window, repaired by recover_interrupted()
-                os.rename(final, self._child(old_name))
-                os.rename(tmp, final)
-            replaced = True
-        else:
-            os.rename(tmp, final)
-        fsync_dir(self.root)
+            fsync_dir(self.root)
         return replaced
 
     def rename(self, src: str, dst: str) -> None:
-        os.rename(self._child(src), self._child(dst))
-        fsync_dir(self.root)
+        with self._writing("rename", self._child(src)):
+            os.rename(self._child(src), self._child(dst))
+            fsync_dir(self.root)
 
     def remove_tree(self, name: str, *, reason: str) -> None:
         path = self._child(name)
         logger.info("deleting %s (%s)", path, reason)
-        shutil.rmtree(path, ignore_errors=False)
+        with self._writing("delete", path):
+            shutil.rmtree(path, ignore_errors=False)
 
     # ------------------------------------------------------------ reading
 
@@ -313,30 +395,48 @@ class LocalBackend:
         Returns the descriptor; :meth:`unlock` releases it. While any holder is alive the
         directory is never swept as abandoned.
         """
-        fd = os.open(self._child(directory, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        return fd
+        return self._lock(self._child(directory, LOCK_FILE), fcntl.LOCK_SH)
 
     def lock_exclusive(self, directory: str, name: str) -> int:
         """Wait for an exclusive flock on ``directory/name`` (created if missing)."""
-        fd = os.open(self._child(directory, name), os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        return fd
+        return self._lock(self._child(directory, name), fcntl.LOCK_EX)
 
     def path_of(self, *names: str) -> str:
         """The absolute path of an entry, for libraries that open files themselves."""
         return str(self._child(*names))
 
+    def lock_root_exclusive(self, name: str) -> int:
+        """Wait for an exclusive flock on root-level file ``name`` (created if missing)."""
+        self.ensure_root()
+        return self._lock(self._child(name), fcntl.LOCK_EX)
+
     def try_lock_exclusive(self, name: str) -> int | None:
         """Exclusive flock on root-level file ``name`` if nobody holds it, else None."""
         self.ensure_root()
-        fd = os.open(self._child(name), os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return self._lock(self._child(name), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            os.close(fd)
             return None
-        return fd
+
+    def _lock(self, path: Path, operation: int, *, create: bool = True) -> int:
+        """Open lock file ``path`` and flock it; the descriptor, closed on failure.
+
+        Lock files are never written, so they are opened read-only: a held lock then neither
+        blocks remounting the filesystem read-only nor fails on a read-only root. Where flock
+        is emulated with POSIX locks (NFS), an exclusive lock needs a descriptor open for
+        writing (EBADF): then it is reopened read-write."""
+        flags = os.O_CLOEXEC | (os.O_CREAT if create else 0)
+        for mode in (os.O_RDONLY, os.O_RDWR):
+            with self._writing("create the lock", path):
+                fd = os.open(path, mode | flags, 0o644)
+            try:
+                fcntl.flock(fd, operation)
+                return fd
+            except OSError as e:
+                os.close(fd)
+                if e.errno != errno.EBADF or mode == os.O_RDWR:
+                    raise
+        raise AssertionError("unreachable")
 
     @staticmethod
     def unlock(fd: int) -> None:
@@ -345,16 +445,14 @@ class LocalBackend:
     def is_locked(self, directory: str) -> bool:
         """True if some live process holds ``directory``'s lock."""
         try:
-            fd = os.open(self._child(directory, LOCK_FILE), os.O_RDWR)
+            fd = self._lock(self._child(directory, LOCK_FILE), fcntl.LOCK_EX | fcntl.LOCK_NB,
+                            create=False)
         except FileNotFoundError:
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return False
         except BlockingIOError:
             return True
-        finally:
-            os.close(fd)
+        os.close(fd)
+        return False
 
     def remove_empty_dir(self, name: str) -> None:
         """Remove directory ``name`` if it is empty (and nothing otherwise)."""
@@ -362,7 +460,8 @@ class LocalBackend:
             self._child(name).rmdir()
 
     def remove_file(self, *names: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
+        with self._writing("delete", self._child(*names)), \
+                contextlib.suppress(FileNotFoundError):
             self._child(*names).unlink()
 
 

@@ -31,6 +31,7 @@ UPLOADER_LOCK_NAME = ".dcp-tiered-uploader.lock"
 TIERS_RECORD = ".dcp-tiered-tiers.json"  # where `dcp-tiered status ROOT` finds the other tiers
 EVENTS_LOG = ".dcp-tiered-events.jsonl"
 RETENTION_LOCK_NAME = ".dcp-tiered-retention.lock"  # held by the process that prunes a root
+HYDRATE_LOCK_NAME = ".dcp-tiered-hydrate.lock"  # ranks of a node hydrate one at a time
 
 # Remote tier: a step is committed there once its marker exists (created exclusively, last).
 REMOTE_MARKER = "_COMMITTED.json"

@@ -70,6 +70,35 @@ def discard_tmp(backend: LocalBackend, tmp: str, *, reason: str) -> None:
         backend.remove_tree(tmp, reason=reason)
 
 
+def build_and_publish(backend: LocalBackend, step: str, save_id: str, fill: Callable[[str], None],
+                      manifest_bytes: bytes, metadata_bytes: bytes, *, what: str) -> None:
+    """Commit a step made outside a save (adopted or hydrated from the remote) as a save is
+    committed: a hidden temporary directory, locked so that no sweep takes it while
+    ``fill(tmp)`` writes its data, then the manifest and .metadata last, fsync, and the rename.
+    A failure or a crash leaves no step that looks committed but lacks files: the temporary
+    directory is removed here, or swept as abandoned once its lock dies with the process."""
+    tmp = layout.tmp_dir_name(step, save_id)
+    backend.make_dir(tmp)
+    lock = None
+    try:
+        lock = backend.lock_shared(tmp)
+        fill(tmp)
+        write_step_files(backend, tmp, manifest_bytes, metadata_bytes, sync=True)
+        publish_step(backend, step, save_id, tmp)
+    except BaseException:
+        if lock is not None:
+            backend.unlock(lock)
+            lock = None
+        try:
+            discard_tmp(backend, tmp, reason=f"{what} of {step} failed")
+        except OSError as e:  # the original error is the one to report; a sweep finishes this
+            logger.warning("could not remove %s: %s", backend.path_of(tmp), e)
+        raise
+    finally:
+        if lock is not None:
+            backend.unlock(lock)
+
+
 class Handshake:
     """The store keys of one save's cross-node commit."""
 

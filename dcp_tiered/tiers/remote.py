@@ -15,15 +15,18 @@ Readers trust only steps with a marker.
 from __future__ import annotations
 
 import enum
+import errno
 import json
 import logging
 import time
+import uuid
 from typing import Any
 
 from .._daemon_pool import DaemonPool
 from ..backends.remote import RemoteBackend
 from ..errors import (
     CheckpointNotFoundError,
+    InsufficientSpaceError,
     IntegrityError,
     ManifestError,
     TierError,
@@ -362,21 +365,79 @@ def adopt_remote_step(tier: LocalTier, remote: RemoteBackend, step: str) -> None
         raise CheckpointNotFoundError(f"step {step!r} is not committed on {remote.config.url}")
     manifest_bytes = remote.get_bytes(keys.manifest)
     m = manifest.parse(manifest_bytes, where=remote.url(keys.manifest))
-    backend, tmp = tier.backend, layout.tmp_dir_name(step, m.save_id)
-    backend.ensure_root()
-    backend.make_dir(tmp)
-    lock = backend.lock_shared(tmp)  # never swept as abandoned while we fill it
-    try:
-        commit.write_step_files(backend, tmp, manifest_bytes,
-                                remote.get_bytes(keys.metadata), sync=True)
-        commit.publish_step(backend, step, m.save_id, tmp)
-    except BaseException:
-        commit.discard_tmp(backend, tmp, reason=f"adoption of remote step {step} failed")
-        raise
-    finally:
-        backend.unlock(lock)
+    commit.build_and_publish(tier.backend, step, m.save_id, lambda tmp: None, manifest_bytes,
+                             remote.get_bytes(keys.metadata), what="adoption of the remote step")
     logger.info("adopted step=%s from %s into %s (data stays remote)", step,
                 remote.config.url, tier.root)
+
+
+def hydrate_step(tier: LocalTier, remote: RemoteBackend, step: str, m: Manifest,
+                 names: list[str], keys: layout.RemoteKeys) -> None:
+    """Copy data files ``names`` of durable remote step ``step`` (manifest ``m``) into the
+    local tier, so the next load reads them locally.
+
+    Committed like a save: a complete copy of the step is built in a temporary directory (the
+    local step's other files hard-linked, no bytes copied; the named files downloaded and
+    checked against the manifest; manifest and .metadata last), then swapped in atomically for
+    the local step, if there is one (e.g. adopted as manifest and .metadata alone). So no local
+    step ever looks committed while it lacks files, whatever fails or crashes. The ranks of a
+    node hydrate one at a time, each building on the copy the others published.
+    """
+    backend = tier.backend
+    need = sum(int(m.files[n]["size"]) for n in names)
+    if need > (free := backend.free_bytes()):
+        raise InsufficientSpaceError(errno.ENOSPC, (
+            f"hydrating step {step!r} needs {need / 2**20:.1f} MiB but {tier.root} has "
+            f"{free / 2**20:.1f} MiB free"))
+    lock = backend.lock_root_exclusive(layout.HYDRATE_LOCK_NAME)
+    try:
+        keep: list[str] = []
+        if tier.has_step(step):
+            here = tier.read_manifest(step)
+            if here.save_id != m.save_id:
+                raise ManifestError(
+                    f"the local {step} in {tier.root} is another save ({here.save_id}) than the "
+                    f"remote copy being read ({m.save_id}); they are never mixed")
+            manifest_bytes = backend.read_file(step, layout.MANIFEST_NAME)
+            metadata_bytes = backend.read_file(step, layout.DCP_METADATA_NAME)
+            for name in backend.list_files(step):
+                if name in names or name in (layout.MANIFEST_NAME, layout.DCP_METADATA_NAME):
+                    continue
+                if not backend.is_regular_file(step, name):
+                    raise ManifestError(f"{backend.path_of(step, name)} is not a plain file: "
+                                        "the step is left as it is")
+                keep.append(name)
+        else:
+            manifest_bytes = remote.get_bytes(keys.manifest)
+            if manifest.parse(manifest_bytes, where=remote.url(keys.manifest)).save_id != m.save_id:
+                raise ManifestError(f"the remote {step} changed while it was being read")
+            metadata_bytes = remote.get_bytes(keys.metadata)
+
+        def fill(tmp: str) -> None:
+            for name in keep:
+                backend.link_file((step, name), (tmp, name))
+            for name in names:
+                _download(tier, remote, keys.file(name), (tmp, name), int(m.files[name]["size"]),
+                          str(m.files[name]["checksum"]))
+
+        commit.build_and_publish(backend, step, f"h{uuid.uuid4().hex[:11]}", fill,
+                                 manifest_bytes, metadata_bytes, what="hydration")
+    finally:
+        backend.unlock(lock)
+
+
+def _download(tier: LocalTier, remote: RemoteBackend, key: str, dst: tuple[str, str], size: int,
+              checksum: str) -> None:
+    """Stream one remote object into a local file in bounded chunks, checking its checksum."""
+    crc = 0
+    with tier.backend.open_write(*dst) as f:
+        for start in range(0, size, _CHUNK_BYTES):
+            chunk = remote.get_range(key, start, min(size, start + _CHUNK_BYTES))
+            crc = integrity.checksum(chunk, crc)
+            f.write(chunk)
+    if integrity.format_checksum(crc) != checksum:
+        raise IntegrityError(f"{remote.url(key)} fails its checksum against the manifest; it "
+                             "was not copied to the local tier")
 
 
 def delete_remote_step(remote: RemoteBackend, step: str, *, reason: str) -> None:
