@@ -42,6 +42,7 @@ from .errors import (
     ConfigError,
     ForeignPathError,
     InsufficientSpaceError,
+    TransientTierError,
     UploadFailedError,
 )
 from .policy import integrity, layout, manifest
@@ -153,6 +154,7 @@ class TieredStorageWriter(StorageWriter):
         self.collective_timeout_warn_secs = collective_timeout_warn_secs
         self._watch: CollectiveWatch | None = None  # made by the process that saves
         self._coordinator, self._use_collectives = False, True
+        self._remote_checked = False  # recover() checks the remote once
 
     @property
     def root(self) -> str:
@@ -194,9 +196,25 @@ class TieredStorageWriter(StorageWriter):
         directories of dead saves) and re-enqueue the upload of every committed step that is
         not durable yet. Building a writer does neither; the first save does both, and
         :class:`~dcp_tiered.manager.CheckpointManager` and the shims call this when they start.
-        Safe to call again, and on every rank of a node at once."""
+        Safe to call again, and on every rank of a node at once.
+
+        With a remote tier it first checks the remote with one cheap request: a wrong bucket,
+        missing or bad credentials or denied access raise PermanentTierError saying what to
+        fix; a store that cannot be reached now is logged at WARNING only (uploads retry later;
+        a job must not die because the store blinked)."""
         self._tier.recover_and_sweep()
+        self._check_remote()
         self._hold_uploads()
+
+    def _check_remote(self) -> None:
+        if self._remote is None or self._remote_checked:
+            return
+        try:
+            self._remote.probe()
+        except TransientTierError as e:
+            logger.warning("remote tier %s cannot be reached now (%s); saves go on and their "
+                           "uploads are retried later", self._remote.config.url, e)
+        self._remote_checked = True
 
     def _hold_uploads(self) -> None:
         if self._remote is not None and self._uploader is None:
