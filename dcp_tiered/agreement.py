@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .distributed import agreement_group, is_node_leader
-from .errors import DcpTieredError, describe
+from .errors import DcpTieredError, PermanentTierError, describe
 
 T = TypeVar("T")
 
@@ -100,6 +100,26 @@ class Agreement:
             raise mine
         if problems:
             raise error(f"{what} failed on another node: {'; '.join(problems)}")
+        return value
+
+    def everywhere(self, fn: Callable[[], T], what: str) -> T:
+        """``fn()`` run by every rank; what it raised on any rank raised on every rank: its own
+        error as itself on that rank, naming it on the others (a PermanentTierError when it
+        was one, so a misconfigured remote reads the same everywhere)."""
+        value: Any = None
+        mine: BaseException | None = None
+        try:
+            value = fn()
+        except Exception as e:  # noqa: BLE001 - raised on every rank below
+            mine = e
+        problems = [p for p in self.gather(
+            None if mine is None else (describe(mine), isinstance(mine, PermanentTierError)))
+            if p]
+        if mine is not None:
+            raise mine
+        if problems:
+            error = PermanentTierError if any(p for _, p in problems) else DcpTieredError
+            raise error(f"{what} failed on another rank: {'; '.join(d for d, _ in problems)}")
         return value
 
     def barrier(self) -> None:

@@ -29,7 +29,8 @@ class RemoteConfig:
     """Where and how steps are copied to the remote tier.
 
     Args:
-        url: any fsspec URL, e.g. ``s3://bucket/run1`` or ``file:///mnt/shared/run1``.
+        url: any fsspec URL, e.g. ``s3://bucket/run1`` or ``file:///mnt/shared/run1``, or an
+            absolute directory path; a relative path without a scheme is refused.
         storage_options: passed to fsspec unchanged (for s3fs: ``key``, ``secret``,
             ``client_kwargs={"endpoint_url": ...}``, ``config_kwargs``...).
         part_size_bytes: multipart part size for large files (S3 allows 5 MiB to 5 GiB). Small
@@ -62,11 +63,11 @@ class RemoteConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not self.url:
             raise ConfigError(f"remote must be an fsspec URL such as s3://bucket/run, got {self.url!r}")
-        if "://" not in self.url:  # "bucket/run" would silently become a local directory
+        if "://" not in self.url and not self.url.startswith("/"):
+            # "bucket/run" would silently become a directory under the working directory.
             raise ConfigError(
-                f"remote URL {self.url!r} has no scheme: write s3://{self.url.lstrip('/')} for "
-                f"S3, or file://{self.url if self.url.startswith('/') else '/ABSOLUTE/PATH'} "
-                "for a directory")
+                f"remote {self.url!r} has no scheme: did you mean s3://{self.url}? For a local "
+                "directory give an absolute path or file:///ABSOLUTE/PATH")
         if not 5 * 2**20 <= self.part_size_bytes <= 5 * 2**30:
             raise ConfigError(
                 f"part_size_bytes={self.part_size_bytes} is outside S3's multipart limits "

@@ -188,6 +188,15 @@ class Lifecycle:
         # root -> (its backend, the retention lock if this process holds it)
         self._keepers: dict[str, tuple[LocalBackend, int | None]] = {}
 
+    def start(self, root: str | os.PathLike[str]) -> TieredStorageWriter:
+        """Collective, when an entry point starts: the writer of ``root``, recovered (crashed
+        saves swept, uploads resumed, the remote checked). A failure on any rank, such as a
+        remote with no such bucket or bad credentials, is raised on every rank, so no rank
+        goes on to wait for the others at the next collective."""
+        return self.agree.everywhere(lambda: self.writers.get(root),
+                                     f"starting {self.conventions.framework} checkpoints in "
+                                     f"{os.path.abspath(root)}")
+
     # ------------------------------------------------------------ saving
 
     def save(self, root: str, step: str, state: dict[str, Any], *, sync: bool,

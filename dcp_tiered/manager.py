@@ -143,7 +143,8 @@ class CheckpointManager:
         # Saves run their collectives on one group, the manager's votes on another: a vote on
         # the training thread never interleaves with a background save's collectives.
         self._save_pg, self._agree = self._lifecycle.group, self._lifecycle.agree
-        self._local = self._lifecycle.writers.get(local)  # recovered: crashes swept, uploads on
+        # Recovered (crashes swept, uploads on, the remote checked); fails on every rank.
+        self._local = self._lifecycle.start(local)
         if memory is not None and os.path.realpath(memory) == os.path.realpath(local):
             raise ConfigError("memory and local must be different directories")
         self.allow_pickle = allow_pickle

@@ -34,6 +34,7 @@ from .errors import (
     IntegrityError,
     ManifestError,
     MissingShardError,
+    TransientTierError,
 )
 from .policy import integrity, layout, manifest
 from .policy.manifest import ItemLocation
@@ -90,6 +91,19 @@ class TieredStorageReader(StorageReader):
         self._deferred_error: DcpTieredError | None = None
         self._keys: layout.RemoteKeys | None = None  # the step's remote keys, from its marker
         self.files_read_remotely: set[str] = set()
+        self._remote_checked = False
+
+    def _check_remote(self) -> None:
+        """The first time this reader needs the remote: a wrong bucket, bad or missing
+        credentials or denied access raise PermanentTierError saying what to fix. A store
+        that cannot be reached now is left to the listing that follows (it retries, then says
+        the tier cannot be read)."""
+        assert self._remote is not None
+        try:
+            self._remote.probe()
+        except TransientTierError:
+            return
+        self._remote_checked = True
 
     @property
     def root(self) -> str:
@@ -131,6 +145,8 @@ class TieredStorageReader(StorageReader):
             self._tier.undo_interrupted_overwrites()
         except OSError as e:  # a read-only root: what is committed under its name still loads
             logger.warning("cannot restore interrupted overwrites in %s: %s", self.root, e)
+        if self._remote is not None and not self._remote_checked:
+            self._check_remote()
         self._step = catalog.resolve(self._tier, self._remote, self._requested)
         self._dir = (self._step.name,)
         if not self._step.verified_format:

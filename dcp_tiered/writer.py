@@ -31,6 +31,7 @@ from torch.futures import Future
 from typing_extensions import Self  # a dependency of torch itself
 
 from . import _torch_compat
+from ._collective_watch import CollectiveWatch
 from ._priority import lower_this_thread
 from ._version import __version__
 from .backends.local import LocalBackend
@@ -43,6 +44,7 @@ from .errors import (
     ForeignPathError,
     InsufficientSpaceError,
     TierError,
+    TransientTierError,
     UploadFailedError,
 )
 from .policy import integrity, layout, manifest
@@ -105,6 +107,10 @@ class TieredStorageWriter(StorageWriter):
             steps committed locally but not yet durable are re-enqueued by :meth:`recover`
             (which the first save runs).
         storage_options: fsspec options for ``remote`` (ignored with a RemoteConfig).
+        collective_timeout_warn_secs: log one ERROR when a save has waited this long in one
+            of DCP's collectives (the plan gather/scatter, or the final gather before
+            ``finish``) because other ranks never joined: the sign of an ``async_save`` on the
+            training process group. None disables the check.
     """
 
     def __init__(
@@ -120,8 +126,12 @@ class TieredStorageWriter(StorageWriter):
         commit_timeout_secs: float = 1800.0,
         remote: str | RemoteConfig | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        collective_timeout_warn_secs: float | None = 300.0,
     ) -> None:
         super().__init__()
+        if collective_timeout_warn_secs is not None and not collective_timeout_warn_secs > 0:
+            raise ConfigError("collective_timeout_warn_secs must be > 0 (or None to disable), "
+                              f"got {collective_timeout_warn_secs}")
         if thread_count < 1:
             raise ConfigError(f"thread_count must be >= 1, got {thread_count}")
         if free_space_margin_bytes < 0:
@@ -144,6 +154,10 @@ class TieredStorageWriter(StorageWriter):
         self._leading: tuple[str, int] | None = None  # (tmp dir, lock fd) until published
         self._remote = remote_backend(remote, storage_options)
         self._uploader: uploads.Uploader | None = None  # this writer's hold on the uploads
+        self.collective_timeout_warn_secs = collective_timeout_warn_secs
+        self._watch: CollectiveWatch | None = None  # made by the process that saves
+        self._coordinator, self._use_collectives = False, True
+        self._remote_checked = False  # recover() checks the remote once
 
     @property
     def root(self) -> str:
@@ -168,15 +182,31 @@ class TieredStorageWriter(StorageWriter):
         state["_stager"] = None
         state["_leading"] = None
         state["_uploader"] = None
+        state["_watch"] = None
         return state
+
+    def _watch_collective(self, phase: str | None) -> None:
+        """The save enters DCP's collective ``phase`` (None: it left the last one)."""
+        if self._watch is None:
+            self._watch = CollectiveWatch(self.collective_timeout_warn_secs)
+        if phase is None or self._step is None:
+            self._watch.cancel()
+        else:
+            self._watch.arm(self._step, phase)
 
     def recover(self) -> None:
         """Finish what a crash left under ``root`` (interrupted overwrites and deletes, temporary
         directories of dead saves) and re-enqueue the upload of every committed step that is
         not durable yet. Building a writer does neither; the first save does both, and
         :class:`~dcp_tiered.manager.CheckpointManager` and the shims call this when they start.
-        Safe to call again, and on every rank of a node at once."""
+        Safe to call again, and on every rank of a node at once.
+
+        With a remote tier it first checks the remote with one cheap request: a wrong bucket,
+        missing or bad credentials or denied access raise PermanentTierError saying what to
+        fix; a store that cannot be reached now is logged at WARNING only (uploads retry later;
+        a job must not die because the store blinked)."""
         self._tier.recover_and_sweep()
+        self._check_remote()
         self._hold_uploads()
         if self._remote is not None and is_job_leader():
             # The coordinator's root decides: a save it does not hold committed can never
@@ -186,6 +216,16 @@ class TieredStorageWriter(StorageWriter):
             except TierError as e:
                 logger.warning("could not look for orphaned uploads on %s: %s",
                                self._remote.config.url, e)
+
+    def _check_remote(self) -> None:
+        if self._remote is None or self._remote_checked:
+            return
+        try:
+            self._remote.probe()
+        except TransientTierError as e:
+            logger.warning("remote tier %s cannot be reached now (%s); saves go on and their "
+                           "uploads are retried later", self._remote.config.url, e)
+        self._remote_checked = True
 
     def _hold_uploads(self) -> None:
         if self._remote is not None and self._uploader is None:
@@ -287,6 +327,8 @@ class TieredStorageWriter(StorageWriter):
         """
         if self._stager is not None:
             self._stager.close()
+        if self._watch is not None:
+            self._watch.cancel()
         up, self._uploader = self._uploader, None
         if up is None:
             return
@@ -346,6 +388,9 @@ class TieredStorageWriter(StorageWriter):
         return StorageMeta(checkpoint_id=self._step) if self._step else None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._watch_collective(None)
+        self._coordinator = is_coordinator
+        self._use_collectives = kwargs.get("use_collectives", True)
         self._begin_save()
         if self._step is None:
             raise ConfigError(
@@ -398,7 +443,13 @@ class TieredStorageWriter(StorageWriter):
             free_bytes=self._tier.backend.free_bytes(),
             root=self.root,
         )
-        return dataclasses.replace(plan, storage_data=info)
+        planned = dataclasses.replace(plan, storage_data=info)
+        if self._use_collectives:
+            self._watch_collective("the plan gather (every rank's local plan to the "
+                                   "coordinator)" if self._coordinator else
+                                   "the plan gather/scatter (this rank's plan to the "
+                                   "coordinator and its global plan back)")
+        return planned
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         infos: list[_RankInfo] = [p.storage_data for p in plans]
@@ -426,10 +477,13 @@ class TieredStorageWriter(StorageWriter):
             )
             out.append(dataclasses.replace(plan, storage_data=save))
         self._save = (out[0].storage_data, node_of)
+        if self._use_collectives:
+            self._watch_collective("the plan scatter (the global plan to every rank)")
         return out
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         save: _SaveInfo = plan.storage_data
+        self._watch_collective(None)
         started = time.perf_counter()
         lower_this_thread()  # an async save's thread; the trainer's own thread is left alone
         backend = self._tier.backend
@@ -456,6 +510,10 @@ class TieredStorageWriter(StorageWriter):
             self._follow_commit(save, lock)
         else:
             LocalBackend.unlock(lock)
+        if self._use_collectives:
+            self._watch_collective("the final gather of write results before finish"
+                                   if self._coordinator else "the final gather of write results "
+                                   "(and the coordinator's finish)")
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -564,6 +622,7 @@ class TieredStorageWriter(StorageWriter):
         handshake.follow_in_background(save.node, prepare, publish, abandon)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        self._watch_collective(None)
         assert self._save is not None and self._leading is not None
         started = time.perf_counter()
         (save, node_of), (tmp, lock) = self._save, self._leading

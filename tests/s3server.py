@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import time
@@ -28,13 +29,15 @@ def wait_for_port(port: int, proc: subprocess.Popen, what: str, timeout: float =
     raise RuntimeError(f"{what} did not listen on {port} within {timeout} s")
 
 
-def start_moto() -> tuple[subprocess.Popen, str]:
+def start_moto(env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """``env``: e.g. INITIAL_NO_AUTH_ACTION_COUNT, after which moto checks every signature."""
     moto = REPO / ".venv-moto" / "bin" / "moto_server"
     if not moto.exists():
         raise RuntimeError("moto_server missing: run scripts/setup")
     port = free_port()
     proc = subprocess.Popen([str(moto), "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=None if env is None else {**os.environ, **env})
     wait_for_port(port, proc, "moto_server")
     return proc, f"http://127.0.0.1:{port}"
 

@@ -192,18 +192,29 @@ def test_restore_never_starts_from_scratch_when_the_remote_cannot_be_read(tmp_pa
     TierUnavailableError naming the tier and the cause, never "nothing to restore" (which
     would start training from step 0 beside the real history). Opting in restores from what
     can be read, with an ERROR."""
-    from dcp_tiered import RemoteConfig, RetryConfig, SaveFailedError, TierUnavailableError
+    from dcp_tiered import (
+        PermanentTierError,
+        RemoteConfig,
+        RetryConfig,
+        SaveFailedError,
+        TierUnavailableError,
+    )
 
     endpoint = "http://127.0.0.1:9" if broken == "unreachable" else None  # nothing listens
     bucket = s3.bucket if broken == "unreachable" else "no-such-bucket-dcp-tiered"
     remote = RemoteConfig(url=f"s3://{bucket}/run", storage_options=s3.options(endpoint),
                           retry=RetryConfig(max_attempts=2, initial_backoff_secs=0.05))
     tiers = {"memory": tmp_path / "shm", "local": tmp_path / "disk", "remote": remote}
+    if broken == "no-such-bucket":  # permanent: refused when the manager starts, not later
+        with pytest.raises(PermanentTierError) as e:
+            CheckpointManager(**tiers)
+        assert "NoSuchBucket" in str(e.value) and "create the bucket" in str(e.value)
+        return
     with CheckpointManager(**tiers) as mgr:
         with pytest.raises(TierUnavailableError) as e:
             mgr.restore(_state())
         assert f"s3://{bucket}/run" in str(e.value)
-        assert ("NoSuchBucket" if broken == "no-such-bucket" else "Connect") in str(e.value)
+        assert "Connect" in str(e.value)
         assert "on_unreadable_tier='skip'" in str(e.value)
         with caplog.at_level(logging.ERROR):
             assert mgr.restore(_state(), on_unreadable_tier="skip") is None

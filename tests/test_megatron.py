@@ -172,16 +172,17 @@ def test_facade_restores_from_s3_on_a_fresh_node(tmp_path, s3):
 
 
 def test_facade_refuses_to_start_from_scratch_when_the_remote_cannot_be_read(tmp_path, s3):
-    """A fresh node whose remote cannot be read (a bucket that does not exist): every rank
-    raises TierUnavailableError naming it, instead of training from iteration 0."""
+    """A fresh node whose remote names a bucket that does not exist: every rank raises
+    PermanentTierError when the facade starts, saying what to fix, instead of training from
+    iteration 0."""
     remote = ["--remote", "s3://no-such-bucket-dcp-tiered/run",
               "--storage-options", json.dumps(s3.options())]
     proc = facade(tmp_path / "run", "--iters", "2", *remote, check=False)
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
     for rank in range(2):
-        assert f"[rank{rank}]: dcp_tiered.errors.TierUnavailableError" in out, out[-3000:]
-    assert "NoSuchBucket" in out and "on_unreadable_tier='skip'" in out
+        assert f"[rank{rank}]: dcp_tiered.errors.PermanentTierError" in out, out[-3000:]
+    assert "NoSuchBucket" in out and "create the bucket" in out
     assert not (tmp_path / "run" / "losses-0.jsonl").exists()  # no training step ran
 
 

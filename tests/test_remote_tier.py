@@ -15,6 +15,7 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_tiered import (
     ConfigError,
+    PermanentTierError,
     RemoteConfig,
     RetryConfig,
     TieredStorageReader,
@@ -285,10 +286,19 @@ def test_unreachable_remote_and_nothing_local_is_not_called_an_empty_run(tmp_pat
     assert isinstance(err, TierUnavailableError) and f"s3://{s3.bucket}/run" in str(err)
 
 
-def test_missing_bucket_is_reported_not_mistaken_for_an_empty_run(tmp_path, s3, caplog):
+def test_missing_bucket_is_reported_not_mistaken_for_an_empty_run(tmp_path, s3):
+    """A reader whose remote names no bucket refuses, saying what to fix, before it guesses
+    which step is the latest; without the remote, the local copy loads."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     root = tmp_path / "local"
     save(root, None, "step-1", state(1))
     typo = RemoteConfig(url="s3://no-such-bucket-dcp-tiered/run", storage_options=s3.options(),
                         retry=FAST_RETRY)
-    got, _ = load(root, typo)
-    assert equal(got, state(1)) and "unavailable" in caplog.text and "NoSuchBucket" in caplog.text
+    with pytest.raises(CheckpointException) as e:
+        load(root, typo)
+    (err, *_), = [f if isinstance(f, tuple) else (f,) for f in e.value.failures.values()]
+    assert isinstance(err, PermanentTierError) and "NoSuchBucket" in str(err), err
+    assert "create the bucket" in str(err)
+    got, _ = load(root, None)
+    assert equal(got, state(1))

@@ -89,9 +89,23 @@ def test_a_bare_403_names_the_credential_problem():
     assert "S3 documentation" not in str(err)
 
 
-@pytest.mark.parametrize("url", ["bucket/run", "/abs/dir", "run"])
-def test_a_remote_url_without_a_scheme_is_refused(url):
-    from dcp_tiered import ConfigError, RemoteConfig
+@pytest.mark.parametrize("url", ["bucket/run", "run", "./run"])
+def test_a_relative_remote_without_a_scheme_is_refused(url):
+    from dcp_tiered import ConfigError, RemoteConfig, TieredStorageReader, TieredStorageWriter
 
-    with pytest.raises(ConfigError, match="no scheme"):
-        RemoteConfig(url=url)
+    for build in (lambda: RemoteConfig(url=url),
+                  lambda: TieredStorageWriter("/tmp/unused-root", remote=url),
+                  lambda: TieredStorageReader("/tmp/unused-root", remote=url)):
+        with pytest.raises(ConfigError) as e:
+            build()
+        assert f"remote {url!r} has no scheme: did you mean s3://{url}?" in str(e.value)
+        assert "absolute path or file://" in str(e.value)
+
+
+def test_an_absolute_path_or_a_file_url_is_a_local_directory_remote(tmp_path):
+    from dcp_tiered import RemoteConfig
+    from dcp_tiered.backends.remote import RemoteBackend
+
+    for url in (str(tmp_path / "r"), f"file://{tmp_path / 'r'}"):
+        backend = RemoteBackend(RemoteConfig(url=url))
+        assert (backend.protocol, backend.base) == ("file", str(tmp_path / "r"))

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import fsspec
 
 from .. import _retry
-from ..config import RemoteConfig
+from ..config import RemoteConfig, RetryConfig
 from ..errors import ConfigError, IntegrityError, PermanentTierError, TransientTierError
 from ..policy import layout
 
@@ -149,7 +149,8 @@ class RemoteBackend:
     def url(self, key: str) -> str:
         return f"{self.protocol}://{self.path(key)}"
 
-    def _call(self, op: str, key: str, fn: Callable[[], T]) -> T:
+    def _call(self, op: str, key: str, fn: Callable[[], T],
+              retry: RetryConfig | None = None) -> T:
         where = self.url(key) if key else self.config.url
 
         def attempt() -> T:
@@ -161,7 +162,24 @@ class RemoteBackend:
                     raise
                 raise translated from e
 
-        return _retry.call(self.config.retry, attempt)
+        return _retry.call(retry or self.config.retry, attempt)
+
+    def probe(self, attempts: int = 1) -> None:
+        """One cheap request that tells a wrong bucket, missing or bad credentials and denied
+        access (PermanentTierError, saying what to fix) from a store that cannot be reached
+        now (TransientTierError), tried ``attempts`` times: seconds, not the upload policy's
+        minute. One attempt is already a short bounded retry: botocore retries 5xx and s3fs
+        connection errors (about two seconds). S3: a one-key listing of the prefix (a HEAD
+        carries no error code; a listing names it)."""
+        retry = RetryConfig(max_attempts=attempts, initial_backoff_secs=0.2,
+                            max_backoff_secs=1.0)
+        if self.protocol in ("s3", "s3a"):
+            bucket, _, prefix = self.base.partition("/")
+            self._call("check", "", lambda: self.fs.call_s3(
+                "list_objects_v2", Bucket=bucket, Prefix=f"{prefix}/" if prefix else "",
+                MaxKeys=1), retry=retry)
+        else:  # a directory that does not exist yet is fine: uploads create it
+            self._call("check", "", lambda: self.fs.exists(self.base), retry=retry)
 
     # ------------------------------------------------------------ writes
 

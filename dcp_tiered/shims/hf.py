@@ -199,7 +199,7 @@ class TrainerTiers:
         scratch = None
         # Recovery, explicitly: what a crash left in output_dir is finished or swept, and the
         # uploads a previous job left are resumed.
-        self.lifecycle.writers.get(self.root)
+        self.lifecycle.start(self.root)
         if resume_from_checkpoint:
             step = self._resolve(resume_from_checkpoint)
             # Trainer reads trainer_state.json by path; give it the committed step's own copy.

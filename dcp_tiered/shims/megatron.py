@@ -125,7 +125,7 @@ class EasyCkpt:
             publish_early=False, writer_options={"overwrite": True, **writer_options})
         # Recovery, explicitly: what a crash left in the save directory is finished or swept
         # (mcore's pending directories too), and uploads a previous job left are resumed.
-        self.lifecycle.writers.get(self.save_dir)
+        self.lifecycle.start(self.save_dir)
         if is_node_leader():  # one process per node root
             LocalTier(LocalBackend(self.save_dir)).sweep_pending()
         self.memory = None
