@@ -20,6 +20,7 @@ from .errors import (
     TierError,
     TierUnavailableError,
     TransientTierError,
+    UnsupportedExtensionError,
     UploadFailedError,
 )
 from .manager import CheckpointManager
@@ -82,6 +83,7 @@ __all__ = [
     "TieredStorageReader",
     "TieredStorageWriter",
     "TransientTierError",
+    "UnsupportedExtensionError",
     "UploadFailedError",
     "__version__",
     "checkpoint_process_group",
