@@ -216,7 +216,9 @@ class TieredSaveShardedStrategy(TorchDistSaveShardedStrategy):
 
     def _publish(self, root: str, step: str) -> None:
         if _rank() == 0:
-            write_sidecars(root, step, backend=self.backend, version=self.version)
+            # common.pt is rebuilt from the step's own copy, read as a restore will read it.
+            write_sidecars(root, step, backend=self.backend, version=self.version,
+                           allow_pickle=self.allow_pickle)
 
 
 class TieredLoadShardedStrategy(TorchDistLoadShardedStrategy):
