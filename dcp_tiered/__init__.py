@@ -21,6 +21,7 @@ from .errors import (
     TierError,
     TierUnavailableError,
     TransientTierError,
+    UnsupportedExtensionError,
     UploadFailedError,
 )
 from .manager import CheckpointManager
@@ -84,6 +85,7 @@ __all__ = [
     "TieredStorageReader",
     "TieredStorageWriter",
     "TransientTierError",
+    "UnsupportedExtensionError",
     "UploadFailedError",
     "__version__",
     "checkpoint_process_group",

@@ -25,8 +25,19 @@ from torch.distributed._state_dict_utils import (  # noqa: F401
     _create_cpu_state_dict as create_cpu_state_dict,
 )
 
+# DCP's stream extensions (experimental, private): vanilla checkpoints written with
+# FileSystemWriter(_extensions=[...]) are read back through torch's own registry and its own
+# read-side transform stack, so that we read exactly what FileSystemReader reads.
+from torch.distributed.checkpoint._extension import (  # noqa: F401
+    ExtensionRegistry,
+    ZStandard,
+)
+
 # Written into `.metadata` so that a vanilla FileSystemReader can read our steps.
 from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo  # noqa: F401
+from torch.distributed.checkpoint.filesystem import (  # noqa: F401
+    _StorageReaderTransforms as StorageReaderTransforms,
+)
 
 
 def load_keys(out: dict[str, Any], keys: set[str], storage_reader: Any) -> None:

@@ -10,6 +10,7 @@ Library errors subclass the built-in exception a caller would naturally catch::
     │   └── ForeignPathError                 the path holds something that is not our step
     ├── MissingShardError(FileNotFoundError) a data file named by the manifest is gone
     ├── ManifestError(ValueError)            manifest unreadable, tampered or of another version
+    ├── UnsupportedExtensionError(ValueError) a vanilla step's stream extension cannot be applied
     ├── IntegrityError                       checksum or size mismatch
     ├── InsufficientSpaceError(OSError)      no room on a tier: bytes or inodes
     ├── NotWritableError(PermissionError)    a tier's directory is read-only or not ours to write
@@ -47,6 +48,7 @@ __all__ = [
     "TierError",
     "TierUnavailableError",
     "TransientTierError",
+    "UnsupportedExtensionError",
     "UploadFailedError",
 ]
 
@@ -78,6 +80,11 @@ class MissingShardError(DcpTieredError, FileNotFoundError):
 
 class ManifestError(DcpTieredError, ValueError):
     """The manifest cannot be trusted: unreadable, tampered or of an unknown version."""
+
+
+class UnsupportedExtensionError(DcpTieredError, ValueError):
+    """A vanilla DCP checkpoint was written with a stream extension (``_extensions=``) that
+    this reader cannot apply: not registered, or its package is not installed."""
 
 
 class IntegrityError(DcpTieredError):

@@ -17,6 +17,10 @@ happens around that is this module's, the same for all of them:
   deleted.
 - :meth:`Lifecycle.close` waits until every step saved here is durable on the remote tier and
   raises on every rank if one cannot get there.
+- a state that saves must restore: unless the entry point was given ``allow_pickle=True``,
+  :meth:`Lifecycle.require_restorable` (run by :meth:`Lifecycle.save`) refuses, on every rank,
+  a state holding a value that ``weights_only`` loading would refuse, before anything is
+  written.
 - :meth:`Lifecycle.restore` tries candidates newest first, falls back past steps that fail
   verification on any rank, and refuses to start from scratch when a tier cannot be read.
 
@@ -56,6 +60,7 @@ from .errors import (
     describe,
 )
 from .policy import layout
+from .policy.memory_format import first_refused
 from .policy.retention import RetentionPolicy
 from .tiers.housekeeping import prune_local, prune_remote
 from .tiers.local import LocalTier
@@ -166,7 +171,9 @@ class Lifecycle:
     Construct on every rank, in the same order. ``retention`` applies to each local root a
     save went to; ``remote_retention`` to the remote tier (None: the remote keeps everything).
     ``publish_early``: rank 0 runs ``on_commit`` as soon as the step is committed, in the
-    background, instead of at the next :meth:`finish`.
+    background, instead of at the next :meth:`finish`. ``allow_pickle``: the entry point
+    restores non-tensor values with full pickle (checkpoints you trust), so any state saves;
+    otherwise a state must load back with ``weights_only``, ``trusted_classes`` allowed.
     """
 
     def __init__(self, conventions: Conventions, *, remote: Any = None,
@@ -174,8 +181,10 @@ class Lifecycle:
                  retention: RetentionPolicy | None = None,
                  remote_retention: RetentionPolicy | None = None,
                  publish_early: bool = True, writer_options: Mapping[str, Any] | None = None,
-                 collective_timeout_secs: float = 1800.0) -> None:
+                 collective_timeout_secs: float = 1800.0, allow_pickle: bool = False,
+                 trusted_classes: tuple[type, ...] = ()) -> None:
         self.conventions = conventions
+        self.allow_pickle, self.trusted_classes = allow_pickle, tuple(trusted_classes)
         self.writers = Writers(remote, storage_options, **dict(writer_options or {}))
         self.retention, self.remote_retention = retention, remote_retention
         self.group = checkpoint_process_group(collective_timeout_secs)  # DCP's collectives
@@ -200,11 +209,15 @@ class Lifecycle:
     # ------------------------------------------------------------ saving
 
     def save(self, root: str, step: str, state: dict[str, Any], *, sync: bool,
-             planner: Any = None, on_commit: Callable[[], Any] | None = None) -> None:
+             planner: Any = None, on_commit: Callable[[], Any] | None = None,
+             values: dict[str, Any] | None = None) -> None:
         """Writes ``state`` as step ``root/step`` (``dcp.save`` or ``dcp.async_save`` on the
-        checkpoint group). Finishes the save in flight first; with ``sync``, this one too."""
+        checkpoint group). Finishes the save in flight first; with ``sync``, this one too.
+        ``values``: what to check with :meth:`require_restorable` instead of ``state``, when
+        the state holds them already serialised (DeepSpeed's skeletons)."""
         self.finish()
         layout.validate_step_name(step)
+        self.require_restorable(step, state if values is None else values)
         writer = self.writers.get(root)
         single = not dist.is_initialized()
         try:
@@ -222,6 +235,20 @@ class Lifecycle:
         self.track(root, step, future, on_commit=on_commit)
         if sync:
             self.finish()
+
+    def require_restorable(self, step: str, values: dict[str, Any]) -> None:
+        """Collective, before a save writes anything: unless ``allow_pickle``, raises
+        ConfigError on every rank when a value of any rank's ``values`` would not load back
+        with ``weights_only`` (it would save, and then never restore)."""
+        why = None if self.allow_pickle else first_refused(values, self.trusted_classes)
+        if not self.agree.any(why is not None):
+            return
+        rank, why = next((r, w) for r, w in enumerate(self.agree.gather(why)) if w)
+        raise ConfigError(
+            f"{self.conventions.framework} checkpoint {step!r} was not saved: on rank {rank}, "
+            f"{why}, so it could never be restored. Keep tensors, numbers, strings, lists and "
+            "dicts in the state, or pass allow_pickle=True only for checkpoints you trust "
+            "(non-tensor values then load with full pickle, which can run code).")
 
     def track(self, root: str, step: str, future: Future[Any], *,
               finalize: Callable[[], Any] | None = None,

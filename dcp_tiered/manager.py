@@ -28,7 +28,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -49,7 +48,7 @@ from .lifecycle import Conventions, Lifecycle, failure, raise_failures
 from .policy import cadence, layout
 from .policy.admission import Admission, Headroom, shortfall
 from .policy.cadence import Decision, SavePolicy
-from .policy.memory_format import refused_by_weights_only
+from .policy.memory_format import first_refused
 from .policy.retention import Retention
 from .rank_state import RankState
 from .reader import TieredStorageReader
@@ -604,19 +603,7 @@ def _resolve(app_state: dict[str, Any]) -> dict[str, Any]:
 
 def _refused_value(app_state: dict[str, Any]) -> str | None:
     """Why a value of ``app_state`` would not load back with ``weights_only`` (None: none)."""
-    pending: list[tuple[str, Any]] = list(_resolve(app_state).items())
-    while pending:
-        path, value = pending.pop()
-        if isinstance(value, dict):
-            pending += [(f"{path}.{k}", v) for k, v in value.items()]
-        elif isinstance(value, (list, tuple)):
-            pending += [(f"{path}[{i}]", v) for i, v in enumerate(value)]
-        elif not isinstance(value, (torch.Tensor, int, float, str, bool, type(None))):
-            why = refused_by_weights_only(value)
-            if why is not None:
-                return f"the value at {path!r} ({type(value).__name__}) would not load back " \
-                       f"with weights_only ({why})"
-    return None
+    return first_refused(_resolve(app_state))
 
 
 def _state_bytes(app_state: dict[str, Any]) -> int:

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from ._torch_compat import StorageReaderTransforms, ZStandard
 from .backends.local import LocalBackend
 from .backends.remote import remote_backend
 from .config import RemoteConfig
@@ -35,6 +36,7 @@ from .errors import (
     ManifestError,
     MissingShardError,
     TransientTierError,
+    UnsupportedExtensionError,
 )
 from .policy import integrity, layout, manifest
 from .policy.manifest import ItemLocation
@@ -63,6 +65,10 @@ class TieredStorageReader(StorageReader):
         allow_pickle: load non-tensor values with full pickle. Only for checkpoints you
             trust: a pickle can run arbitrary code. By default they load with
             ``torch.load(weights_only=True)``.
+        extension_registry: for vanilla DCP checkpoints written with stream extensions
+            (``FileSystemWriter(_extensions=[...])``): the ``ExtensionRegistry`` holding their
+            classes, as given to ``FileSystemReader(_extension_registry=...)``. The default
+            registry knows DCP's ``ZStandard``. Our own steps never use extensions.
     """
 
     def __init__(
@@ -73,12 +79,16 @@ class TieredStorageReader(StorageReader):
         storage_options: Mapping[str, Any] | None = None,
         hydrate: bool = False,
         allow_pickle: bool = False,
+        extension_registry: Any | None = None,
     ) -> None:
         super().__init__()
         self._tier = LocalTier(LocalBackend(root))
         self._remote = remote_backend(remote, storage_options)
         self.hydrate = hydrate
         self.allow_pickle = allow_pickle
+        self._transforms = StorageReaderTransforms(extension_registry)
+        # Vanilla steps only: the stream extensions each item was written through.
+        self._descriptors: dict[MetadataIndex, tuple[str, ...]] = {}
         self._requested: str | os.PathLike[str] | None = None
         self._step: catalog.StepLocation | None = None
         self._dir: tuple[str, ...] = ()
@@ -152,6 +162,7 @@ class TieredStorageReader(StorageReader):
         if not self._step.verified_format:
             return self._read_vanilla_metadata()
         self._manifest = self._load_manifest(self._step)
+        self._descriptors = {}
         self._locations = dict(self._manifest.metadata.storage_data)
         self._chunks = {
             MetadataIndex(fqn, chunk.offsets): (chunk.sizes, md.properties.dtype)
@@ -199,7 +210,38 @@ class TieredStorageReader(StorageReader):
             idx: ItemLocation(info.relative_path, info.offset, info.length, "", -1, -1, "")
             for idx, info in md.storage_data.items()
         }
+        # Older writers have no transform_descriptors field at all.
+        self._descriptors = {
+            idx: tuple(descs) for idx, info in md.storage_data.items()
+            if (descs := getattr(info, "transform_descriptors", None))
+        }
+        self._check_extensions(where)
         return md
+
+    def _check_extensions(self, where: str) -> None:
+        """Every stream extension a vanilla step uses resolves, before any byte is read."""
+        checked: set[tuple[str, ...]] = set()
+        for idx, descs in self._descriptors.items():
+            if descs in checked:
+                continue
+            try:
+                self._transforms.extension_registry.from_descriptor_list(descs)
+            except Exception as e:  # ValueError today; an extension's own code may raise more
+                name = self._locations[idx].relative_path
+                if any(d.startswith(ZStandard.registry_name()) for d in descs) and (
+                    not ZStandard.is_available()
+                ):
+                    fix = "install zstandard in this environment (pip install zstandard)"
+                else:
+                    fix = ("register the extension's class in an ExtensionRegistry and pass it as "
+                           "TieredStorageReader(..., extension_registry=registry), as you would "
+                           "to FileSystemReader(..., _extension_registry=registry)")
+                raise UnsupportedExtensionError(
+                    f"{where}: item {idx.fqn!r} in data file {name!r} was written with the DCP "
+                    f"stream extension(s) {list(descs)}, which this reader cannot apply ({e}). "
+                    f"To read it, {fix}."
+                ) from e
+            checked.add(descs)
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
@@ -437,6 +479,8 @@ class TieredStorageReader(StorageReader):
         target: torch.Tensor | None = None,
     ) -> None:
         """Hands one item's verified bytes to the planner (``target``: already resolved)."""
+        if item.storage_index in self._descriptors:
+            data = self._untransformed(item, data)
         if item.type == LoadItemType.BYTE_IO:
             planner.load_bytes(item, self._vetted_bytes(data))
             return
@@ -454,6 +498,21 @@ class TieredStorageReader(StorageReader):
             )
         target.copy_(tensor)
         planner.commit_tensor(item, target)
+
+    def _untransformed(self, item: ReadItem, data: bytes | memoryview) -> bytes:
+        """A vanilla item's bytes with its stream extensions undone, as FileSystemReader does."""
+        descs = self._descriptors[item.storage_index]
+        try:
+            return self._transforms.transform_load_stream(item, descs, io.BytesIO(data)).read(-1)
+        except Exception as e:  # a corrupt stream, or the extension's own failure
+            name = self._locations[item.storage_index].relative_path
+            raise IntegrityError(
+                f"item {item.storage_index.fqn!r} in data file {name!r} of "
+                f"{os.path.join(self.root, *self._dir)}: undoing its DCP stream extension(s) "
+                f"{list(descs)} failed ({type(e).__name__}: {e}). The data is corrupt, or the "
+                "registered extension is not the one it was written with; restore the "
+                "checkpoint from a trusted copy."
+            ) from e
 
     def _raw_view(self, index: MetadataIndex, data: bytes | memoryview) -> torch.Tensor | None:
         """The stored chunk as a view of its verified raw bytes (no torch.load, no copy), when

@@ -29,6 +29,11 @@ _ALLOWED = {
     )
 } | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    # Older torch versions pickled the sharded-tensor copy of TensorProperties (and its enum)
+    # into .metadata; vanilla DCP still reads them. Both are plain data: a dataclass of dtype,
+    # layout, flags and an enum member, whose __setstate__ only assigns those fields.
+    ("torch.distributed._shard.sharded_tensor.metadata", "TensorProperties"),
+    ("torch.distributed._shard.sharded_tensor.metadata", "MEM_FORMAT_ENCODING"),
     ("torch.serialization", "_get_layout"),
     ("torch", "Size"),
     ("pathlib", "PosixPath"),

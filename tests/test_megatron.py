@@ -212,6 +212,20 @@ def test_facade_disk_full_fails_the_save_and_keeps_the_last_checkpoint(tmp_path,
     assert verify.returncode == 0, verify.stdout + verify.stderr
 
 
+def test_facade_refuses_a_state_it_could_not_restore_unless_trusted(tmp_path):
+    """A scheduler state holding an object weights_only loading refuses: without allow_pickle
+    the memory save and the storage save (where only rank 0's common.pt holds it) raise
+    ConfigError on both ranks and write nothing; with it, memory and storage restore it."""
+    torchrun("mcore.py", 2, "--out", str(tmp_path), "--phase", "trust", timeout=300)
+    for r in results(tmp_path):
+        for it in (1, 2):
+            assert r[f"refused-{it}"] and "Position" in r[f"refused-{it}"], r
+            assert "allow_pickle=True only for checkpoints you trust" in r[f"refused-{it}"]
+        assert "opt_param_scheduler" in r["refused-1"] and "common.pt" in r["refused-2"]
+        assert not [n for n in r["plain-left"] if n.startswith("iter_")], r
+        assert r["from-memory"] == [3, "pos 3"] and r["from-storage"] == [3, "pos 3"], r
+
+
 def test_converter_from_the_legacy_layout(tmp_path):
     torchrun("mcore.py", 2, "--out", str(tmp_path), "--phase", "legacy-save", timeout=300)
 

@@ -72,6 +72,9 @@ def test_compat_layer_finds_every_private_symbol_on_this_torch():
     assert callable(_torch_compat.copy_state_dict)
     assert callable(_torch_compat.create_cpu_state_dict)
     assert issubclass(_torch_compat.ShardedTensor, torch.Tensor)
+    transforms = _torch_compat.StorageReaderTransforms(_torch_compat.ExtensionRegistry())
+    assert callable(transforms.transform_load_stream)
+    assert _torch_compat.ZStandard.registry_name() == "stream.zstd"
 
 
 def test_load_keys_reads_one_key_without_a_template(tmp_path):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import base64
 import io
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,14 +102,48 @@ def decode_objects(data: bytes, *, allow_pickle: bool = False) -> dict[str, Any]
 def refused_by_weights_only(value: Any) -> str | None:
     """Why ``value`` would not load back with ``weights_only=True`` (None: it would)."""
     buf = io.BytesIO()
-    torch.save(value, buf)
     try:
-        torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+        torch.save(value, buf)
+    except Exception as e:  # noqa: BLE001 - a lambda, a lock...: an answer, on every rank
+        return f"it cannot be pickled at all: {type(e).__name__}: {e}"
+    return refused_saved(buf.getvalue())
+
+
+def refused_saved(data: bytes) -> str | None:
+    """Why ``torch.save`` output ``data`` would not load with ``weights_only=True`` (None: it
+    would). Loading with ``weights_only`` builds only allowlisted classes: it runs no code."""
+    try:
+        torch.load(io.BytesIO(data), weights_only=True)
     except Exception as e:  # noqa: BLE001 - torch raises UnpicklingError and kin
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         # torch's message opens with generic advice; the line naming the refused global says
         # what is wrong.
         return next((line for line in lines if "WeightsUnpickler error" in line), lines[0])
+    return None
+
+
+def first_refused(state: Any, trusted: Iterable[type] = ()) -> str | None:
+    """Why a value of ``state`` (a nested dict/list of tensors and values) would not load back
+    with ``weights_only``, naming its path and type; None when every value would.
+
+    ``trusted``: classes allowed beyond torch's own safe set (and any allowlisted in this
+    process), as the loader will allow them.
+    """
+    pending: list[tuple[str, Any]] = [(str(k), v) for k, v in state.items()]
+    with torch.serialization.safe_globals(list(trusted)):
+        while pending:
+            path, value = pending.pop()
+            if isinstance(value, dict):
+                pending += [(f"{path}.{k}", v) for k, v in value.items()]
+            elif isinstance(value, list) or (isinstance(value, tuple)
+                                             and not hasattr(value, "_fields")):
+                pending += [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+            elif not isinstance(value, (torch.Tensor, int, float, str, bool, type(None))):
+                # A namedtuple is a leaf: its class must load too.
+                why = refused_by_weights_only(value)
+                if why is not None:
+                    return (f"the value at {path!r} ({type(value).__name__}) would not load back "
+                            f"with weights_only ({why})")
     return None
 
 

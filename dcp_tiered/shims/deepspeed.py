@@ -90,6 +90,7 @@ class Options:
     storage_options: Mapping[str, Any] | None = None
     trusted_classes: tuple[type, ...] = ()
     writer_options: dict[str, Any] = field(default_factory=dict)
+    allow_pickle: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -123,8 +124,15 @@ class TieredCheckpointEngine(CheckpointEngine):
             writer_options=self.options.writer_options,
             # async: 'latest' moves once the step is committed; decoupled: when DeepSpeed
             # commits it; sync: before save_checkpoint returns.
-            publish_early=self.options.mode == "async")
+            publish_early=self.options.mode == "async",
+            # A save must load back as read_file loads it: weights_only, DeepSpeed's classes
+            # and the caller's trusted ones allowed (or full pickle, with allow_pickle).
+            allow_pickle=self.options.allow_pickle,
+            trusted_classes=(*deepspeed_classes(), *self.options.trusted_classes))
         self._files: dict[str, dict[str, Any]] = {}  # DeepSpeed file name -> split state
+        # DeepSpeed file name -> the state as DeepSpeed gave it, checked before the write
+        # (the split state holds it serialised); dropped once the write starts.
+        self._originals: dict[str, Any] = {}
         self._info: CheckpointCommitInfo | None = None
         self._want_latest = True  # what the caller passed to save_checkpoint
         self._holding = False  # see holding()
@@ -135,7 +143,7 @@ class TieredCheckpointEngine(CheckpointEngine):
     def create(self, info: CheckpointCommitInfo) -> None:
         self.wait()  # one save in flight at a time; an earlier failure surfaces here
         validate_step_name(info.tag)
-        self._info, self._files = info, {}
+        self._info, self._files, self._originals = info, {}, {}
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
         # The tag directory appears with the DCP step's atomic rename, not before.
@@ -151,6 +159,7 @@ class TieredCheckpointEngine(CheckpointEngine):
             raise ConfigError(f"DeepSpeed asked to save {path!r} outside "
                               f"{self._tag_dir(self._info)}")
         self._files[name] = skeleton.split(state_dict)
+        self._originals[name] = state_dict
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
         if self.options.mode == "decoupled":
@@ -182,7 +191,8 @@ class TieredCheckpointEngine(CheckpointEngine):
             return self._load_native(path)
         state = read_file(save_dir, tag, os.path.basename(path), remote=self.options.remote,
                           storage_options=self.options.storage_options,
-                          trusted_classes=self.options.trusted_classes)
+                          trusted_classes=self.options.trusted_classes,
+                          allow_pickle=self.options.allow_pickle)
         if map_location is not None and not callable(map_location):
             state = skeleton.map_leaves(
                 state, lambda v: v.to(map_location) if isinstance(v, torch.Tensor) else v)
@@ -252,7 +262,7 @@ class TieredCheckpointEngine(CheckpointEngine):
             self._held = (info, sync)
             return
         state: dict[str, Any] = self._files
-        self._files = {}
+        originals, self._files, self._originals = self._originals, {}, {}
         if sidecars:  # as bytes tensors: they load back without unpickling anything
             state[SIDECARS] = {name: _bytes_tensor(data) for name, data in sidecars.items()}
         latest = self._want_latest
@@ -262,7 +272,8 @@ class TieredCheckpointEngine(CheckpointEngine):
             if then is not None:
                 then()
 
-        self.lifecycle.save(info.save_dir, info.tag, state, sync=sync, on_commit=publication)
+        self.lifecycle.save(info.save_dir, info.tag, state, sync=sync, on_commit=publication,
+                            values=originals)
 
     @staticmethod
     def _tag_dir(info: CheckpointCommitInfo) -> str:
@@ -287,19 +298,23 @@ def read_file(
     remote: str | RemoteConfig | None = None,
     storage_options: Mapping[str, Any] | None = None,
     trusted_classes: Iterable[type] = (),
+    allow_pickle: bool = False,
 ) -> Any:
     """DeepSpeed file ``name`` of step ``tag``, as DeepSpeed saved it. Not collective.
 
     Only that file's keys are read, from the nearest tier holding a valid copy.
+    ``allow_pickle``: rebuild its structure with full pickle (checkpoints you trust only).
     """
-    reader = TieredStorageReader(save_dir, remote=remote, storage_options=storage_options)
+    reader = TieredStorageReader(save_dir, remote=remote, storage_options=storage_options,
+                                 allow_pickle=allow_pickle)
     reader.reset(tag)
     out: dict[str, Any] = {}
     _torch_compat.load_keys(out, {name}, reader)
     if name not in out:
         raise FileNotFoundError(f"step {tag!r} in {save_dir} holds no DeepSpeed file {name!r}")
     return skeleton.join(out[name], where=f"{os.path.join(save_dir, tag, name)} (step {tag!r})",
-                         trusted=[*deepspeed_classes(), *trusted_classes])
+                         trusted=[*deepspeed_classes(), *trusted_classes],
+                         allow_pickle=allow_pickle)
 
 
 def file_names(save_dir: str, tag: str) -> list[str]:
@@ -407,6 +422,7 @@ def install(
     remote: str | RemoteConfig | None = None,
     storage_options: Mapping[str, Any] | None = None,
     trusted_classes: Iterable[type] = (),
+    allow_pickle: bool = False,
     **writer_options: Any,
 ) -> None:
     """Makes every DeepSpeed engine built from now on checkpoint through dcp_tiered.
@@ -420,11 +436,17 @@ def install(
             boundaries).
         remote: a remote tier (fsspec URL or RemoteConfig) each step is promoted to.
         trusted_classes: extra classes your ``client_state`` holds, allowed when loading.
+        allow_pickle: load the checkpoint's non-tensor values with full pickle. Only for
+            checkpoints you trust: a pickle can run arbitrary code. Without it, a save whose
+            state holds a value that would not load back (a class neither DeepSpeed's nor in
+            ``trusted_classes``) is refused with ConfigError, on every rank, before anything
+            is written.
         writer_options: passed to :class:`TieredStorageWriter` (``thread_count``, ...).
     """
     import deepspeed.runtime.engine as ds_engine
 
-    options = Options(mode, remote, storage_options, tuple(trusted_classes), writer_options)
+    options = Options(mode, remote, storage_options, tuple(trusted_classes), writer_options,
+                      allow_pickle)
     _patch_save_checkpoint(ds_engine.DeepSpeedEngine)
     _patch_load_checkpoint(ds_engine.DeepSpeedEngine)
     ds_engine.create_checkpoint_engine = functools.partial(_factory, options)
@@ -442,8 +464,9 @@ def attach(engine: Any, **kwargs: Any) -> TieredCheckpointEngine:
     """Switches an engine that ``deepspeed.initialize`` already built (same arguments as
     :func:`install`). Call on every rank."""
     trusted = tuple(kwargs.pop("trusted_classes", ()))
+    allow_pickle = bool(kwargs.pop("allow_pickle", False))
     options = Options(kwargs.pop("mode", "async"), kwargs.pop("remote", None),
-                      kwargs.pop("storage_options", None), trusted, kwargs)
+                      kwargs.pop("storage_options", None), trusted, kwargs, allow_pickle)
     _patch_save_checkpoint(type(engine))
     _patch_load_checkpoint(type(engine))
     engine.checkpoint_engine = TieredCheckpointEngine(options)

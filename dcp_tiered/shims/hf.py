@@ -79,6 +79,7 @@ def wrap(
     remote: str | RemoteConfig | None = None,
     storage_options: Mapping[str, Any] | None = None,
     mode: str = "async",
+    allow_pickle: bool = False,
     **writer_options: Any,
 ) -> Trainer:
     """Routes ``trainer``'s checkpoints through the tiers; returns the same trainer.
@@ -87,6 +88,10 @@ def wrap(
         remote: a remote tier (fsspec URL or RemoteConfig) every step is promoted to.
         mode: ``"async"`` (``dcp.async_save``: training continues while the step is written)
             or ``"sync"``.
+        allow_pickle: load non-tensor values (a scheduler's state, ...) with full pickle. Only
+            for checkpoints you trust: a pickle can run arbitrary code. Without it, a save
+            whose state holds a value ``weights_only`` loading refuses is refused with
+            ConfigError, on every rank, before anything is written.
         writer_options: passed to :class:`TieredStorageWriter` (``thread_count``, ...;
             ``overwrite`` defaults to True, as Trainer overwrites a step it saves again).
     """
@@ -99,11 +104,13 @@ def wrap(
         from .hf_deepspeed import wrap_deepspeed
 
         return wrap_deepspeed(trainer, mode=mode, remote=remote,
-                              storage_options=storage_options, writer_options=writer_options)
+                              storage_options=storage_options, writer_options=writer_options,
+                              allow_pickle=allow_pickle)
     if trainer.args.load_best_model_at_end:
         raise ConfigError("load_best_model_at_end is not supported by dcp_tiered.shims.hf yet: "
                           "load the best step with TieredStorageReader after training instead")
-    tiers = TrainerTiers(trainer, remote, storage_options, mode, writer_options)
+    tiers = TrainerTiers(trainer, remote, storage_options, mode, writer_options,
+                         allow_pickle=allow_pickle)
     trainer._save_checkpoint = tiers.save_checkpoint  # type: ignore[method-assign]
     trainer._load_from_checkpoint = tiers.load_model  # type: ignore[method-assign]
     trainer._load_optimizer_and_scheduler = tiers.load_optimizer_and_scheduler  # type: ignore
@@ -133,13 +140,14 @@ class TrainerTiers:
 
     def __init__(self, trainer: Trainer, remote: str | RemoteConfig | None,
                  storage_options: Mapping[str, Any] | None, mode: str,
-                 writer_options: dict[str, Any]) -> None:
+                 writer_options: dict[str, Any], *, allow_pickle: bool = False) -> None:
         self.trainer = trainer
         self.remote, self.storage_options = remote, storage_options
         self.mode = mode
+        self.allow_pickle = allow_pickle
         self._train = trainer.train
         self.lifecycle = Lifecycle(CONVENTIONS, remote=remote, storage_options=storage_options,
-                                   writer_options=writer_options)
+                                   writer_options=writer_options, allow_pickle=allow_pickle)
 
     @property
     def root(self) -> str:
@@ -282,7 +290,8 @@ class TrainerTiers:
     def _load(self, step: str, wanted: dict[str, Any], *, partial: bool = False) -> dict[str, Any]:
         """Reads ``wanted``'s keys of ``step`` on this rank alone, from the nearest valid tier."""
         reader = TieredStorageReader(self.root, remote=self.remote,
-                                     storage_options=self.storage_options)
+                                     storage_options=self.storage_options,
+                                     allow_pickle=self.allow_pickle)
         if partial:
             reader.reset(step)
             present = reader.read_metadata().state_dict_metadata

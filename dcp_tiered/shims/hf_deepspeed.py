@@ -50,9 +50,10 @@ _WEIGHTS = re.compile(r"^(model|pytorch_model|adapter_model)(-\d+-of-\d+)?\.(saf
 
 def wrap_deepspeed(trainer: Any, *, mode: str, remote: str | RemoteConfig | None,
                    storage_options: Mapping[str, Any] | None,
-                   writer_options: dict[str, Any]) -> Any:
+                   writer_options: dict[str, Any], allow_pickle: bool = False) -> Any:
     """What :func:`dcp_tiered.shims.hf.wrap` does for a Trainer with DeepSpeed enabled."""
-    ds_shim.install(mode=mode, remote=remote, storage_options=storage_options, **writer_options)
+    ds_shim.install(mode=mode, remote=remote, storage_options=storage_options,
+                    allow_pickle=allow_pickle, **writer_options)
     save, train = trainer._save_checkpoint, trainer.train
 
     @functools.wraps(save)

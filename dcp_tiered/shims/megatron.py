@@ -53,6 +53,7 @@ from .megatron_strategy import (  # raises a clear ImportError without megatron-
     TieredLoadShardedStrategy,
     TieredSaveShardedStrategy,
     claim_step_dir,
+    common_load_strategy,
     remove_sidecars,
     replace_file,
     write_sidecars,
@@ -102,7 +103,7 @@ class EasyCkpt:
                  memory: str | os.PathLike[str] | None = None, remote: Any = None,
                  storage_options: dict[str, Any] | None = None, async_save: bool = True,
                  keep_every: int | None = None, remote_max_ckpt_num: int | None = None,
-                 **writer_options: Any) -> None:
+                 allow_pickle: bool = False, **writer_options: Any) -> None:
         for name, value in (("save_mem_interval", save_mem_interval),
                             ("save_storage_interval", save_storage_interval)):
             if value is not None and (not isinstance(value, int) or value < 0):
@@ -112,6 +113,9 @@ class EasyCkpt:
         self.load_dir = os.path.abspath(load) if load is not None else self.save_dir
         self.remote, self.storage_options = remote, storage_options
         self.async_save = async_save
+        # Objects (mcore's common state, ShardedObjects) load with full pickle: trusted
+        # checkpoints only. Without it, a save that could not be restored is refused.
+        self.allow_pickle = allow_pickle
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         os.makedirs(self.save_dir, exist_ok=True)
         self.log_handler = _log_to(log_file_path, self.rank) if log_file_path else None
@@ -122,18 +126,23 @@ class EasyCkpt:
             remote_retention=(None if remote_max_ckpt_num is None else
                               RetentionPolicy(keep_latest=remote_max_ckpt_num,
                                               keep_every=keep_every)),
-            publish_early=False, writer_options={"overwrite": True, **writer_options})
+            publish_early=False, writer_options={"overwrite": True, **writer_options},
+            allow_pickle=allow_pickle)
         # Recovery, explicitly: what a crash left in the save directory is finished or swept
         # (mcore's pending directories too), and uploads a previous job left are resumed.
         self.lifecycle.start(self.save_dir)
         if is_node_leader():  # one process per node root
             LocalTier(LocalBackend(self.save_dir)).sweep_pending()
         self.memory = None
+        self._memory_checked = allow_pickle
         if self.mem_every:
             root = os.path.abspath(memory) if memory else _default_memory_root(self.save_dir)
-            self.memory = MemoryTier(root, self.rank)
+            self.memory = MemoryTier(root, self.rank, allow_pickle=allow_pickle)
+        # Storage saves are checked for restorability by the strategy, memory saves by the
+        # lifecycle (save_memory).
         self.strategy = TieredSaveShardedStrategy(remote=remote, storage_options=storage_options,
-                                                  writers=self.lifecycle.writers)
+                                                  writers=self.lifecycle.writers,
+                                                  allow_pickle=allow_pickle)
         logger.info("easyckpt: memory every %s (%s), storage every %s in %s (remote %s), "
                     "keeping %d", self.mem_every or "never",
                     self.memory.root if self.memory else "-", self.storage_every or "never",
@@ -176,6 +185,9 @@ class EasyCkpt:
                 request = dist_checkpointing.save(state, step_dir, sharded_strategy=self.strategy,
                                                   async_sharded_save=self.async_save)
                 future = self.strategy.in_flight if request is not None else settled()
+            except ConfigError:  # refused on every rank (a state that could not be restored)
+                self._discard(step)
+                raise
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - raised everywhere
                 future = settled(error=e)
         self.lifecycle.track(
@@ -208,6 +220,10 @@ class EasyCkpt:
             state_dict(iteration, model, optimizer, opt_param_scheduler),
             validate_access_integrity=False)
         tensors, objects = _local_parts(sharded)
+        if not self._memory_checked:  # as the manager: at the first save (every iteration)
+            self.lifecycle.require_restorable(iteration_dir(iteration),
+                                              {"objects": objects, "common": common})
+            self._memory_checked = True
         _, problem = attempt(lambda: self.memory.save(  # type: ignore[union-attr]
             iteration_dir(iteration), {"tensors": tensors, "objects": objects,
                                        "common": common}).result())
@@ -317,16 +333,19 @@ class EasyCkpt:
         agree = self.lifecycle.agree
         leader = is_node_leader()
         _, problem = (attempt(write_sidecars, root, step, remote=self.remote,
-                              storage_options=self.storage_options)
+                              storage_options=self.storage_options,
+                              allow_pickle=self.allow_pickle)
                       if leader else (None, None))
         if not agree.all(problem is None):
             return None, problem or "failed on another rank"
         strategy = TieredLoadShardedStrategy(remote=self.remote,
-                                             storage_options=self.storage_options)
+                                             storage_options=self.storage_options,
+                                             allow_pickle=self.allow_pickle)
         loaded, problem = attempt(
             dist_checkpointing.load,
             state_dict(iteration, model, optimizer, scheduler, is_loading=True),
-            os.path.join(root, step), sharded_strategy=strategy)
+            os.path.join(root, step), sharded_strategy=strategy,
+            common_strategy=common_load_strategy(self.allow_pickle))
         agree.barrier()
         if leader and not LocalTier(LocalBackend(root)).has_step(step):
             remove_sidecars(root, step)
@@ -428,7 +447,10 @@ def initialize(save_mem_interval: int | None, save_storage_interval: int | None,
                max_ckpt_num: int, log_file_path: str | os.PathLike[str] | None = None,
                **options: Any) -> EasyCkpt:
     """EasyCkpt's ``initialize_easyckpt``; ``options`` go to :class:`EasyCkpt` (``save=`` is
-    required unless Megatron-LM's ``get_args()`` provides it)."""
+    required unless Megatron-LM's ``get_args()`` provides it). ``allow_pickle=True`` loads
+    objects (mcore's common state, ShardedObjects) with full pickle, for checkpoints you trust;
+    without it a save holding an object ``weights_only`` loading refuses raises ConfigError on
+    every rank before anything is written."""
     global _current
     if _current is not None:
         _current.close()

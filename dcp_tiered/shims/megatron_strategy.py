@@ -37,16 +37,25 @@ import torch.distributed.checkpoint as dcp
 
 from ..backends.local import LocalBackend
 from ..distributed import checkpoint_process_group
-from ..errors import ForeignPathError
+from ..errors import ConfigError, ForeignPathError
 from ..lifecycle import Writers
+from ..policy.memory_format import first_refused, refused_saved
 from ..reader import TieredStorageReader
 from ..tiers.local import LocalTier
 from ..writer import TieredStorageWriter
 
 try:
     from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
+    from megatron.core.dist_checkpointing.mapping import (
+        ShardedObject,
+        ShardedTensor,
+        is_main_replica,
+    )
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+    from megatron.core.dist_checkpointing.strategies.common import (
+        COMMON_STATE_FNAME,
+        TorchCommonLoadStrategy,
+    )
     from megatron.core.dist_checkpointing.strategies.torch import (
         MCoreLoadPlanner,
         MCoreSavePlanner,
@@ -101,15 +110,20 @@ class TieredSaveShardedStrategy(TorchDistSaveShardedStrategy):
     Args:
         remote, storage_options: the remote tier (see :class:`TieredStorageWriter`).
         keep_only_main_replica: as in mcore: replicas are written once, by the main replica.
+        allow_pickle: the checkpoint will be loaded with full pickle (checkpoints you trust,
+            see :class:`TieredLoadShardedStrategy`). Without it, a save holding an object
+            (a ShardedObject's data, or ``common.pt``'s content) that ``weights_only`` loading
+            refuses raises ConfigError on every rank before anything is written.
         writer_options: more :class:`TieredStorageWriter` arguments.
     """
 
     def __init__(self, backend: str = "torch_dist", version: int = 1, *,
                  remote: Any = None, storage_options: dict[str, Any] | None = None,
                  keep_only_main_replica: bool = True, writers: Writers | None = None,
-                 **writer_options: Any) -> None:
+                 allow_pickle: bool = False, **writer_options: Any) -> None:
         super().__init__(backend, version, keep_only_main_replica=keep_only_main_replica)
         self.remote, self.storage_options = remote, storage_options
+        self.allow_pickle = allow_pickle
         # One writer per root, kept (shared with the facade's lifecycle when it made us).
         self.writers = writers or Writers(remote, storage_options,
                                           **{"overwrite": True, **writer_options})
@@ -121,6 +135,7 @@ class TieredSaveShardedStrategy(TorchDistSaveShardedStrategy):
 
     def save(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> None:
         root, step = split_dir(checkpoint_dir)
+        self._require_restorable(sharded_state_dict, checkpoint_dir)
         claim_step_dir(root, step)
         dcp.save(self._pyt_state_dict(sharded_state_dict, checkpoint_dir), checkpoint_id=step,
                  storage_writer=self.writer(root), planner=self._planner(),
@@ -136,6 +151,7 @@ class TieredSaveShardedStrategy(TorchDistSaveShardedStrategy):
         ``async_strategy`` (megatron-core >= 0.20) names mcore's own writers and is ignored.
         """
         root, step = split_dir(checkpoint_dir)
+        self._require_restorable(sharded_state_dict, checkpoint_dir)
         claim_step_dir(root, step)
         for sh in nested_values(sharded_state_dict):
             written = is_main_replica(sh.replica_id) or not self.keep_only_main_replica
@@ -157,6 +173,32 @@ class TieredSaveShardedStrategy(TorchDistSaveShardedStrategy):
     def close(self) -> None:
         self.writers.close()
 
+    def _require_restorable(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> None:
+        """Collective: unless ``allow_pickle``, ConfigError on every rank when an object of
+        any rank's save would not load back with ``weights_only``."""
+        if self.allow_pickle:
+            return
+        objects = {sh.unique_key: sh.data for sh in nested_values(sharded_state_dict)
+                   if isinstance(sh, ShardedObject)}
+        why = first_refused(objects)
+        common = os.path.join(checkpoint_dir, COMMON_NAME)
+        if why is None and _rank() == 0 and os.path.isfile(common):  # mcore's, just written
+            with open(common, "rb") as f:
+                problem = refused_saved(f.read())
+            if problem is not None:
+                why = f"mcore's {COMMON_NAME} would not load back with weights_only ({problem})"
+        everyone = [why]
+        if dist.is_initialized():
+            everyone = [None] * dist.get_world_size(self._group)
+            dist.all_gather_object(everyone, why, group=self._group)
+        rank, why = next(((r, w) for r, w in enumerate(everyone) if w), (0, None))
+        if why is not None:
+            raise ConfigError(
+                f"Megatron checkpoint {os.fspath(checkpoint_dir)!r} was not saved: on rank "
+                f"{rank}, {why}, so it could never be restored. Keep tensors, numbers, strings, "
+                "lists and dicts in the state, or pass allow_pickle=True only for checkpoints "
+                "you trust (non-tensor values then load with full pickle, which can run code).")
+
     def _planner(self) -> MCoreSavePlanner:
         return MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica,
                                 flatten_state_dict=False)
@@ -174,17 +216,23 @@ class TieredSaveShardedStrategy(TorchDistSaveShardedStrategy):
 
     def _publish(self, root: str, step: str) -> None:
         if _rank() == 0:
-            write_sidecars(root, step, backend=self.backend, version=self.version)
+            # common.pt is rebuilt from the step's own copy, read as a restore will read it.
+            write_sidecars(root, step, backend=self.backend, version=self.version,
+                           allow_pickle=self.allow_pickle)
 
 
 class TieredLoadShardedStrategy(TorchDistLoadShardedStrategy):
     """``torch_dist`` loading from the nearest tier holding a valid copy, every byte verified
-    (mcore's stock loader reads the local directory only, unverified)."""
+    (mcore's stock loader reads the local directory only, unverified). ``allow_pickle``:
+    objects load with full pickle (checkpoints you trust only; pass
+    :func:`common_load_strategy`'s to ``dist_checkpointing.load`` too)."""
 
     def __init__(self, *, remote: Any = None,
-                 storage_options: dict[str, Any] | None = None) -> None:
+                 storage_options: dict[str, Any] | None = None,
+                 allow_pickle: bool = False) -> None:
         super().__init__()
         self.remote, self.storage_options = remote, storage_options
+        self.allow_pickle = allow_pickle
         self._group = checkpoint_process_group()  # DCP's collectives: never the training group
 
     def load(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> Any:
@@ -215,14 +263,31 @@ class TieredLoadShardedStrategy(TorchDistLoadShardedStrategy):
 
     def _reader(self, root: str, step: str | None = None) -> TieredStorageReader:
         reader = TieredStorageReader(root, remote=self.remote,
-                                     storage_options=self.storage_options)
+                                     storage_options=self.storage_options,
+                                     allow_pickle=self.allow_pickle)
         if step is not None:
             reader.reset(step)
         return reader
 
 
+class _TrustedCommonLoad(TorchCommonLoadStrategy):
+    """mcore's ``common.pt`` loader with full pickle (mcore's own uses torch's default,
+    ``weights_only``): only for checkpoints the caller trusts (``allow_pickle=True``)."""
+
+    def load_common(self, checkpoint_dir: str | Path) -> Any:
+        return torch.load(os.path.join(checkpoint_dir, COMMON_STATE_FNAME), map_location="cpu",
+                          weights_only=False)
+
+
+def common_load_strategy(allow_pickle: bool) -> TorchCommonLoadStrategy | None:
+    """The ``common_strategy`` for ``dist_checkpointing.load``: mcore's default (None) unless
+    the checkpoint is trusted (``allow_pickle``)."""
+    return _TrustedCommonLoad() if allow_pickle else None
+
+
 def write_sidecars(root: str, step: str, *, backend: str = "torch_dist", version: int = 1,
-                   remote: Any = None, storage_options: dict[str, Any] | None = None) -> None:
+                   remote: Any = None, storage_options: dict[str, Any] | None = None,
+                   allow_pickle: bool = False) -> None:
     """Writes mcore's ``metadata.json`` and ``common.pt`` into ``root/step``, the latter from
     the committed step's own verified data (any tier), so stock mcore can load the directory.
     Not collective. A step saved without ``dist_checkpointing.save`` has no ``common.pt``."""
@@ -231,7 +296,8 @@ def write_sidecars(root: str, step: str, *, backend: str = "torch_dist", version
     config = {"sharded_backend": backend, "sharded_backend_version": version,
               "common_backend": "torch", "common_backend_version": 1}
     replace_file(os.path.join(step_dir, CONFIG_NAME), json.dumps(config).encode())
-    reader = TieredStorageReader(root, remote=remote, storage_options=storage_options)
+    reader = TieredStorageReader(root, remote=remote, storage_options=storage_options,
+                                 allow_pickle=allow_pickle)
     reader.reset(step)
     if COMMON_KEY not in reader.read_metadata().state_dict_metadata:
         logger.warning("%s holds no mcore common state (not saved through "
@@ -276,5 +342,6 @@ def _rank() -> int:
 
 
 __all__ = ["TieredLoadShardedStrategy", "TieredSaveShardedStrategy", "claim_step_dir",
+           "common_load_strategy",
            "remove_sidecars",
            "replace_file", "write_sidecars"]

@@ -52,19 +52,21 @@ def split(obj: Any) -> dict[str, Any]:
     return {SKELETON_KEY: buf.getvalue(), **{tensor_key(i): t for i, t in enumerate(tensors)}}
 
 
-def join(parts: dict[str, Any], *, where: str, trusted: Iterable[type] = ()) -> Any:
+def join(parts: dict[str, Any], *, where: str, trusted: Iterable[type] = (),
+         allow_pickle: bool = False) -> Any:
     """The original object back from :func:`split`'s output.
 
     ``trusted``: the classes (beyond torch's own safe set) the skeleton may contain.
+    ``allow_pickle``: any class, with full pickle (for checkpoints the caller trusts).
     """
     try:
         with torch.serialization.safe_globals([TensorSlot, *trusted]):
-            skeleton = torch.load(io.BytesIO(parts[SKELETON_KEY]), weights_only=True)
+            skeleton = torch.load(io.BytesIO(parts[SKELETON_KEY]), weights_only=not allow_pickle)
     except (pickle.UnpicklingError, RuntimeError) as e:
         raise IntegrityError(
             f"the structure of {where} holds objects that are not on the list of trusted "
             f"classes ({e}). Add the classes to the trusted list if they are yours, or "
-            "load the checkpoint with allow_pickle only if you trust where it came from."
+            "pass allow_pickle=True only for checkpoints you trust."
         ) from e
 
     def fill(value: Any) -> Any:

@@ -19,6 +19,10 @@ Phases:
 - ``facade`` [--kill-at N] [--remote URL]: the EasyCkpt-style API over ``--iters`` iterations;
   ``losses-R.jsonl`` gets one line per iteration trained. With ``--kill-at N``, rank 0
   SIGKILLs itself right after iteration N's save call.
+- ``trust``: the facade with a scheduler whose state holds an object of the worker's own class
+  (weights_only refuses it). Without ``allow_pickle`` its memory and storage saves are refused
+  on every rank; with it, iterations 1-3 save (memory, storage, memory) and load back from
+  memory, then from storage alone. ``result-R.json`` says what happened.
 """
 
 from __future__ import annotations
@@ -160,6 +164,66 @@ def phase_legacy(args: argparse.Namespace, rank: int, world: int) -> None:
         "mismatches": [k for k in tensors if not torch.equal(source[k], mine[k])]})
 
 
+class Position:
+    """A user's own object (not io.BytesIO: megatron-core allowlists that one)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+class Scheduler:
+    def __init__(self, text: str) -> None:
+        self.pos = Position(text)
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pos = state["pos"]
+
+
+def phase_trust(args: argparse.Namespace, rank: int) -> None:
+    import shutil
+
+    from dcp_tiered.errors import ConfigError
+    from dcp_tiered.shims import megatron as ckpt
+
+    out, result = Path(args.out), {}
+    model = mc.tiny_gpt(seed=1)
+    opt = mc.TorchAdam(model)
+    mc.train_step(model, opt, 0, rank)
+
+    def start(name: str, **kw) -> None:
+        ckpt.initialize(1, 2, 2, save=str(out / f"ckpt-{name}"), memory=str(out / f"shm-{name}"),
+                        async_save=False, **kw)
+
+    start("plain")
+    for it in (1, 2):  # a memory save, then a storage save
+        try:
+            ckpt.save_checkpoint_if_needed(it, model, opt, Scheduler("p"))
+            result[f"refused-{it}"] = None
+        except ConfigError as e:
+            result[f"refused-{it}"] = str(e)
+    ckpt.close()
+    result["plain-left"] = sorted(os.listdir(out / "ckpt-plain"))
+    start("trusted", allow_pickle=True)
+    for it in (1, 2, 3):
+        ckpt.save_checkpoint_if_needed(it, model, opt, Scheduler(f"pos {it}"))
+    ckpt.close()
+    for source in ("memory", "storage"):
+        if source == "storage":
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(out / "shm-trusted")
+            dist.barrier()
+        start("trusted", allow_pickle=True)
+        back, fresh = Scheduler(""), mc.tiny_gpt(seed=2)
+        result[f"from-{source}"] = [ckpt.load_checkpoint(fresh, mc.TorchAdam(fresh), back),
+                                    back.pos.text]
+        ckpt.close()
+    write_json(out / f"result-{rank}.json", result)
+
+
 def phase_facade(args: argparse.Namespace, rank: int) -> None:
     from dcp_tiered.shims import megatron as ckpt
 
@@ -208,7 +272,8 @@ def phase_facade(args: argparse.Namespace, rank: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--phase", choices=("strategy", "reshard", "facade", "legacy-save", "legacy-load"), required=True)
+    parser.add_argument("--phase", choices=("strategy", "reshard", "facade", "trust", "legacy-save",
+                                            "legacy-load"), required=True)
     parser.add_argument("--async", dest="async_save", action="store_true")
     parser.add_argument("--iters", type=int, default=12)
     parser.add_argument("--storage-every", type=int, default=4)
@@ -238,6 +303,8 @@ def main() -> None:
         phase_reshard(args, rank, world)
     elif args.phase.startswith("legacy"):
         phase_legacy(args, rank, world)
+    elif args.phase == "trust":
+        phase_trust(args, rank)
     else:
         phase_facade(args, rank)
     dist.barrier()
