@@ -9,18 +9,12 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from tqdm import tqdm
-
-from .backends.local import LocalBackend
-from .backends.remote import remote_backend
-from .config import RemoteConfig, RetryConfig
-from .errors import DcpTieredError, ManifestError, TierUnavailableError
-from .policy import integrity, layout
-from .tiers import catalog
-from .tiers import memory as memory_tier
-from .tiers.local import LocalTier
-
+# Only the standard library at import time: `--help`, `--version` and usage errors answer
+# without importing torch (seconds). Each command imports what it needs.
+if TYPE_CHECKING:
+    from .tiers.local import LocalTier
 
 def _human(n: float) -> str:
     unit = "B"
@@ -32,6 +26,8 @@ def _human(n: float) -> str:
 
 
 def cmd_ls(tier: LocalTier) -> int:
+    from .policy import layout
+
     rows = []
     for s in sorted(tier.steps(), key=lambda s: s.committed_at_ns):
         size = sum(tier.backend.file_size(s.name, f) for f in tier.backend.list_files(s.name))
@@ -59,6 +55,8 @@ def cmd_ls(tier: LocalTier) -> int:
 
 
 def cmd_verify(tier: LocalTier, step: str | None) -> int:
+    from .tiers import catalog
+
     steps = [catalog.resolve(tier, None, step).name] if step else [s.name for s in tier.steps()]
     bad = 0
     for name in steps:
@@ -74,6 +72,10 @@ def cmd_verify(tier: LocalTier, step: str | None) -> int:
 
 
 def _verify_step(tier: LocalTier, step: str) -> list[str]:
+    from tqdm import tqdm
+
+    from .policy import integrity
+
     m = tier.read_manifest(step)
     total = sum(int(f["size"]) for f in m.files.values())
     problems = []
@@ -94,6 +96,8 @@ def _verify_step(tier: LocalTier, step: str) -> list[str]:
 
 
 def _in_progress(tier: LocalTier) -> set[str]:
+    from .policy import layout
+
     return {p[0] for n in tier.backend.list_names()
             if (p := layout.parse_hidden_dir(n)) and p[2] == layout.TMP_SUFFIX}
 
@@ -104,6 +108,13 @@ UNREADABLE = 3  # exit status of `status` when a tier could not be read
 def cmd_status(tier: LocalTier, memory: str | None, remote_url: str | None, as_json: bool) -> int:
     """Every step of every tier, and how durable it is. A tier that cannot be read is named
     (stderr, and ``unreadable`` in JSON) and the exit status is 3: its steps are unknown."""
+    from .backends.remote import remote_backend
+    from .config import RemoteConfig, RetryConfig
+    from .errors import ManifestError, TierUnavailableError
+    from .policy import layout
+    from .tiers import catalog
+    from .tiers import memory as memory_tier
+
     recorded = {}
     if tier.backend.exists(layout.TIERS_RECORD):
         recorded = json.loads(tier.backend.read_file(layout.TIERS_RECORD))
@@ -163,6 +174,8 @@ def cmd_status(tier: LocalTier, memory: str | None, remote_url: str | None, as_j
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
+    from .errors import DcpTieredError
+
     try:
         if args.framework == "megatron":
             from .shims import megatron_convert  # needs megatron-core
@@ -228,6 +241,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"dcp-tiered: {args.root} {what}: give the local tier's directory (the root the "
               "writer or manager saved into)", file=sys.stderr)
         return 2
+    from .backends.local import LocalBackend
+    from .errors import DcpTieredError
+    from .tiers.local import LocalTier
+
     tier = LocalTier(LocalBackend(args.root))
     try:
         if args.command == "ls":
