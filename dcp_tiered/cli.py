@@ -1,179 +1,52 @@
-"""Command line: ``dcp-tiered ls ROOT``, ``verify ROOT [STEP]``, ``status ROOT`` and
-``convert deepspeed|megatron SRC DST``."""
+"""Command line: ``dcp-tiered ls|verify|status|inspect|pull|rm|prune|convert``.
+
+Exit status, every command: 0 done; 1 a problem was found in the data (a corrupt or missing
+file, a manifest that does not parse); 2 usage or configuration error, or a refusal (nothing was
+changed); 3 a tier could not be read, so the answer is incomplete. With ``--json`` every command
+prints one JSON object on stdout (schema in docs/cli.md), also when it fails.
+"""
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
+import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any
+
+from ._version import __version__
 
 # Only the standard library at import time: `--help`, `--version` and usage errors answer
-# without importing torch (seconds). Each command imports what it needs.
-if TYPE_CHECKING:
-    from .tiers.local import LocalTier
+# without importing torch (seconds). Each command imports what it needs, after parsing.
 
-def _human(n: float) -> str:
-    unit = "B"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024:
-            break
-        n /= 1024
-    return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+OK, PROBLEM, USAGE, UNREADABLE = 0, 1, 2, 3
+SCHEMA = 1  # of the --json output; bumped only on an incompatible change
 
 
-def cmd_ls(tier: LocalTier) -> int:
-    from .policy import layout
-
-    rows = []
-    for s in sorted(tier.steps(), key=lambda s: s.committed_at_ns):
-        size = sum(tier.backend.file_size(s.name, f) for f in tier.backend.list_files(s.name))
-        if s.verified_format:
-            when = datetime.datetime.fromtimestamp(s.committed_at_ns / 1e9).isoformat(" ", "seconds")
-            state = f"committed  world={tier.read_manifest(s.name).world_size}  {when}"
-        else:
-            state = "vanilla DCP (no manifest: cannot be verified)"
-        rows.append((s.name, _human(size), state))
-    for name in tier.backend.list_names():
-        parsed = layout.parse_hidden_dir(name)
-        if parsed and parsed[2] == layout.TMP_SUFFIX:
-            busy = tier.backend.exists(name, layout.LOCK_NAME) and tier.backend.is_locked(name)
-            rows.append((parsed[0], "-", "in progress" if busy else "abandoned (swept by the next writer)"))
-        elif parsed and parsed[2] == layout.QUARANTINE_SUFFIX:
-            rows.append((parsed[0], "-", f"quarantined as {name} (a restore fell back past it; "
-                                        "kept for inspection, delete it by hand)"))
-    if not rows:
-        print(f"no steps in {tier.root}")
-        return 0
-    width = max(len(r[0]) for r in rows)
-    for name, size, state in rows:
-        print(f"{name:<{width}}  {size:>10}  {state}")
-    return 0
+class _UsageError(Exception):
+    pass
 
 
-def cmd_verify(tier: LocalTier, step: str | None) -> int:
-    from .tiers import catalog
-
-    steps = [catalog.resolve(tier, None, step).name] if step else [s.name for s in tier.steps()]
-    bad = 0
-    for name in steps:
-        info = next(s for s in tier.steps() if s.name == name)
-        if not info.verified_format:
-            print(f"{name}: vanilla DCP checkpoint without a manifest, cannot be verified")
-            bad += 1
-            continue
-        problems = _verify_step(tier, name)
-        print(f"{name}: " + ("OK" if not problems else "CORRUPT\n  " + "\n  ".join(problems)))
-        bad += bool(problems)
-    return 1 if bad else 0
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # raise instead of exiting: main() returns the code
+        raise _UsageError(f"{self.format_usage()}{self.prog}: error: {message}")
 
 
-def _verify_step(tier: LocalTier, step: str) -> list[str]:
-    from tqdm import tqdm
-
-    from .policy import integrity
-
-    m = tier.read_manifest(step)
-    total = sum(int(f["size"]) for f in m.files.values())
-    problems = []
-    with tqdm(total=total, unit="B", unit_scale=True, desc=step, leave=False,
-              disable=total < 256 * 2**20) as bar:
-        for name, info in sorted(m.files.items()):
-            if not tier.backend.exists(step, name):
-                problems.append(f"{name}: missing")
-                continue
-            size = tier.backend.file_size(step, name)
-            if size != int(info["size"]):
-                problems.append(f"{name}: {size} bytes, manifest says {info['size']}")
-                continue
-            crc = tier.backend.file_checksum(step, name, progress=bar.update)
-            if crc != info["checksum"]:
-                problems.append(f"{name}: {integrity.ALGORITHM} {crc} != manifest {info['checksum']}")
-    return problems
+def envelope(command: str | None, code: int, errors: list[dict[str, str]],
+             fields: dict[str, Any]) -> dict[str, Any]:
+    """The one JSON shape every command prints: these keys, then the command's own."""
+    return {"schema": SCHEMA, "tool": "dcp-tiered", "version": __version__, "command": command,
+            "exit_code": code, "ok": code == OK, "errors": errors, **fields}
 
 
-def _in_progress(tier: LocalTier) -> set[str]:
-    from .policy import layout
-
-    return {p[0] for n in tier.backend.list_names()
-            if (p := layout.parse_hidden_dir(n)) and p[2] == layout.TMP_SUFFIX}
+def error_entry(e: BaseException) -> dict[str, str]:
+    return {"type": type(e).__name__, "message": str(e)}
 
 
-UNREADABLE = 3  # exit status of `status` when a tier could not be read
-
-
-def cmd_status(tier: LocalTier, memory: str | None, remote_url: str | None, as_json: bool) -> int:
-    """Every step of every tier, and how durable it is. A tier that cannot be read is named
-    (stderr, and ``unreadable`` in JSON) and the exit status is 3: its steps are unknown."""
-    from .backends.remote import remote_backend
-    from .config import RemoteConfig, RetryConfig
-    from .errors import ManifestError, TierUnavailableError
-    from .policy import layout
-    from .tiers import catalog
-    from .tiers import memory as memory_tier
-
-    recorded = {}
-    if tier.backend.exists(layout.TIERS_RECORD):
-        recorded = json.loads(tier.backend.read_file(layout.TIERS_RECORD))
-    memory = memory or recorded.get("memory")
-    url = remote_url or recorded.get("remote")
-    # Two attempts, not eight: an operator wants the answer, not a minute of retries.
-    remote = remote_backend(RemoteConfig(url=url, retry=RetryConfig(max_attempts=2))
-                            if url else None)
-    rows: dict[str, dict] = {}
-    for name in (memory_tier.list_steps(memory) if memory else {}):
-        rows.setdefault(name, {})["memory"] = True
-    unreadable: dict[str, str] = {}
-    try:
-        listed = catalog.list_steps(tier, remote, strict=True)
-    except TierUnavailableError as e:
-        unreadable["remote"] = str(e)
-        print(f"dcp-tiered: {e}", file=sys.stderr)
-        listed = catalog.list_steps(tier, None)
-    for s in listed:
-        row = rows.setdefault(s.name, {})
-        row["local"], row["remote"] = s.local, None if unreadable else s.remote
-        if s.local and not s.remote and s.verified_format and remote is not None:
-            try:
-                row["promote"] = tier.read_manifest(s.name).promote
-            except ManifestError:
-                row["promote"] = False
-    for name in _in_progress(tier):
-        rows.setdefault(name, {})["saving"] = True
-    for row in rows.values():
-        row["durability"] = ("durable-remote" if row.get("remote") else
-                             "committed-local" if row.get("local") else
-                             "memory" if row.get("memory") else "staged")
-        if row.get("promote"):
-            row["durability"] += (" (remote unreadable)" if unreadable
-                                  else " (upload pending)")
-    ordered = sorted(rows.items(), key=lambda kv: (layout.step_number(kv[0]) or -1, kv[0]))
-    status = UNREADABLE if unreadable else 0
-    if as_json:
-        print(json.dumps({"root": tier.root, "memory": memory,
-                          "remote": remote.config.url if remote else None,
-                          "unreadable": unreadable,
-                          "steps": [{"step": k, **v} for k, v in ordered]}, indent=1))
-        return status
-    print(f"local:  {tier.root}\nmemory: {memory or '-'}\n"
-          f"remote: {remote.config.url if remote else '-'}"
-          + (" (CANNOT BE READ: its steps are unknown)" if unreadable else ""))
-    if not ordered:
-        print("no steps")
-        return status
-    width = max(len(k) for k, _ in ordered)
-    print(f"{'step':<{width}}  memory  local  remote  durability")
-    mark = {True: "yes", False: "-", None: "?" if unreadable else "-"}
-    for name, row in ordered:
-        print(f"{name:<{width}}  {mark[row.get('memory')]:<6}  {mark[row.get('local')]:<5}  "
-              f"{mark[row.get('remote')]:<6}  {row['durability']}")
-    return status
-
-
-def cmd_convert(args: argparse.Namespace) -> int:
+def cmd_convert(args: argparse.Namespace, fields: dict[str, Any],
+                errors: list[dict[str, str]]) -> int:
     from .errors import DcpTieredError
 
     try:
@@ -191,26 +64,60 @@ def cmd_convert(args: argparse.Namespace) -> int:
                                             overwrite=args.overwrite, work_dir=args.work_dir)
     except DcpTieredError as e:
         print(f"dcp-tiered: {e}", file=sys.stderr)
-        return 2
-    print(out)
-    return 0
+        errors.append(error_entry(e))
+        return USAGE
+    fields.update(src=args.src, dst=args.dst, framework=args.framework, output=str(out))
+    if not args.json:
+        print(out)
+    return OK
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dcp-tiered", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    ls = sub.add_parser("ls", help="list steps with sizes and state")
-    ls.add_argument("root")
-    verify = sub.add_parser("verify", help="check every file against its manifest checksum")
-    verify.add_argument("root")
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="dcp-tiered", description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"dcp-tiered {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    json_help = "one JSON object on stdout (schema: docs/cli.md)"
+
+    def command(name: str, help: str, *, root: str = "the local tier's directory",
+                remote: str | None = None) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help)
+        p.add_argument("root", help=root)
+        p.add_argument("--json", action="store_true", help=json_help)
+        if remote:
+            p.add_argument("--remote", metavar="URL", help=remote)
+        return p
+
+    remote_help = ("remote URL (default: the one recorded in ROOT); S3 credentials and "
+                   "endpoint come from the AWS_* environment")
+    command("ls", "list steps with sizes and state")
+    verify = command("verify", "check every file against its manifest checksum")
     verify.add_argument("step", nargs="?", help="a step name or 'latest' (default: all steps)")
-    status = sub.add_parser("status", help="steps of every tier (memory, local, remote) and "
-                            "their durability")
-    status.add_argument("root", help="the local tier's directory")
+    status = command("status", "steps of every tier (memory, local, remote) and their "
+                     "durability", remote=remote_help)
     status.add_argument("--memory", help="memory-tier directory (default: recorded in ROOT)")
-    status.add_argument("--remote", help="remote URL (default: recorded in ROOT); S3 "
-                        "credentials and endpoint come from the AWS_* environment")
-    status.add_argument("--json", action="store_true", help="machine-readable output")
+    inspect = command("inspect", "tensors, shapes, dtypes and bytes per rank of a step, from "
+                      "its manifest alone (no data is read)", remote=remote_help)
+    inspect.add_argument("step", nargs="?", default="latest",
+                         help="a step name or 'latest' (default), local or remote")
+    pull = command("pull", "copy a durable remote step to the local tier: every file "
+                   "verified against the manifest, committed atomically", remote=remote_help)
+    pull.add_argument("step", help="a step name or 'latest'")
+    rm = command("rm", "delete a step from the local tier, or with --remote from the remote "
+                 "tier; refuses the only durable copy without --force")
+    rm.add_argument("step", help="the step name")
+    rm.add_argument("--remote", nargs="?", const="", metavar="URL", help="delete the remote "
+                    "copy instead of the local one (URL: default the one recorded in ROOT)")
+    rm.add_argument("--force", action="store_true",
+                    help="delete even the only durable copy of the step")
+    prune = command("prune", "delete the local tier's old steps by retention: never the newest, "
+                    "a milestone, or a step not yet durable on the remote", remote=remote_help)
+    prune.add_argument("--keep-latest", type=int, required=True, metavar="N",
+                       help="keep the newest N committed steps (N >= 1)")
+    prune.add_argument("--keep-every", type=int, metavar="K",
+                       help="also keep every step whose number is a multiple of K")
+    prune.add_argument("--dry-run", action="store_true",
+                       help="say what would be deleted, delete nothing")
     convert = sub.add_parser("convert", help="a framework's native checkpoint as "
                              "world-size-independent DCP (full params + per-param optimizer "
                              "state)")
@@ -219,6 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "Megatron: a legacy (--ckpt-format torch) save directory")
     convert.add_argument("dst", help="tier root the DCP step is written into (named after the "
                          "tag, or iter_XXXXXXX)")
+    convert.add_argument("--json", action="store_true", help=json_help)
     convert.add_argument("--tag", help="DeepSpeed: the tag to convert (default: the one 'latest' "
                          "names)")
     convert.add_argument("--iteration", type=int, help="Megatron: the iteration to convert "
@@ -233,28 +141,72 @@ def main(argv: Sequence[str] | None = None) -> int:
     convert.add_argument("--work-dir", help="scratch space for the intermediate universal "
                          "checkpoint (default: the system temp dir; needs about 3x the "
                          "fp32 model size)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    as_json = "--json" in argv
+    try:
+        args = _parser().parse_args(argv)
+    except _UsageError as e:
+        print(e, file=sys.stderr)
+        if as_json:
+            print(json.dumps(envelope(None, USAGE, [{"type": "UsageError", "message": str(e)}],
+                                      {})))
+        return USAGE
+    except SystemExit as e:  # --help, --version
+        return e.code if isinstance(e.code, int) else OK
+    fields: dict[str, Any] = {}
+    errors: list[dict[str, str]] = []
+    code = _run(args, fields, errors)
+    if args.json:
+        print(json.dumps(envelope(args.command, code, errors, fields), indent=1))
+    return code
+
+
+def _run(args: argparse.Namespace, fields: dict[str, Any], errors: list[dict[str, str]]) -> int:
+    """Run the command; errors are said on stderr and collected for --json."""
     if args.command == "convert":
-        return cmd_convert(args)
+        return cmd_convert(args, fields, errors)
     if not os.path.isdir(args.root):
         what = "is not a directory" if os.path.exists(args.root) else "does not exist"
-        print(f"dcp-tiered: {args.root} {what}: give the local tier's directory (the root the "
-              "writer or manager saved into)", file=sys.stderr)
-        return 2
-    from .backends.local import LocalBackend
-    from .errors import DcpTieredError
-    from .tiers.local import LocalTier
+        message = (f"{args.root} {what}: give the local tier's directory (the root the writer "
+                   "or manager saved into)")
+        print(f"dcp-tiered: {message}", file=sys.stderr)
+        errors.append({"type": "ConfigError", "message": message})
+        return USAGE
+    from . import cli_ops, cli_steps
+    from .errors import (
+        DcpTieredError,
+        IntegrityError,
+        ManifestError,
+        MissingShardError,
+        TierError,
+    )
 
-    tier = LocalTier(LocalBackend(args.root))
+    # The tiers log every delete and every tier they cannot reach: show those to the operator.
+    log = logging.getLogger("dcp_tiered")
+    shown = logging.StreamHandler(sys.stderr)
+    shown.setFormatter(logging.Formatter("dcp-tiered: %(message)s"))
+    shown.setLevel(logging.INFO if args.command in ("pull", "rm", "prune") else logging.WARNING)
+    log.addHandler(shown)
+    level = log.level
+    log.setLevel(min(level or logging.WARNING, shown.level))
+    handler = {"ls": cli_steps.cmd_ls, "verify": cli_steps.cmd_verify,
+               "status": cli_steps.cmd_status, "inspect": cli_steps.cmd_inspect,
+               "pull": cli_ops.cmd_pull, "rm": cli_ops.cmd_rm, "prune": cli_ops.cmd_prune}
     try:
-        if args.command == "ls":
-            return cmd_ls(tier)
-        if args.command == "status":
-            return cmd_status(tier, args.memory, args.remote, args.json)
-        return cmd_verify(tier, args.step)
+        return handler[args.command](cli_steps.Run(args, fields, errors))
     except DcpTieredError as e:
         print(f"dcp-tiered: {e}", file=sys.stderr)
-        return 2
+        errors.append(error_entry(e))
+        if isinstance(e, (IntegrityError, ManifestError, MissingShardError)):
+            return PROBLEM
+        return UNREADABLE if isinstance(e, TierError) else USAGE
+    finally:
+        log.removeHandler(shown)
+        log.setLevel(level)
 
 
 if __name__ == "__main__":

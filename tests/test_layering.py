@@ -20,7 +20,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "dcp_tiered"
 POLICY = {"config", "errors", "safe_unpickle", "rank_state", "agreement"}
 DCP = {"writer", "reader", "staging"}  # torch's StorageWriter/StorageReader, and staging
 LIFECYCLE = {"lifecycle"}  # what every entry point shares around a save and a restore
-ENTRY_POINTS = {"manager", "cli"}
+ENTRY_POINTS = {"manager", "cli", "cli_steps", "cli_ops"}
 
 
 def imports_of(path: Path) -> set[str]:

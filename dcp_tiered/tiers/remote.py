@@ -20,6 +20,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from .._daemon_pool import DaemonPool
@@ -372,7 +373,8 @@ def adopt_remote_step(tier: LocalTier, remote: RemoteBackend, step: str) -> None
 
 
 def hydrate_step(tier: LocalTier, remote: RemoteBackend, step: str, m: Manifest,
-                 names: list[str], keys: layout.RemoteKeys) -> None:
+                 names: list[str], keys: layout.RemoteKeys,
+                 progress: Callable[[int], object] | None = None) -> None:
     """Copy data files ``names`` of durable remote step ``step`` (manifest ``m``) into the
     local tier, so the next load reads them locally.
 
@@ -382,6 +384,7 @@ def hydrate_step(tier: LocalTier, remote: RemoteBackend, step: str, m: Manifest,
     the local step, if there is one (e.g. adopted as manifest and .metadata alone). So no local
     step ever looks committed while it lacks files, whatever fails or crashes. The ranks of a
     node hydrate one at a time, each building on the copy the others published.
+    ``progress(n)`` is called as each chunk of ``n`` bytes arrives (the CLI's progress bar).
     """
     backend = tier.backend
     need = sum(int(m.files[n]["size"]) for n in names)
@@ -418,7 +421,7 @@ def hydrate_step(tier: LocalTier, remote: RemoteBackend, step: str, m: Manifest,
                 backend.link_file((step, name), (tmp, name))
             for name in names:
                 _download(tier, remote, keys.file(name), (tmp, name), int(m.files[name]["size"]),
-                          str(m.files[name]["checksum"]))
+                          str(m.files[name]["checksum"]), progress)
 
         commit.build_and_publish(backend, step, f"h{uuid.uuid4().hex[:11]}", fill,
                                  manifest_bytes, metadata_bytes, what="hydration")
@@ -427,7 +430,7 @@ def hydrate_step(tier: LocalTier, remote: RemoteBackend, step: str, m: Manifest,
 
 
 def _download(tier: LocalTier, remote: RemoteBackend, key: str, dst: tuple[str, str], size: int,
-              checksum: str) -> None:
+              checksum: str, progress: Callable[[int], object] | None = None) -> None:
     """Stream one remote object into a local file in bounded chunks, checking its checksum."""
     crc = 0
     with tier.backend.open_write(*dst) as f:
@@ -435,6 +438,8 @@ def _download(tier: LocalTier, remote: RemoteBackend, key: str, dst: tuple[str, 
             chunk = remote.get_range(key, start, min(size, start + _CHUNK_BYTES))
             crc = integrity.checksum(chunk, crc)
             f.write(chunk)
+            if progress is not None:
+                progress(len(chunk))
     if integrity.format_checksum(crc) != checksum:
         raise IntegrityError(f"{remote.url(key)} fails its checksum against the manifest; it "
                              "was not copied to the local tier")

@@ -1,0 +1,158 @@
+"""The CLI's commands that change a tier: ``pull``, ``rm``, ``prune``. Each goes through the
+tiers' own functions (hydration's atomic commit, ``LocalTier.delete_step``,
+``delete_remote_step``, ``prune_local``), so it keeps their guarantees; every delete is logged
+by the backend (the CLI shows those logs on stderr) and listed in the output."""
+
+from __future__ import annotations
+
+import time
+
+from .backends.remote import RemoteBackend
+from .cli import OK, UNREADABLE, USAGE
+from .cli_steps import Run, human, progress
+from .errors import CheckpointExistsError, CheckpointNotFoundError, ManifestError, TierError
+from .policy import layout, manifest
+from .policy.retention import RetentionPolicy, StepState, evictions
+from .tiers import catalog, housekeeping
+from .tiers import remote as remote_tier
+
+
+def cmd_pull(run: Run) -> int:
+    """Copy a durable remote step into the local tier, each file checked against the
+    manifest as it arrives, committed like a save (temporary directory, rename): an
+    interrupted pull leaves no local step that looks committed but misses files."""
+    tier, remote = run.tier, run.need_remote()
+    step = run.args.step
+    if step == layout.LATEST:
+        remote_steps = [(s.name, s.committed_at_ns) for s in
+                        catalog.list_steps(tier, remote, strict=True) if s.remote]
+        step = layout.newest(remote_steps)
+        if step is None:
+            raise CheckpointNotFoundError(f"no committed step on {remote.config.url}")
+    layout.validate_step_name(step)
+    keys = remote_tier.keys_of_step(remote, step)
+    if keys is None:
+        raise CheckpointNotFoundError(f"step {step!r} is not committed on {remote.config.url}; "
+                                      f"`dcp-tiered status {tier.root}` lists the steps there")
+    m = manifest.parse(remote.get_bytes(keys.manifest), where=remote.url(keys.manifest))
+    if tier.has_step(step):
+        here = tier.read_manifest(step)
+        if here.save_id != m.save_id:
+            raise CheckpointExistsError(
+                f"{tier.root}/{step} is another save ({here.save_id}) than the remote one "
+                f"({m.save_id}); they are never mixed. Remove the local one first "
+                f"(dcp-tiered rm {tier.root} {step}) if the remote one is wanted")
+    names = sorted(n for n in m.files if not tier.backend.exists(step, n))
+    total = sum(int(m.files[n]["size"]) for n in names)
+    started = time.monotonic()
+    if names:
+        with progress(total, f"pull {step}", run) as bar:
+            remote_tier.hydrate_step(tier, remote, step, m, names, keys, progress=bar.update)
+    seconds = time.monotonic() - started
+    run.fields.update(step=step, save_id=m.save_id, world_size=m.world_size, files=len(names),
+                      bytes=total, seconds=round(seconds, 3), already_local=not names)
+    run.say(f"{step}: already complete in {tier.root}" if not names else
+            f"{step}: {len(names)} files, {human(total)} from {remote.config.url} to "
+            f"{tier.root}/{step} in {seconds:.1f} s, every file verified")
+    return OK
+
+
+def _remote_holds(remote: RemoteBackend, save_id: str, step: str) -> bool:
+    marker = remote_tier.read_marker(remote, step)
+    return marker is not None and marker.get("save_id") == save_id
+
+
+def _local_holds(run: Run, step: str, save_id: str) -> bool:
+    """The local tier holds this save of ``step`` whole (not only an adopted manifest)."""
+    tier = run.tier
+    if not tier.has_step(step) or not tier.backend.exists(step, layout.MANIFEST_NAME):
+        return False
+    try:
+        m = tier.read_manifest(step)
+    except (ManifestError, OSError):
+        return False
+    return m.save_id == save_id and all(tier.backend.exists(step, n) for n in m.files)
+
+
+def cmd_rm(run: Run) -> int:
+    tier, args = run.tier, run.args
+    step = layout.validate_step_name(args.step)
+    on_remote = args.remote is not None
+    remote = run.remote(args.remote or None)  # rm's --remote: "" = the recorded URL
+    if on_remote and remote is None:
+        run.need_remote()
+    other = None  # where another whole copy of this save is, if anywhere
+    try:
+        if on_remote:
+            assert remote is not None
+            keys = remote_tier.keys_of_step(remote, step)
+            if keys is None:
+                raise CheckpointNotFoundError(f"step {step!r} is not committed on "
+                                              f"{remote.config.url}")
+            if keys.save_id and _local_holds(run, step, keys.save_id):
+                other = tier.root
+        else:
+            if not tier.has_step(step):
+                raise CheckpointNotFoundError(f"step {step!r} is not committed in {tier.root}")
+            if (remote is not None and tier.backend.exists(step, layout.MANIFEST_NAME)
+                    and _remote_holds(remote, tier.read_manifest(step).save_id, step)):
+                other = remote.config.url
+    except TierError as e:
+        if not args.force:
+            run.error(TierError(f"cannot tell whether {step} has another durable copy ({e}); "
+                                "nothing was deleted. Use --force to delete it anyway"))
+            return UNREADABLE
+    where = remote.config.url if on_remote and remote is not None else tier.root
+    if other is None and not args.force:
+        run.error(CheckpointExistsError(
+            f"{where}/{step} is the only durable copy of {step}: nothing was deleted. "
+            "Pull or upload it elsewhere first, or give --force to delete it anyway"))
+        return USAGE
+    reason = "dcp-tiered rm" + (" --force (the only durable copy)" if other is None else "")
+    if on_remote:
+        assert remote is not None
+        remote_tier.delete_remote_step(remote, step, reason=reason)
+    else:
+        tier.delete_step(step, reason=reason)
+    run.fields.update(step=step, deleted=[{"tier": "remote" if on_remote else "local",
+                                           "step": step, "where": where}],
+                      other_copy=other)
+    run.say(f"deleted {step} from {where}" + (f" (a copy remains on {other})" if other else ""))
+    return OK
+
+
+def cmd_prune(run: Run) -> int:
+    """Retention by hand on the local tier. Never deletes the newest step, a milestone
+    (``--keep-every``), or a step not yet durable on the remote (or when the remote cannot
+    tell); a root without a remote has no lower tier, so its steps go by the policy alone."""
+    tier, args = run.tier, run.args
+    policy = RetentionPolicy(keep_latest=args.keep_latest, keep_every=args.keep_every)
+    remote = run.remote()
+    if remote is not None:
+        try:
+            remote.committed_steps()
+        except TierError as e:
+            run.error(TierError(f"cannot read the remote tier {remote.config.url} to tell which "
+                                f"steps are durable there ({e}); nothing was deleted"))
+            return UNREADABLE
+    states = [StepState(s.name, s.committed_at_ns) for s in tier.steps()
+              if s.verified_format and s.committed_at_ns >= 0]
+    candidates = evictions(states, policy)
+    held = [n for n in candidates
+            if remote is not None and housekeeping.awaiting_remote(tier, remote, n)]
+    if args.dry_run:
+        deleted = [n for n in candidates if n not in held]
+    else:
+        deleted = housekeeping.prune_local(tier, policy, remote, label="local")
+        held = [n for n in candidates if n not in deleted]
+    kept = sorted({s.name for s in states} - set(deleted), key=lambda n: (
+        layout.step_number(n) or -1, n))
+    run.fields.update(dry_run=args.dry_run, deleted=deleted, kept=kept,
+                      kept_not_durable=held)
+    verb = "would delete" if args.dry_run else "deleted"
+    for name in deleted:
+        run.say(f"{verb} {tier.root}/{name}")
+    for name in held:
+        run.say(f"kept {name}: not durable on {remote.config.url if remote else '-'} yet")
+    run.say(f"{len(deleted)} {verb.split()[-1]}, {len(kept)} kept")
+    return OK
