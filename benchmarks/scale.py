@@ -26,7 +26,6 @@ from a model of the code (``s3_model``), stated in docs/scale.md.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import io
 import json
@@ -42,7 +41,6 @@ import time
 import tracemalloc
 import warnings
 import zlib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,13 +66,18 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dcp_tiered import TieredStorageReader, TieredStorageWriter  # noqa: E402
-from dcp_tiered import _torch_compat  # noqa: E402
-from dcp_tiered._version import __version__  # noqa: E402
-from dcp_tiered.errors import ConfigError  # noqa: E402
-from dcp_tiered.policy import integrity, layout, manifest  # noqa: E402
-from dcp_tiered.tiers import commit  # noqa: E402
-from dcp_tiered.writer import _split_by_size, _vanilla_metadata  # noqa: E402
+from typing_extensions import Self
+
+from dcp_tiered import (
+    TieredStorageReader,
+    TieredStorageWriter,
+    _torch_compat,
+)
+from dcp_tiered._version import __version__
+from dcp_tiered.errors import ConfigError
+from dcp_tiered.policy import integrity, layout, manifest
+from dcp_tiered.tiers import commit
+from dcp_tiered.writer import _split_by_size, _vanilla_metadata
 
 MiB, GiB = 2**20, 2**30
 RANKS_PER_NODE = 8
@@ -83,9 +86,9 @@ RANKS_PER_NODE = 8
 
 MODELS = {
     # Llama-3 shapes (vocab 128,256, GQA with 8 KV heads of 128).
-    "llama3-8b": dict(vocab=128256, dim=4096, layers=32, ffn=14336, kv=1024),
-    "llama3-70b": dict(vocab=128256, dim=8192, layers=80, ffn=28672, kv=1024),
-    "tiny": dict(vocab=512, dim=64, layers=2, ffn=128, kv=32),  # the smoke test's
+    "llama3-8b": {"vocab": 128256, "dim": 4096, "layers": 32, "ffn": 14336, "kv": 1024},
+    "llama3-70b": {"vocab": 128256, "dim": 8192, "layers": 80, "ffn": 28672, "kv": 1024},
+    "tiny": {"vocab": 512, "dim": 64, "layers": 2, "ffn": 128, "kv": 32},  # the smoke test's
 }
 
 
@@ -308,10 +311,9 @@ def s3_model(world: int, file_sizes: list[int], manifest_len: int, metadata_len:
     on fresh nodes (nothing local) at the same world size."""
     nodes = -(-world // RANKS_PER_NODE)
     objects = len(file_sizes) + nodes + 3  # data, node records, manifest, .metadata, marker
-    pages = lambda n: max(1, -(-n // 1000))  # noqa: E731 - S3 lists 1,000 keys a page
-    s3fs_multipart = 5 * GiB  # s3fs put_file: one PUT below its chunksize... see note below
-    save: dict[str, int] = dict(PUT=0, multipart_create=0, multipart_parts=0,
-                                multipart_complete=0, HEAD=0, GET=0, LIST=0)
+    pages = lambda n: max(1, -(-n // 1000))
+    save: dict[str, int] = {"PUT": 0, "multipart_create": 0, "multipart_parts": 0,
+                                "multipart_complete": 0, "HEAD": 0, "GET": 0, "LIST": 0}
     for size in file_sizes:
         # upload_early -> upload_verified -> RemoteBackend.put_file (s3fs, chunksize=part_size)
         if size <= part_size:
@@ -335,8 +337,7 @@ def s3_model(world: int, file_sizes: list[int], manifest_len: int, metadata_len:
     save["GET"] += (nodes - 1) + 1
     save["PUT"] += 3
     save["LIST"] += 1 + (pages(objects) if prefix_strategy == "none" else 17)
-    del s3fs_multipart
-    restore: dict[str, int] = dict(GET=0, LIST=0, HEAD=0)
+    restore: dict[str, int] = {"GET": 0, "LIST": 0, "HEAD": 0}
     # Per rank: probe (LIST, MaxKeys=1); committed_steps() = glob("*/_COMMITTED.json"), which
     # s3fs walks as one listing of the root plus one per top-level entry (steps, "data");
     # list_steps reads each committed step's marker; _load_manifest reads the marker again and
@@ -394,7 +395,7 @@ class _Traced:
     def __init__(self, on: bool) -> None:
         self.on, self.peak = on, None
 
-    def __enter__(self) -> _Traced:
+    def __enter__(self) -> Self:
         if self.on:
             gc.collect()
             tracemalloc.start()
