@@ -26,3 +26,26 @@ def test_suite_runs_and_writes_every_figure(tmp_path):
     assert set(two["ratios"]) == {str(n) for n in range(1, 11) if n != 9}
     assert all(r > 0 for c in (one, two) for r in c["ratios"].values())
     assert not list(tmp_path.glob("dcp-tiered-suite-*"))  # the work directory is removed
+
+
+def test_scale_harness_runs_and_writes_every_field(tmp_path):
+    out = tmp_path / "scale.json"
+    subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "scale.py"), "--models", "tiny",
+         "--ranks", "8", "--dir", str(tmp_path), "--json", str(out)],
+        check=True, capture_output=True, timeout=120,
+    )
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["sharding"], r["world"]) for r in rows] == [("fsdp2", 8), ("fsdp2+tp8", 8)]
+    for r in rows:
+        ours, vanilla = r["ours"], r["vanilla"]
+        assert ours["items"] > 0 and ours["files_per_step"] == 16  # 8 ranks x 2 files
+        assert ours["manifest_bytes"] > 0 and vanilla["metadata_bytes"] > 0
+        assert ours["gathered_bytes"] > 0 and ours["coordinator_peak_bytes"] > 0
+        assert ours["reader_peak_bytes"] > 0 and ours["reader_read_items"] > 0
+        assert ours["caching"].startswith("refused")
+        assert r["vanilla_cached"]["repeat_plan_s"] >= 0
+        assert r["s3"]["none"]["save_requests_total"] > 0
+        assert r["s3"]["hash"]["restore_requests"]["LIST"] > 0
+        assert ours["handshake"]["total_ops"] == 0  # one node: no handshake
+    assert not list(tmp_path.glob("dcp-tiered-scale-*"))  # scratch removed
