@@ -12,7 +12,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_tiered import _torch_compat
 from dcp_tiered import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -22,6 +21,7 @@ from dcp_tiered import (
     MissingShardError,
     TieredStorageReader,
     TieredStorageWriter,
+    _torch_compat,
 )
 
 

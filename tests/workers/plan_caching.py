@@ -8,7 +8,7 @@ import argparse
 import json
 from pathlib import Path
 
-import common  # noqa: F401  (sets sys.path)
+import common
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -70,7 +70,7 @@ def main() -> None:
                 dcp.async_save(state(rank, i), checkpoint_id=step, storage_writer=writer,
                                planner=planner, process_group=pg,
                                async_checkpointer_type=kind).result()
-        except (Exception, CheckpointException) as e:  # reported to the test
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported to the test
             errors[step] = f"{type(e).__name__}: {e}"
     durability = {}
     if a.remote:
