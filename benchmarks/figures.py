@@ -25,7 +25,7 @@ import s3fs
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter
 
 from dcp_tiered import (
     RemoteConfig,
@@ -39,6 +39,29 @@ from tests.s3server import s3fs_options
 
 warnings.filterwarnings("ignore")
 TENSOR_MIB = 32
+PLAN_TENSORS = 2000  # figures 11 and 12: many small tensors, so that planning is what shows
+
+
+class _OursPlanner(DefaultSavePlanner):
+    """DCP keeps cached plans per planner class: one class per writer kind keeps ours and
+    FileSystemWriter's cached plans apart."""
+
+
+class _DcpPlanner(DefaultSavePlanner):
+    pass
+
+
+def _probe(cls: type) -> type:
+    """``cls`` noting when DCP hands it the final plan: planning is over for this rank."""
+
+    class Probe(cls):  # type: ignore[misc, valid-type]
+        planned_at = 0.0
+
+        def write_data(self, plan, planner):
+            self.planned_at = time.perf_counter()
+            return super().write_data(plan, planner)
+
+    return Probe
 
 
 def make_state(rank: int, per_rank_bytes: int) -> dict[str, torch.Tensor]:
@@ -116,6 +139,9 @@ class Bench:
         # Restores load into one set of tensors, as into a model that already exists; zeroed
         # (untimed) before each load so that every load has to deliver every byte.
         self.target = {k: torch.zeros_like(v) for k, v in self.state.items()}
+        self.plan_state = {f"r{self.rank}.p{i:04d}": torch.full((256,), float(i))
+                           for i in range(PLAN_TENSORS)}
+        self.plan_warm = False
 
     # -- helpers ---------------------------------------------------------------------------
     def fresh(self, prefix: str) -> str:
@@ -276,6 +302,34 @@ class Bench:
             s3fs.S3FileSystem(skip_instance_cache=True, **opts).rm(prefix, recursive=True)
         dist.barrier()
 
+    # -- figures 11 and 12: planning a repeat save, with DCP's plan caching and without -----
+    def planning(self, ours: bool, caching: bool) -> float:
+        """From dcp.save to this rank's final plan (the slowest rank's), many small tensors."""
+        if ours:
+            writer, path = _probe(TieredStorageWriter)(self.work / "plan"), None
+            planner_cls = _OursPlanner if caching else DefaultSavePlanner
+        else:
+            path = self.work / self.fresh("plan-dcp")
+            writer, planner_cls = _probe(FileSystemWriter)(path), _DcpPlanner
+        step = self.fresh("plan")
+        dist.barrier()
+        t = time.perf_counter()
+        dcp.save(self.plan_state, checkpoint_id=step if ours else str(path), storage_writer=writer,
+                 planner=planner_cls(enable_plan_caching=caching), process_group=self.pg)
+        took = self.slowest(writer.planned_at - t)
+        self.remove(self.work / "plan" / step if ours else path)
+        return took
+
+    def plan_round(self) -> None:
+        if not self.plan_warm:  # the first save with caching fills DCP's cache
+            self.planning(True, True)
+            self.planning(False, True)
+            self.plan_warm = True
+        self.record("ours_plan_first", self.planning(True, False))
+        self.record("ours_plan_cached", self.planning(True, True))
+        self.record("dcp_plan_first", self.planning(False, False))
+        self.record("dcp_plan_cached", self.planning(False, True))
+
     # -- the run -----------------------------------------------------------------------------
     def run(self, runs: int, s3: tuple[str, str] | None) -> None:
         self.record("peak_extra_bytes", self.peak_memory())  # also warms both buffer sets
@@ -289,6 +343,7 @@ class Bench:
             self.record("cold_read", cold)
             self.record("ours_restore", restore)
             self.record("dcp_save", self.dcp_save())
+            self.plan_round()
             if s3:
                 self.s3_round(*s3, run)
 

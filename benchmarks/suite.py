@@ -45,6 +45,10 @@ TARGETS = [
     (7, "restore from local vs cold read of the same files", "ours_restore", "cold_read", 1.15),
     (8, "restore from S3 vs FsspecReader dcp.load",
      "s3_ours_restore", "s3_fsspec_restore", 0.5),
+    (11, "planning a repeat save with DCP's plan caching vs a first save's (ours)",
+     "ours_plan_cached", "ours_plan_first", 0.2),
+    (12, "the same for DCP's FileSystemWriter (vanilla DCP's cached planner)",
+     "dcp_plan_cached", "dcp_plan_first", 0.2),
 ]
 
 
@@ -104,6 +108,7 @@ def print_table(configs: list[dict], train: dict | None) -> None:
     rows.insert(8, (9, "training throughput (memory every step, local every 10) vs none",
                     ">= 0.95"))
     rows.append((10, "peak extra host memory during a save / state size", "<= 2.2"))
+    rows.sort(key=lambda row: row[0])
     for n, what, target in rows:
         if n == 9:
             cells = ["-"] * len(configs)

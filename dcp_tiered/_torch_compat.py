@@ -103,3 +103,44 @@ def save_tensor(tensor: torch.Tensor, stream: Any) -> None:
         torch.save(tensor, stream)
     else:
         _save_without_crc(tensor, stream)
+
+
+# DCP's plan caching (DefaultSavePlanner(enable_plan_caching=True)) keeps its caches in private
+# class attributes of SavePlanner, one entry per planner class, for the life of the process.
+# The writer reads them to lay out a partly replayed plan, and clears them when a replayed plan
+# was made for another writer; no public API does either.
+_PLAN_CACHES = ("_cached_save_plan", "_cached_final_save_plan", "_cached_all_plans",
+                "_cached_global_plan", "_cached_metadata")
+
+
+def _plan_cache(name: str) -> dict[str, Any]:
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    cache = getattr(SavePlanner, name, None)
+    return cache if isinstance(cache, dict) else {}
+
+
+def plan_cache_in_use() -> bool:
+    """Whether some planner of this process has cached a global save plan (the coordinator)."""
+    return bool(_plan_cache("_cached_global_plan"))
+
+
+def cached_global_plan(delta: list[Any]) -> list[Any] | None:
+    """The full global plan of which ``delta`` is DCP's delta: DCP sends each rank whose final
+    plan did not change an empty unusable plan, and the changed ones as the very objects it
+    cached. None if no cached plan matches."""
+    fresh = [(i, p) for i, p in enumerate(delta) if getattr(p, "usable", True)]
+    for full in _plan_cache("_cached_global_plan").values():
+        if len(full) == len(delta) and all(full[i] is p for i, p in fresh):
+            return list(full)
+    return None
+
+
+def forget_save_plans() -> None:
+    """Drop every cached save plan of this process: the next save plans afresh."""
+    for name in _PLAN_CACHES:
+        _plan_cache(name).clear()
+
+
+def global_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

@@ -2,8 +2,10 @@
 
 Call order per save (see DCP's storage.py): every rank ``reset`` → ``storage_meta`` →
 ``set_up_storage_writer`` → ``prepare_local_plan``; rank 0 ``prepare_global_plan``; every rank
-``write_data``; rank 0 ``finish``. Per-save facts (step, save id, node) travel inside the plans,
-so the writer object itself can be reused by every save and pickled for PROCESS mode.
+``write_data``; rank 0 ``finish``. The plans carry only where each rank sits (node, leader),
+which stays true when DCP's plan caching replays a plan; what one save is (step, save id,
+promotion) goes from the coordinator to every rank through the c10d store. The writer object
+itself can thus be reused by every save and pickled for PROCESS mode.
 """
 
 from __future__ import annotations
@@ -61,30 +63,82 @@ _PER_ITEM_OVERHEAD = 4 * 2**10  # torch.save's zip framing, about 1.5 KiB per it
 
 @dataclass(frozen=True)
 class _RankInfo:
-    """What each rank tells the coordinator in its local plan."""
+    """What each rank tells the coordinator in its local plan.
+
+    DCP's plan caching may hand a cached copy back to the coordinator in a later save:
+    ``node_key`` and ``root`` stay true for it; ``step`` and ``free_bytes`` are the save's that
+    made the plan, so the coordinator reads them only while no plan is cached in its process
+    (every rank checks both again before writing, see ``_check_save``)."""
+
+    node_key: str
+    root: str
+    step: str
+    free_bytes: int
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What the coordinator hands back to each rank with its final plan.
+
+    DCP's plan caching replays it unchanged in later saves with the same plan, so it holds only
+    what stays true for them (where the rank sits), never which save it is (``_SaveFacts``)."""
+
+    rank: int
+    node: int
+    node_key: str  # host:root of this rank when the plan was made
+    node_leader: bool
+    coordinator_node: bool
+    world_size: int
+    node_bytes: int  # planned bytes of the whole node, for the admission check
+    coordinator: int  # global rank of the coordinator: names the store key of each save's facts
+    node_of: tuple[int, ...] = ()  # every rank's node; the coordinator's layout only
+
+
+@dataclass(frozen=True)
+class _SaveFacts:
+    """What one save is, decided by the coordinator and sent to every rank through the c10d
+    store (never inside a plan, which DCP may cache and replay)."""
 
     step: str
-    node_key: str
-    free_bytes: int
-    root: str
+    save_id: str
+    promote: bool  # copy the committed step to the remote tier
+
+    def encode(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self)).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> _SaveFacts:
+        body = json.loads(raw)
+        return cls(step=str(body["step"]), save_id=str(body["save_id"]),
+                   promote=bool(body["promote"]))
 
 
 @dataclass(frozen=True)
 class _SaveInfo:
-    """What the coordinator hands back to each rank with its final plan."""
+    """One save as a rank runs it: its place from the plan and the save's own facts."""
 
-    step: str
-    save_id: str
-    rank: int
-    node: int
-    node_leader: bool
-    coordinator_node: bool
-    world_size: int
-    promote: bool  # copy the committed step to the remote tier
+    layout: _Layout
+    facts: _SaveFacts
+
+    step = property(lambda self: self.facts.step)
+    save_id = property(lambda self: self.facts.save_id)
+    promote = property(lambda self: self.facts.promote)
+    rank = property(lambda self: self.layout.rank)
+    node = property(lambda self: self.layout.node)
+    node_leader = property(lambda self: self.layout.node_leader)
+    coordinator_node = property(lambda self: self.layout.coordinator_node)
+    world_size = property(lambda self: self.layout.world_size)
 
     @property
     def tmp(self) -> str:
         return layout.tmp_dir_name(self.step, self.save_id)
+
+
+def _facts_key(coordinator: int) -> str:
+    # One key per coordinator, overwritten by each save: the coordinator sets it before DCP
+    # scatters the plan, every rank reads it before it writes, and the next save cannot reach
+    # the coordinator's prepare_global_plan before every rank has finished this one.
+    return f"dcp_tiered/save/{coordinator}"
 
 
 class TieredStorageWriter(StorageWriter):
@@ -150,7 +204,9 @@ class TieredStorageWriter(StorageWriter):
         self._timings: dict[str, dict[str, float]] = {}
         self._save_ids: dict[str, str] = {}  # step -> id of this writer's last save of it
         self._step: str | None = None
-        self._save: tuple[_SaveInfo, list[int]] | None = None  # coordinator: own info, nodes
+        self._free_bytes = 0  # free on this rank's root when it planned this save
+        self._facts: _SaveFacts | None = None  # the coordinator's, from prepare_global_plan
+        self._save: _SaveInfo | None = None  # the coordinator's, from write_data to finish
         self._leading: tuple[str, int] | None = None  # (tmp dir, lock fd) until published
         self._remote = remote_backend(remote, storage_options)
         self._uploader: uploads.Uploader | None = None  # this writer's hold on the uploads
@@ -392,6 +448,7 @@ class TieredStorageWriter(StorageWriter):
         self._coordinator = is_coordinator
         self._use_collectives = kwargs.get("use_collectives", True)
         self._begin_save()
+        self._facts = self._save = None
         if self._step is None:
             raise ConfigError(
                 "no step name: pass checkpoint_id='step-N' to dcp.save/dcp.async_save"
@@ -416,14 +473,6 @@ class TieredStorageWriter(StorageWriter):
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         step = self._step
         assert step is not None
-        if not plan.usable:
-            # DCP's plan caching sends no plan when it is unchanged and replays the cached
-            # global plan, storage data included: that data names one save's step and id.
-            raise ConfigError(
-                "TieredStorageWriter does not support DefaultSavePlanner(enable_plan_caching="
-                "True): a cached plan would replay an earlier save's step and save id. Use the "
-                "default planner (planning costs a few ms of the caller's stall)."
-            )
         if self._tier.has_step(step) and not self.overwrite:
             raise CheckpointExistsError(
                 f"step {step!r} is already committed in {self.root}; choose a new step name "
@@ -437,13 +486,14 @@ class TieredStorageWriter(StorageWriter):
                 "under another step name."
             )
         self._tier.backend.check_writable()
-        info = _RankInfo(
-            step=step,
-            node_key=f"{socket.gethostname()}:{self.root}",
-            free_bytes=self._tier.backend.free_bytes(),
-            root=self.root,
-        )
-        planned = dataclasses.replace(plan, storage_data=info)
+        # Measured before any rank writes this save (DCP scatters no plan before it has every
+        # rank's), so every rank of a node judges the node's planned bytes against the same disk.
+        self._free_bytes = self._tier.backend.free_bytes()
+        planned = plan
+        if getattr(plan, "usable", True):  # an unusable plan: DCP replays the cached one
+            info = _RankInfo(node_key=self._node_key(), root=self.root, step=step,
+                             free_bytes=self._free_bytes)
+            planned = dataclasses.replace(plan, storage_data=info)
         if self._use_collectives:
             self._watch_collective("the plan gather (every rank's local plan to the "
                                    "coordinator)" if self._coordinator else
@@ -451,39 +501,100 @@ class TieredStorageWriter(StorageWriter):
                                    "coordinator and its global plan back)")
         return planned
 
+    def _node_key(self) -> str:
+        return f"{socket.gethostname()}:{self.root}"
+
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        infos: list[_RankInfo] = [p.storage_data for p in plans]
-        steps = {i.step for i in infos}
-        if len(steps) != 1:
-            raise ConfigError(f"ranks disagree on the step name: {sorted(steps)}")
-        node_keys = list(dict.fromkeys(i.node_key for i in infos))  # rank order
-        node_of = [node_keys.index(i.node_key) for i in infos]
-        _check_space(plans, infos, node_of, self.free_space_margin_bytes)
-        save_id = uuid.uuid4().hex[:12]
-        promote = self._remote is not None and infos[0].step not in self.local_only_steps
-        self.local_only_steps.discard(infos[0].step)
-        out = []
-        for rank, (plan, info) in enumerate(zip(plans, infos)):
-            node = node_of[rank]
-            save = _SaveInfo(
-                step=info.step,
-                save_id=save_id,
-                rank=rank,
-                node=node,
-                node_leader=node_of.index(node) == rank,
-                coordinator_node=node == node_of[0],
-                world_size=len(plans),
-                promote=promote,
-            )
-            out.append(dataclasses.replace(plan, storage_data=save))
-        self._save = (out[0].storage_data, node_of)
+        step = self._step
+        assert step is not None
+        out = plans  # with DCP's plan caching and no change: every rank replays its final plan
+        if any(getattr(p, "usable", True) for p in plans):
+            out = self._lay_out(step, plans)
+        facts = _SaveFacts(
+            step=step,
+            save_id=uuid.uuid4().hex[:12],
+            promote=self._remote is not None and step not in self.local_only_steps,
+        )
+        self.local_only_steps.discard(step)
+        if len(plans) > 1:
+            store = _torch_compat.default_store()
+            if store is None:
+                raise ConfigError("a save on several ranks needs torch.distributed initialised")
+            store.set(_facts_key(_torch_compat.global_rank()), facts.encode())
+        self._facts = facts
         if self._use_collectives:
             self._watch_collective("the plan scatter (the global plan to every rank)")
         return out
 
+    def _lay_out(self, step: str, plans: list[SavePlan]) -> list[SavePlan]:
+        """Each usable plan with its rank's layout. With DCP's plan caching, ranks whose final
+        plan did not change get an unusable one and replay theirs: the layout is computed from
+        the full plan DCP cached, so that it agrees with theirs."""
+        full = plans
+        if not all(getattr(p, "usable", True) for p in plans):
+            full = _torch_compat.cached_global_plan(plans)
+            if full is None:
+                raise ConfigError(
+                    f"step {step!r}: DCP's plan caching sent a partial plan whose cached global "
+                    "plan cannot be found; save with enable_plan_caching=False")
+        infos = [p.storage_data for p in full]
+        if not all(isinstance(i, _RankInfo) for i in infos):
+            raise ConfigError(
+                f"step {step!r}: a local plan carries no dcp_tiered rank info (another storage "
+                "writer's plan, replayed by DCP's plan caching?); save with one "
+                "TieredStorageWriter on every rank")
+        if not _torch_compat.plan_cache_in_use():
+            # Every plan was made for this save: refuse early, before any rank writes. With a
+            # cached plan each rank checks its own node in write_data instead.
+            steps = {i.step for i in infos}
+            if len(steps) != 1:
+                raise ConfigError(f"ranks disagree on the step name: {sorted(steps)}")
+        layouts = _layouts(full, infos, _torch_compat.global_rank())
+        if not _torch_compat.plan_cache_in_use():
+            _check_space(infos, layouts, self.free_space_margin_bytes)
+        return [dataclasses.replace(p, storage_data=lay) if getattr(p, "usable", True) else p
+                for p, lay in zip(plans, layouts)]
+
+    def _this_save(self, lay: Any) -> _SaveInfo:
+        """This rank's save: its layout from the (possibly replayed) plan, the save's facts from
+        the coordinator, both checked before anything is written."""
+        if not isinstance(lay, _Layout):
+            raise ConfigError(f"step {self._step!r}: the plan DCP handed to write_data carries "
+                              "no dcp_tiered layout; save with one TieredStorageWriter on "
+                              "every rank")
+        facts = self._facts
+        if facts is None:  # not the coordinator: it set them before DCP scattered the plan
+            store = _torch_compat.default_store()
+            if store is None:
+                raise ConfigError("a save on several ranks needs torch.distributed initialised")
+            facts = _SaveFacts.decode(bytes(store.get(_facts_key(lay.coordinator))))
+        save = _SaveInfo(lay, facts)
+        if facts.step != self._step:
+            raise ConfigError(
+                f"ranks disagree on the step name: {sorted({facts.step, str(self._step)})} "
+                f"(rank {lay.rank} saves {self._step!r}, the coordinator {facts.step!r}); pass "
+                "the same checkpoint_id on every rank. Nothing of this save is committed.")
+        if lay.node_key != self._node_key():
+            _torch_compat.forget_save_plans()
+            raise ConfigError(
+                f"step {facts.step!r}: DCP's plan cache (enable_plan_caching=True) replayed a "
+                f"plan made for {lay.node_key}, but this writer saves to {self._node_key()}. "
+                "Nothing was written; this process's plan cache is cleared, so the next save "
+                "plans afresh.")
+        need = lay.node_bytes + self.free_space_margin_bytes
+        if need > self._free_bytes:
+            raise InsufficientSpaceError(
+                errno.ENOSPC,
+                f"step {facts.step!r} needs {need / 2**20:.1f} MiB (with "
+                f"{self.free_space_margin_bytes / 2**20:.0f} MiB margin) on {self.root} (node "
+                f"{lay.node}) but only {self._free_bytes / 2**20:.1f} MiB is free; free space "
+                "or keep fewer steps. Nothing was written on this node and earlier steps are "
+                "intact.")
+        return save
+
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        save: _SaveInfo = plan.storage_data
         self._watch_collective(None)
+        save = self._this_save(plan.storage_data)
         started = time.perf_counter()
         lower_this_thread()  # an async save's thread; the trainer's own thread is left alone
         backend = self._tier.backend
@@ -506,6 +617,7 @@ class TieredStorageWriter(StorageWriter):
         )
         if save.node_leader and save.coordinator_node:
             self._leading = (save.tmp, lock)  # released once finish() has published
+            self._save = save
         elif save.node_leader:
             self._follow_commit(save, lock)
         else:
@@ -625,9 +737,14 @@ class TieredStorageWriter(StorageWriter):
         self._watch_collective(None)
         assert self._save is not None and self._leading is not None
         started = time.perf_counter()
-        (save, node_of), (tmp, lock) = self._save, self._leading
+        save, (tmp, lock) = self._save, self._leading
+        node_of = save.layout.node_of
         other_nodes = sorted(set(node_of) - {node_of[0]})
         self._save = None
+        if metadata.storage_meta is not None and metadata.storage_meta.checkpoint_id not in (
+                None, save.step):  # DCP's plan caching replays an earlier save's metadata
+            metadata = dataclasses.replace(metadata, storage_meta=dataclasses.replace(
+                metadata.storage_meta, checkpoint_id=save.step, save_id=None))
         backend = self._tier.backend
         locations = {wr.index: wr.storage_data for rs in results for wr in rs}
         manifest_bytes = manifest.build(
@@ -689,12 +806,28 @@ def _planned_bytes(item: WriteItem) -> int:
     return numel * item.tensor_data.properties.dtype.itemsize + _PER_ITEM_OVERHEAD
 
 
-def _check_space(
-    plans: list[SavePlan], infos: list[_RankInfo], node_of: list[int], margin: int
-) -> None:
-    for node in sorted(set(node_of)):
-        ranks = [r for r, n in enumerate(node_of) if n == node]
-        need = sum(_planned_bytes(i) for r in ranks for i in plans[r].items) + margin
+def _layouts(plans: list[SavePlan], infos: list[_RankInfo], coordinator: int) -> list[_Layout]:
+    """Every rank's place: ranks sharing a host and root form a node, led by its lowest rank."""
+    nodes: dict[str, int] = {}
+    node_of = [nodes.setdefault(i.node_key, len(nodes)) for i in infos]
+    leader: dict[int, int] = {}
+    node_bytes = [0] * len(nodes)
+    for rank, (plan, node) in enumerate(zip(plans, node_of)):
+        leader.setdefault(node, rank)
+        node_bytes[node] += sum(_planned_bytes(i) for i in plan.items)
+    return [
+        _Layout(rank=rank, node=node, node_key=infos[rank].node_key,
+                node_leader=leader[node] == rank, coordinator_node=node == node_of[0],
+                world_size=len(plans), node_bytes=node_bytes[node], coordinator=coordinator,
+                node_of=tuple(node_of) if rank == 0 else ())
+        for rank, node in enumerate(node_of)
+    ]
+
+
+def _check_space(infos: list[_RankInfo], layouts: list[_Layout], margin: int) -> None:
+    for node in sorted({lay.node for lay in layouts}):
+        ranks = [lay.rank for lay in layouts if lay.node == node]
+        need = layouts[ranks[0]].node_bytes + margin
         free = min(infos[r].free_bytes for r in ranks)
         if need > free:
             raise InsufficientSpaceError(

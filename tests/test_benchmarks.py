@@ -22,8 +22,8 @@ def test_suite_runs_and_writes_every_figure(tmp_path):
     assert result["machine"]["cores"] >= 1
     one, two = result["configs"]
     assert (one["world"], two["world"]) == (1, 2)
-    assert set(one["ratios"]) == {"1", "2", "3", "4", "7", "10"}
-    assert set(two["ratios"]) == {str(n) for n in range(1, 11) if n != 9}
+    assert set(one["ratios"]) == {"1", "2", "3", "4", "7", "10", "11", "12"}
+    assert set(two["ratios"]) == {str(n) for n in range(1, 13) if n != 9}
     assert all(r > 0 for c in (one, two) for r in c["ratios"].values())
     assert not list(tmp_path.glob("dcp-tiered-suite-*"))  # the work directory is removed
 

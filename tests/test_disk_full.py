@@ -61,3 +61,27 @@ def test_disk_filling_up_mid_write_loses_nothing(tiny_disk, monkeypatch):
     writer.recover()  # a restart sweeps the leftovers
     _only_step_1_left(root)
     dcp.save(_state(4, 3.0), checkpoint_id="step-3", storage_writer=writer, no_dist=True)
+
+
+def test_cached_plan_that_no_longer_fits_is_refused_before_writing(tiny_disk):
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    from dcp_tiered import _torch_compat
+
+    _torch_compat.forget_save_plans()  # DCP's cache lives as long as the process
+    root = tiny_disk / "run"
+    writer = TieredStorageWriter(root, free_space_margin_bytes=2 * 2**20)
+    planner = DefaultSavePlanner(enable_plan_caching=True)
+    for step in (1, 2):  # 8 MiB each of the 24: the third no longer fits
+        dcp.save(_state(8, float(step)), checkpoint_id=f"step-{step}", storage_writer=writer,
+                 planner=planner, no_dist=True)
+    with pytest.raises(CheckpointException) as e:
+        dcp.save(_state(8, 3.0), checkpoint_id="step-3", storage_writer=writer,
+                 planner=planner, no_dist=True)
+    err = _error(e.value)
+    assert isinstance(err, InsufficientSpaceError), err
+    assert "MiB is free" in str(err) and str(root) in str(err)
+    assert sorted(os.listdir(root)) == ["step-1", "step-2"], os.listdir(root)
+    sd = _state(8, 0.0)
+    dcp.load(sd, checkpoint_id="step-2", storage_reader=TieredStorageReader(root), no_dist=True)
+    assert torch.equal(sd["w"], _state(8, 2.0)["w"])

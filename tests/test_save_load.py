@@ -9,7 +9,7 @@ import pickle
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_tiered import (
@@ -21,6 +21,7 @@ from dcp_tiered import (
     MissingShardError,
     TieredStorageReader,
     TieredStorageWriter,
+    _torch_compat,
 )
 
 
@@ -314,19 +315,55 @@ def test_raw_offset_that_does_not_fit_the_item_is_refused(tmp_path):
     assert_big_state_load_fails_on(tmp_path, "f32")
 
 
-def test_plan_caching_is_refused_with_a_clear_error(tmp_path):
-    from torch.distributed.checkpoint import DefaultSavePlanner
+class CachingPlanner(DefaultSavePlanner):
+    """DCP's planner with plan caching; ``sent`` records, save by save, whether this rank sent
+    its local plan (True) or DCP found it unchanged and replayed the cached one (False)."""
 
-    planner = DefaultSavePlanner(enable_plan_caching=True)
+    def __init__(self) -> None:
+        super().__init__(enable_plan_caching=True)
+        self.sent: list[bool] = []
+
+    def create_local_plan(self):
+        plan = super().create_local_plan()
+        self.sent.append(plan.usable)
+        return plan
+
+
+def test_plan_caching_replays_the_plan_and_each_save_is_its_own(tmp_path):
+    _torch_compat.forget_save_plans()  # DCP's cache lives as long as the process
+    planner = CachingPlanner()
     writer = TieredStorageWriter(tmp_path)
-    dcp.save(state(), checkpoint_id="step-1", storage_writer=writer, planner=planner,
-             no_dist=True)
-    with pytest.raises(CheckpointException) as e:
-        dcp.save(state(2), checkpoint_id="step-2", storage_writer=writer, planner=planner,
+    for v in (1, 2, 3):
+        dcp.save(state(v), checkpoint_id=f"step-{v}", storage_writer=writer, planner=planner,
                  no_dist=True)
-    assert isinstance(failure(e), ConfigError) and "enable_plan_caching" in str(failure(e))
-    assert not (tmp_path / "step-2").exists()
-    assert_state_equal(load(tmp_path, "step-1"), state())
+    assert planner.sent == [True, False, False]  # saves 2 and 3 replayed DCP's cached plan
+    ids = set()
+    for v in (1, 2, 3):
+        assert_state_equal(load(tmp_path, f"step-{v}"), state(v))
+        body = json.loads((tmp_path / f"step-{v}" / "manifest.json").read_text())
+        assert body["step"] == f"step-{v}"
+        ids.add(body["save_id"])
+        vanilla = blank()
+        dcp.load(vanilla, storage_reader=FileSystemReader(tmp_path / f"step-{v}"), no_dist=True)
+        assert_state_equal(vanilla, state(v))
+    assert len(ids) == 3
+
+
+def test_plan_cached_for_another_root_is_refused_then_planned_afresh(tmp_path):
+    _torch_compat.forget_save_plans()
+    planner = CachingPlanner()
+    dcp.save(state(1), checkpoint_id="step-1", storage_writer=TieredStorageWriter(tmp_path / "a"),
+             planner=planner, no_dist=True)
+    other = TieredStorageWriter(tmp_path / "b")
+    with pytest.raises(CheckpointException) as e:
+        dcp.save(state(2), checkpoint_id="step-2", storage_writer=other, planner=planner,
+                 no_dist=True)
+    assert isinstance(failure(e), ConfigError) and str(tmp_path / "a") in str(failure(e))
+    assert not list((tmp_path / "b").glob("*step-2*"))  # nothing written
+    dcp.save(state(2), checkpoint_id="step-2", storage_writer=other, planner=planner,
+             no_dist=True)
+    assert planner.sent == [True, False, True]
+    assert_state_equal(load(tmp_path / "b", "step-2"), state(2))
 
 
 class Boom:

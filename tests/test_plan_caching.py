@@ -1,0 +1,41 @@
+"""DCP's plan caching (DefaultSavePlanner(enable_plan_caching=True)) on 2 real gloo ranks: the
+later saves replay DCP's cached plan, and each one is still its own step, save id and commit."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import read_json, torchrun
+
+pytestmark = pytest.mark.multirank
+
+
+@pytest.mark.parametrize("mode,nodes,remote", [
+    ("sync", 1, True),  # one root; step-2 kept local, the others promoted
+    ("thread", 2, True),  # two roots: the cross-node commit handshake on every save
+    ("process", 2, False),  # the writer is a fresh copy in DCP's subprocess every save
+])
+def test_cached_plans_commit_every_step_exactly(tmp_path, mode, nodes, remote):
+    out, log = tmp_path / "out.json", tmp_path / "plans"
+    args = ["--root", str(tmp_path / "ck"), "--nodes", str(nodes), "--mode", mode,
+            "--plan-log", str(log), "--out", str(out)]
+    if remote:
+        args += ["--remote", (tmp_path / "remote").as_uri()]
+    torchrun("plan_caching.py", 2, *args, timeout=300)
+    res = read_json(out)
+    # DCP sent each rank's plan once, then found it unchanged and replayed the cached one.
+    assert [(tmp_path / f"plans.{r}").read_text() for r in (0, 1)] == ["10000"] * 2
+    for r, found in enumerate(res["ranks"]):
+        assert found["bad"] == [], found
+        assert list(found["errors"]) == ["step-x" if r else "step-4"], found["errors"]
+        assert all("ranks disagree on the step name" in e for e in found["errors"].values())
+    committed = ["step-1", "step-2", "step-3", "step-5"]
+    roots = [f"node{n}" for n in range(nodes)] if nodes > 1 else ["ck"]
+    assert res["entries"] == {r: committed for r in roots}  # nothing of step-4 / step-x
+    assert res["steps"] == {f"{r}/{s}": s for r in roots for s in committed}
+    ids = res["save_ids"]
+    assert len({ids[f"{roots[0]}/{s}"] for s in committed}) == 4  # a new save id every save
+    assert all(ids[f"{r}/{s}"] == ids[f"{roots[0]}/{s}"] for r in roots for s in committed)
+    if remote:
+        assert res["durability"] == {"step-1": "durable-remote", "step-2": "committed-local",
+                                     "step-3": "durable-remote", "step-5": "durable-remote"}
