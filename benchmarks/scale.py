@@ -446,8 +446,15 @@ def run_ours(model: str, world: int, tp: int, work: Path, thread_count: int,
         out["gathered_bytes"] = _pickled_all(plans) if not trace else None
         started = time.perf_counter()
         global_plans, metadata = planners[0].create_global_plan(plans)
-        global_plans = coord.prepare_global_plan(global_plans)
+        # The coordinator hands each save's facts to the other ranks through the c10d store.
+        facts_store = CountingStore()
+        real_store, _torch_compat.default_store = _torch_compat.default_store, lambda: facts_store
+        try:
+            global_plans = coord.prepare_global_plan(global_plans)
+        finally:
+            _torch_compat.default_store = real_store
         out["plan_s"] = time.perf_counter() - started
+        out["facts_store_bytes"] = facts_store.bytes_set
         out["scattered_bytes"] = _pickled_all(global_plans) if not trace else None
         del plans
         results = []
@@ -455,13 +462,13 @@ def run_ours(model: str, world: int, tp: int, work: Path, thread_count: int,
             final = planner.finish_plan(gp)
             results.append(write_results(final, rank, thread_count, framing, planner, True))
         out["results_gathered_bytes"] = _pickled_all(results) if not trace else None
-        save = global_plans[0].storage_data
-        node_of = coord._save[1]
+        lay, save = global_plans[0].storage_data, coord._facts
+        node_of = lay.node_of
         # finish(): what it computes, then the files it writes and the node handshake.
         started = time.perf_counter()
         locations = {wr.index: wr.storage_data for rs in results for wr in rs}
         manifest_bytes = manifest.build(
-            step=save.step, save_id=save.save_id, world_size=save.world_size,
+            step=save.step, save_id=save.save_id, world_size=lay.world_size,
             nodes=[[r for r, n in enumerate(node_of) if n == k] for k in sorted(set(node_of))],
             committed_at_ns=time.time_ns(), metadata=metadata, locations=locations,
             versions={"dcp_tiered": __version__, "torch": torch.__version__},
@@ -469,9 +476,9 @@ def run_ours(model: str, world: int, tp: int, work: Path, thread_count: int,
         build_s = time.perf_counter() - started
         metadata_bytes = _vanilla_metadata(metadata, locations, save.step)
         pickle_s = time.perf_counter() - started - build_s
-        tmp = work / "node0" / save.tmp
+        tmp = work / "node0" / layout.tmp_dir_name(save.step, save.save_id)
         tmp.mkdir(parents=True, exist_ok=True)
-        commit.write_step_files(coord.local_tier.backend, save.tmp, manifest_bytes,
+        commit.write_step_files(coord.local_tier.backend, tmp.name, manifest_bytes,
                                 metadata_bytes, sync=False)
         hs = handshake_ops(nodes, manifest_bytes, metadata_bytes)
         out["commit_s"] = time.perf_counter() - started
