@@ -41,6 +41,12 @@ from .local import LocalTier
 logger = logging.getLogger(__name__)
 
 _CHUNK_BYTES = 16 * 2**20
+_MAX_CHUNK_BYTES = 64 * 2**20  # memory a read-back or a download holds at once
+
+
+def _chunk_bytes(remote: RemoteBackend) -> int:
+    """Ranged GETs as large as the upload's parts (fewer requests), within a memory bound."""
+    return min(max(_CHUNK_BYTES, remote.config.part_size_bytes), _MAX_CHUNK_BYTES)
 
 
 class Durability(str, enum.Enum):
@@ -229,8 +235,9 @@ def remote_checksum(remote: RemoteBackend, key: str, size: int, *,
         return stat[1]
     crc = 0
     try:
-        for start in range(0, size, _CHUNK_BYTES):
-            end = min(size, start + _CHUNK_BYTES)
+        span = _chunk_bytes(remote)
+        for start in range(0, size, span):
+            end = min(size, start + span)
             crc = integrity.checksum(remote.get_range(key, start, end), crc)
     except IntegrityError as e:  # the store's own checksum of it disagrees with its bytes
         logger.warning("%s", e)
@@ -434,8 +441,9 @@ def _download(tier: LocalTier, remote: RemoteBackend, key: str, dst: tuple[str, 
     """Stream one remote object into a local file in bounded chunks, checking its checksum."""
     crc = 0
     with tier.backend.open_write(*dst) as f:
-        for start in range(0, size, _CHUNK_BYTES):
-            chunk = remote.get_range(key, start, min(size, start + _CHUNK_BYTES))
+        span = _chunk_bytes(remote)
+        for start in range(0, size, span):
+            chunk = remote.get_range(key, start, min(size, start + span))
             crc = integrity.checksum(chunk, crc)
             f.write(chunk)
             if progress is not None:
