@@ -40,7 +40,7 @@ def main() -> None:
     original = writer_module.TieredStorageWriter.write_data
 
     def slow_on_rank1(self, plan, planner):  # step-4: rank 1 writes late
-        if plan.storage_data.step == "step-4" and rank == 1:
+        if self.checkpoint_id == "step-4" and rank == 1:
             time.sleep(a.late_secs)
         return original(self, plan, planner)
 
