@@ -134,6 +134,7 @@ class Bench:
         self.pg = checkpoint_process_group()
         self.writer = TieredStorageWriter(self.work / "ours")
         self.part_mib, self.concurrency = a.part_mib, a.concurrency
+        self.verify_uploads = not a.no_verify_uploads
         self.seq = 0
         self.samples: dict[str, list[float]] = {}
         # Restores load into one set of tensors, as into a model that already exists; zeroed
@@ -264,7 +265,7 @@ class Bench:
         prefix = f"{bucket}/w{self.world}-{int(self.bytes * self.world / 2**20)}m-r{run}"
         cfg = RemoteConfig(url=f"s3://{prefix}/ours", storage_options=opts,
                            part_size_bytes=self.part_mib * 2**20,
-                           max_concurrency=self.concurrency)
+                           max_concurrency=self.concurrency, verify_uploads=self.verify_uploads)
         local = self.work / f"s3local-{run}"
         writer = TieredStorageWriter(local, remote=cfg)
 
@@ -357,6 +358,8 @@ def main() -> None:
     p.add_argument("--s3-bucket", default=None, help="an existing bucket on --s3-endpoint")
     p.add_argument("--part-mib", type=int, default=16, help="multipart part size")
     p.add_argument("--concurrency", type=int, default=8, help="parts in flight per file")
+    p.add_argument("--no-verify-uploads", action="store_true",
+                   help="RemoteConfig(verify_uploads=False): no read-back of uploaded objects")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     torch.set_num_threads(1)

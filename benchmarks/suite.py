@@ -145,6 +145,8 @@ def main() -> None:
     p.add_argument("--endpoint", help="an S3 endpoint (default: start moto on 127.0.0.1)")
     p.add_argument("--part-mib", type=int, default=16, help="our multipart part size")
     p.add_argument("--concurrency", type=int, default=8, help="our parts in flight per file")
+    p.add_argument("--no-verify-uploads", action="store_true",
+                   help="measure our S3 figures without the read-back of uploaded objects")
     p.add_argument("--no-training", action="store_true", help="skip figure 9")
     p.add_argument("--dir", default=None, help="directory on the disk under test (default: tmp)")
     p.add_argument("--out", default=str(HERE / "results" / "suite.json"))
@@ -176,7 +178,8 @@ def main() -> None:
             for r in ranks:
                 use_s3 = s3 if gib in s3_sizes and r in s3_ranks else None
                 res = run_config(gib, r, a.runs, work, use_s3,
-                                 ["--part-mib", str(a.part_mib), "--concurrency", str(a.concurrency)])
+                                 ["--part-mib", str(a.part_mib), "--concurrency", str(a.concurrency)]
+                                 + (["--no-verify-uploads"] if a.no_verify_uploads else []))
                 configs.append({
                     "gib": gib, "world": r, "bytes": res["bytes"], "samples": res["samples"],
                     "figures": {k: summary(v) for k, v in res["samples"].items()},

@@ -38,7 +38,7 @@ from ._priority import lower_this_thread
 from ._version import __version__
 from .backends.local import LocalBackend
 from .backends.remote import RemoteBackend, remote_backend
-from .config import RemoteConfig
+from .config import RemoteConfig, RetryConfig
 from .distributed import is_job_leader
 from .errors import (
     CheckpointExistsError,
@@ -262,26 +262,36 @@ class TieredStorageWriter(StorageWriter):
         fix; a store that cannot be reached now is logged at WARNING only (uploads retry later;
         a job must not die because the store blinked)."""
         self._tier.recover_and_sweep()
-        self._check_remote()
+        reached = self._check_remote()
         self._hold_uploads()
-        if self._remote is not None and is_job_leader():
-            # The coordinator's root decides: a save it does not hold committed can never
-            # be committed remotely (its promotion writes the marker).
-            try:
-                remote_tier.sweep_orphans(self._tier, self._remote)
-            except TierError as e:
-                logger.warning("could not look for orphaned uploads on %s: %s",
-                               self._remote.config.url, e)
+        if reached and is_job_leader():
+            self._sweep_orphans()
 
-    def _check_remote(self) -> None:
+    def _check_remote(self) -> bool:
+        """Probe the remote once per writer; whether this call reached it."""
         if self._remote is None or self._remote_checked:
-            return
+            return False
+        self._remote_checked = True
         try:
             self._remote.probe()
         except TransientTierError as e:
             logger.warning("remote tier %s cannot be reached now (%s); saves go on and their "
                            "uploads are retried later", self._remote.config.url, e)
-        self._remote_checked = True
+            return False
+        return True
+
+    def _sweep_orphans(self) -> None:
+        """Best effort, one attempt per request: housekeeping must never hold a job's start
+        for the upload retry policy's minute. The coordinator's root decides: a save it does
+        not hold committed can never be committed remotely (its promotion writes the marker)."""
+        assert self._remote is not None
+        once = RemoteBackend(dataclasses.replace(self._remote.config,
+                                                 retry=RetryConfig(max_attempts=1)))
+        try:
+            remote_tier.sweep_orphans(self._tier, once)
+        except (TierError, OSError) as e:
+            logger.warning("could not look for orphaned uploads on %s: %s",
+                           self._remote.config.url, e)
 
     def _hold_uploads(self) -> None:
         if self._remote is not None and self._uploader is None:
