@@ -38,8 +38,9 @@ class Train:
 
     def __init__(self, width: int, layers: int, batch: int) -> None:
         torch.manual_seed(0)
-        self.model = nn.Sequential(*(nn.Sequential(nn.Linear(width, width), nn.GELU())
-                                     for _ in range(layers)))
+        self.model = nn.Sequential(
+            *(nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(layers))
+        )
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.x = torch.randn(batch, width)
         self.step()  # allocate optimizer state
@@ -97,8 +98,10 @@ def main() -> None:
     batch = calibrate(a.width, a.layers, a.step_secs)
     train = Train(a.width, a.layers, batch)
     nbytes = state_bytes(train.state())
-    print(f"state {nbytes / 2**20:.0f} MiB, batch {batch}, torch threads {a.threads}, "
-          f"{os.cpu_count()} CPUs")
+    print(
+        f"state {nbytes / 2**20:.0f} MiB, batch {batch}, torch threads {a.threads}, "
+        f"{os.cpu_count()} CPUs"
+    )
 
     base, managed, stalls = [], [], []
     for i in range(a.runs):
@@ -108,9 +111,12 @@ def main() -> None:
         shm = Path(tempfile.mkdtemp(prefix="dcp-tiered-bench-", dir=a.memory))
         try:
             mgr = CheckpointManager(
-                memory=shm, local=work / "local", events=None,
-                policy=SavePolicy(memory=Every(steps=1), local=Every(steps=a.local_every),
-                                  remote=None),
+                memory=shm,
+                local=work / "local",
+                events=None,
+                policy=SavePolicy(
+                    memory=Every(steps=1), local=Every(steps=a.local_every), remote=None
+                ),
             )
             rate, s = run(train, a.steps, mgr)
             managed.append(rate)
@@ -120,16 +126,24 @@ def main() -> None:
             shutil.rmtree(shm, ignore_errors=True)
         if i % 2 == 1:
             base.append(run(train, a.steps, None)[0])
-        print(f"run {i + 1}: no checkpoints {base[-1]:.3f} steps/s, managed {managed[-1]:.3f} "
-              f"steps/s ({managed[-1] / base[-1]:.3f})")
+        print(
+            f"run {i + 1}: no checkpoints {base[-1]:.3f} steps/s, managed {managed[-1]:.3f} "
+            f"steps/s ({managed[-1] / base[-1]:.3f})"
+        )
 
     loss = 1 - statistics.median(managed) / statistics.median(base)
     result = {
-        "state_mib": round(nbytes / 2**20, 1), "batch": batch, "threads": a.threads,
-        "steps": a.steps, "runs": a.runs, "local_every": a.local_every,
+        "state_mib": round(nbytes / 2**20, 1),
+        "batch": batch,
+        "threads": a.threads,
+        "steps": a.steps,
+        "runs": a.runs,
+        "local_every": a.local_every,
         "baseline_steps_per_s": [round(r, 4) for r in base],
         "managed_steps_per_s": [round(r, 4) for r in managed],
-        "throughput_loss": round(loss, 4), "target_loss": 0.05, "met": loss <= 0.05,
+        "throughput_loss": round(loss, 4),
+        "target_loss": 0.05,
+        "met": loss <= 0.05,
         "stall_median_ms": round(statistics.median(stalls) * 1e3, 2),
         "stall_p95_ms": round(sorted(stalls)[int(0.95 * (len(stalls) - 1))] * 1e3, 2),
         # the part of each managed step spent in save(): the rest of the loss is interference
@@ -137,8 +151,10 @@ def main() -> None:
     }
     print("| figure | value | target |\n|---|---|---|")
     print(f"| throughput loss vs no checkpoints | **{loss * 100:.1f} %** | <= 5 % |")
-    print(f"| caller stall per save, median / p95 | {result['stall_median_ms']} / "
-          f"{result['stall_p95_ms']} ms | - |")
+    print(
+        f"| caller stall per save, median / p95 | {result['stall_median_ms']} / "
+        f"{result['stall_p95_ms']} ms | - |"
+    )
     print(f"| share of a managed step spent in save() | {result['stall_share'] * 100:.1f} % | - |")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1))

@@ -140,8 +140,9 @@ class Bench:
         # Restores load into one set of tensors, as into a model that already exists; zeroed
         # (untimed) before each load so that every load has to deliver every byte.
         self.target = {k: torch.zeros_like(v) for k, v in self.state.items()}
-        self.plan_state = {f"r{self.rank}.p{i:04d}": torch.full((256,), float(i))
-                           for i in range(PLAN_TENSORS)}
+        self.plan_state = {
+            f"r{self.rank}.p{i:04d}": torch.full((256,), float(i)) for i in range(PLAN_TENSORS)
+        }
         self.plan_warm = False
 
     # -- helpers ---------------------------------------------------------------------------
@@ -190,8 +191,9 @@ class Bench:
     def async_stall(self, writer: object, step: str) -> float:
         dist.barrier()
         t = time.perf_counter()
-        fut = dcp.async_save(self.state, checkpoint_id=step, storage_writer=writer,
-                             process_group=self.pg)
+        fut = dcp.async_save(
+            self.state, checkpoint_id=step, storage_writer=writer, process_group=self.pg
+        )
         stall = time.perf_counter() - t
         fut.result()
         return self.slowest(stall)
@@ -212,38 +214,68 @@ class Bench:
     def dd(self) -> float:
         target = self.work / f"dd-{self.rank}.bin"
         count = max(1, self.bytes // 2**24)
-        took = self.timed(lambda: subprocess.run(
-            ["dd", "if=/dev/zero", f"of={target}", "bs=16M", f"count={count}", "conv=fdatasync"],
-            check=True, capture_output=True))
+        took = self.timed(
+            lambda: subprocess.run(
+                [
+                    "dd",
+                    "if=/dev/zero",
+                    f"of={target}",
+                    "bs=16M",
+                    f"count={count}",
+                    "conv=fdatasync",
+                ],
+                check=True,
+                capture_output=True,
+            )
+        )
         target.unlink()
         return took
 
     def ours_commit_and_restore(self) -> tuple[float, float, float]:
         """Time to committed-local, then a cold read of this rank's files, then our restore."""
         step = self.fresh("step")
-        commit = self.timed(lambda: dcp.save(self.state, checkpoint_id=step,
-                                             storage_writer=self.writer, process_group=self.pg))
+        commit = self.timed(
+            lambda: dcp.save(
+                self.state, checkpoint_id=step, storage_writer=self.writer, process_group=self.pg
+            )
+        )
         step_dir = self.work / "ours" / step
         mine = sorted(step_dir.glob(f"__{self.rank}_*.distcp"))
         drop_cache(step_dir)
         cold = self.timed(lambda: read_files(mine))
         drop_cache(step_dir)
         target = self.blank_target()
-        restore = self.timed(lambda: dcp.load(
-            target, checkpoint_id=step, storage_reader=TieredStorageReader(self.work / "ours"),
-            process_group=self.pg))
+        restore = self.timed(
+            lambda: dcp.load(
+                target,
+                checkpoint_id=step,
+                storage_reader=TieredStorageReader(self.work / "ours"),
+                process_group=self.pg,
+            )
+        )
         self.check_target()
         self.remove(step_dir)
         return commit, cold, restore
 
     def dcp_save(self) -> float:
         path = self.work / self.fresh("dcp-sync")
-        took = self.timed(lambda: dcp.save(self.state, storage_writer=FileSystemWriter(
-            path, sync_files=True), process_group=self.pg))
+        took = self.timed(
+            lambda: dcp.save(
+                self.state,
+                storage_writer=FileSystemWriter(path, sync_files=True),
+                process_group=self.pg,
+            )
+        )
         drop_cache(path)
         target = self.blank_target()
-        self.record("dcp_load_cold", self.timed(lambda: dcp.load(
-            target, storage_reader=FileSystemReader(path), process_group=self.pg)))
+        self.record(
+            "dcp_load_cold",
+            self.timed(
+                lambda: dcp.load(
+                    target, storage_reader=FileSystemReader(path), process_group=self.pg
+                )
+            ),
+        )
         self.check_target()
         self.remove(path)
         return took
@@ -263,15 +295,20 @@ class Bench:
     def s3_round(self, endpoint: str, bucket: str, run: int) -> None:
         opts = s3fs_options(endpoint, read_timeout=300)
         prefix = f"{bucket}/w{self.world}-{int(self.bytes * self.world / 2**20)}m-r{run}"
-        cfg = RemoteConfig(url=f"s3://{prefix}/ours", storage_options=opts,
-                           part_size_bytes=self.part_mib * 2**20,
-                           max_concurrency=self.concurrency, verify_uploads=self.verify_uploads)
+        cfg = RemoteConfig(
+            url=f"s3://{prefix}/ours",
+            storage_options=opts,
+            part_size_bytes=self.part_mib * 2**20,
+            max_concurrency=self.concurrency,
+            verify_uploads=self.verify_uploads,
+        )
         local = self.work / f"s3local-{run}"
         writer = TieredStorageWriter(local, remote=cfg)
 
         def ours() -> None:
-            dcp.save(self.state, checkpoint_id="step-1", storage_writer=writer,
-                     process_group=self.pg)
+            dcp.save(
+                self.state, checkpoint_id="step-1", storage_writer=writer, process_group=self.pg
+            )
             writer.wait_durable("step-1")
 
         self.record("s3_ours_durable", self.timed(ours))
@@ -285,17 +322,38 @@ class Bench:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
         url = f"s3://{prefix}/fsspec"
-        self.record("s3_fsspec_save", self.timed(lambda: dcp.save(
-            self.state, storage_writer=FsspecWriter(url, sync_files=False, **opts),
-            process_group=self.pg)))
+        self.record(
+            "s3_fsspec_save",
+            self.timed(
+                lambda: dcp.save(
+                    self.state,
+                    storage_writer=FsspecWriter(url, sync_files=False, **opts),
+                    process_group=self.pg,
+                )
+            ),
+        )
         target = self.blank_target()
-        self.record("s3_ours_restore", self.timed(lambda: dcp.load(
-            target, checkpoint_id="step-1", process_group=self.pg,
-            storage_reader=TieredStorageReader(self.work / f"empty-{run}", remote=cfg))))
+        self.record(
+            "s3_ours_restore",
+            self.timed(
+                lambda: dcp.load(
+                    target,
+                    checkpoint_id="step-1",
+                    process_group=self.pg,
+                    storage_reader=TieredStorageReader(self.work / f"empty-{run}", remote=cfg),
+                )
+            ),
+        )
         self.check_target()
         target = self.blank_target()
-        self.record("s3_fsspec_restore", self.timed(lambda: dcp.load(
-            target, storage_reader=FsspecReader(url, **opts), process_group=self.pg)))
+        self.record(
+            "s3_fsspec_restore",
+            self.timed(
+                lambda: dcp.load(
+                    target, storage_reader=FsspecReader(url, **opts), process_group=self.pg
+                )
+            ),
+        )
         self.check_target()
         writer.close()
         self.remove(local)
@@ -315,8 +373,13 @@ class Bench:
         step = self.fresh("plan")
         dist.barrier()
         t = time.perf_counter()
-        dcp.save(self.plan_state, checkpoint_id=step if ours else str(path), storage_writer=writer,
-                 planner=planner_cls(enable_plan_caching=caching), process_group=self.pg)
+        dcp.save(
+            self.plan_state,
+            checkpoint_id=step if ours else str(path),
+            storage_writer=writer,
+            planner=planner_cls(enable_plan_caching=caching),
+            process_group=self.pg,
+        )
         took = self.slowest(writer.planned_at - t)
         self.remove(self.work / "plan" / step if ours else path)
         return took
@@ -358,8 +421,11 @@ def main() -> None:
     p.add_argument("--s3-bucket", default=None, help="an existing bucket on --s3-endpoint")
     p.add_argument("--part-mib", type=int, default=16, help="multipart part size")
     p.add_argument("--concurrency", type=int, default=8, help="parts in flight per file")
-    p.add_argument("--no-verify-uploads", action="store_true",
-                   help="RemoteConfig(verify_uploads=False): no read-back of uploaded objects")
+    p.add_argument(
+        "--no-verify-uploads",
+        action="store_true",
+        help="RemoteConfig(verify_uploads=False): no read-back of uploaded objects",
+    )
     p.add_argument("--out", required=True)
     a = p.parse_args()
     torch.set_num_threads(1)
@@ -370,9 +436,15 @@ def main() -> None:
     finally:
         bench.writer.close()
     if bench.rank == 0:
-        Path(a.out).write_text(json.dumps({
-            "world": bench.world, "bytes": bench.bytes * bench.world, "samples": bench.samples,
-        }))
+        Path(a.out).write_text(
+            json.dumps(
+                {
+                    "world": bench.world,
+                    "bytes": bench.bytes * bench.world,
+                    "samples": bench.samples,
+                }
+            )
+        )
     dist.barrier()
     dist.destroy_process_group()
 

@@ -96,15 +96,21 @@ def parameters(model: str) -> list[tuple[str, tuple[int, ...], int | None]]:
     """(fqn, global shape, TP shard dim or None for replicated) as torchtitan's Llama plan."""
     m = MODELS[model]
     d, kv, f = m["dim"], m["kv"], m["ffn"]
-    out: list[tuple[str, tuple[int, ...], int | None]] = [("tok_embeddings.weight", (m["vocab"], d), 0)]
+    out: list[tuple[str, tuple[int, ...], int | None]] = [
+        ("tok_embeddings.weight", (m["vocab"], d), 0)
+    ]
     for i in range(m["layers"]):
         p = f"layers.{i}."
         out += [
-            (p + "attention.wq.weight", (d, d), 0), (p + "attention.wk.weight", (kv, d), 0),
-            (p + "attention.wv.weight", (kv, d), 0), (p + "attention.wo.weight", (d, d), 1),
-            (p + "feed_forward.w1.weight", (f, d), 0), (p + "feed_forward.w2.weight", (d, f), 1),
+            (p + "attention.wq.weight", (d, d), 0),
+            (p + "attention.wk.weight", (kv, d), 0),
+            (p + "attention.wv.weight", (kv, d), 0),
+            (p + "attention.wo.weight", (d, d), 1),
+            (p + "feed_forward.w1.weight", (f, d), 0),
+            (p + "feed_forward.w2.weight", (d, f), 1),
             (p + "feed_forward.w3.weight", (f, d), 0),
-            (p + "attention_norm.weight", (d,), None), (p + "ffn_norm.weight", (d,), None),
+            (p + "attention_norm.weight", (d,), None),
+            (p + "ffn_norm.weight", (d,), None),
         ]
     out += [("norm.weight", (d,), None), ("output.weight", (m["vocab"], d), 0)]
     return out
@@ -117,8 +123,9 @@ def _piece(start: int, length: int, parts: int, i: int) -> tuple[int, int]:
     return start + off, max(0, min(size, length - off))
 
 
-def local_chunk(shape: tuple[int, ...], tp_dim: int | None, rank: int, world: int,
-                tp: int) -> tuple[list[int], list[int]]:
+def local_chunk(
+    shape: tuple[int, ...], tp_dim: int | None, rank: int, world: int, tp: int
+) -> tuple[list[int], list[int]]:
     """The chunk rank ``rank`` holds: TP split of ``tp_dim`` over the 8 ranks of a node, then
     FSDP2's dim-0 split over the data-parallel ranks (what _StridedShard resolves to)."""
     offsets, sizes = [0] * len(shape), list(shape)
@@ -132,8 +139,13 @@ def local_chunk(shape: tuple[int, ...], tp_dim: int | None, rank: int, world: in
 class Shard:
     """One rank's shard of a DTensor, as DCP's planners see it (DTensor's _Checkpointable)."""
 
-    def __init__(self, shape: tuple[int, ...], offsets: list[int], sizes: list[int],
-                 dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        shape: tuple[int, ...],
+        offsets: list[int],
+        sizes: list[int],
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         self.shape, self.offsets, self.sizes, self.dtype = shape, offsets, sizes, dtype
 
     def size(self) -> torch.Size:
@@ -141,19 +153,22 @@ class Shard:
 
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
         offsets = torch.Size(self.offsets)
-        return [WriteItem(
-            index=MetadataIndex(fqn, offsets),
-            type=WriteItemType.SHARD,
-            tensor_data=TensorWriteData(
-                chunk=ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(self.sizes)),
-                properties=TensorProperties(dtype=self.dtype),
-                size=torch.Size(self.shape),
-            ),
-        )]
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(self.sizes)),
+                    properties=TensorProperties(dtype=self.dtype),
+                    size=torch.Size(self.shape),
+                ),
+            )
+        ]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return [ChunkStorageMetadata(offsets=torch.Size(self.offsets),
-                                     sizes=torch.Size(self.sizes))]
+        return [
+            ChunkStorageMetadata(offsets=torch.Size(self.offsets), sizes=torch.Size(self.sizes))
+        ]
 
 
 def state_of_rank(model: str, rank: int, world: int, tp: int) -> dict[str, Any]:
@@ -164,11 +179,26 @@ def state_of_rank(model: str, rank: int, world: int, tp: int) -> dict[str, Any]:
     for fqn, shape, tp_dim in params:
         off, sz = local_chunk(shape, tp_dim, rank, world, tp)
         msd[fqn] = Shard(shape, off, sz)
-        ostate[fqn] = {"step": step, "exp_avg": Shard(shape, off, sz),
-                       "exp_avg_sq": Shard(shape, off, sz)}
-    groups = [{"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1,
-               "amsgrad": False, "foreach": None, "maximize": False, "capturable": False,
-               "differentiable": False, "fused": None, "params": [p[0] for p in params]}]
+        ostate[fqn] = {
+            "step": step,
+            "exp_avg": Shard(shape, off, sz),
+            "exp_avg_sq": Shard(shape, off, sz),
+        }
+    groups = [
+        {
+            "lr": 3e-4,
+            "betas": (0.9, 0.95),
+            "eps": 1e-8,
+            "weight_decay": 0.1,
+            "amsgrad": False,
+            "foreach": None,
+            "maximize": False,
+            "capturable": False,
+            "differentiable": False,
+            "fused": None,
+            "params": [p[0] for p in params],
+        }
+    ]
     return {"model": msd, "optim": {"state": ostate, "param_groups": groups}}
 
 
@@ -201,8 +231,14 @@ def _fake_crc(*parts: Any) -> str:
     return integrity.format_checksum(zlib.crc32(repr(parts).encode()))
 
 
-def write_results(plan: SavePlan, rank: int, thread_count: int, framing: tuple[int, int],
-                  planner: DefaultSavePlanner, ours: bool) -> list[WriteResult]:
+def write_results(
+    plan: SavePlan,
+    rank: int,
+    thread_count: int,
+    framing: tuple[int, int],
+    planner: DefaultSavePlanner,
+    ours: bool,
+) -> list[WriteResult]:
     """The WriteResults ``write_data`` returns for ``plan`` (ours: _write_file's ItemLocations
     over _split_by_size's files; vanilla: FileSystemWriter's _StorageInfo, one file)."""
     overhead, raw = framing
@@ -224,9 +260,15 @@ def write_results(plan: SavePlan, rank: int, thread_count: int, framing: tuple[i
         for index, offset, length, raw_off in placed:
             if ours:
                 data: Any = manifest.ItemLocation(
-                    relative_path=name, offset=offset, length=length,
-                    checksum=_fake_crc(index, offset), rank=rank, file_size=pos,
-                    file_checksum=file_crc, raw_offset=raw_off)
+                    relative_path=name,
+                    offset=offset,
+                    length=length,
+                    checksum=_fake_crc(index, offset),
+                    rank=rank,
+                    file_size=pos,
+                    file_checksum=file_crc,
+                    raw_offset=raw_off,
+                )
             else:
                 data = _StorageInfo(name, offset, length)
             out.append(WriteResult(index=index, size_in_bytes=length, storage_data=data))
@@ -278,20 +320,27 @@ def handshake_ops(nodes: int, manifest_bytes: bytes, metadata_bytes: bytes) -> d
     if nodes > 1:
         hs.coordinate(list(range(1, nodes)), manifest_bytes, metadata_bytes, lambda: None)
     coord = {k: store.ops[k] - coord[k] for k in coord}
-    out: dict[str, Any] = {"coordinator_ops": sum(coord.values()), "coordinator_by_kind": coord,
-                           "coordinator_bytes_set": store.bytes_set}
+    out: dict[str, Any] = {
+        "coordinator_ops": sum(coord.values()),
+        "coordinator_by_kind": coord,
+        "coordinator_bytes_set": store.bytes_set,
+    }
     if nodes > 1:
         before, got_before = dict(store.ops), store.bytes_get
         done = threading.Event()
         t = commit.Handshake(store, "scale", 60).follow_in_background(
-            1, lambda m, d: None, done.set, lambda why: done.set())
+            1, lambda m, d: None, done.set, lambda why: done.set()
+        )
         t.join(30)
         per = {k: store.ops[k] - before[k] for k in before}
-        out.update(follower_ops=sum(per.values()), follower_by_kind=per,
-                   follower_bytes_get=store.bytes_get - got_before,
-                   total_ops=out["coordinator_ops"] + (nodes - 1) * sum(per.values()),
-                   total_bytes_through_store=store.bytes_set
-                   + (nodes - 1) * (store.bytes_get - got_before))
+        out.update(
+            follower_ops=sum(per.values()),
+            follower_by_kind=per,
+            follower_bytes_get=store.bytes_get - got_before,
+            total_ops=out["coordinator_ops"] + (nodes - 1) * sum(per.values()),
+            total_bytes_through_store=store.bytes_set
+            + (nodes - 1) * (store.bytes_get - got_before),
+        )
     else:
         out.update(follower_ops=0, total_ops=out["coordinator_ops"], total_bytes_through_store=0)
     return out
@@ -300,10 +349,18 @@ def handshake_ops(nodes: int, manifest_bytes: bytes, metadata_bytes: bytes) -> d
 # ---------------------------------------------------------------- S3 request model
 
 
-def s3_model(world: int, file_sizes: list[int], manifest_len: int, metadata_len: int,
-             *, part_size: int = 16 * MiB, prefix_strategy: str = "none",
-             verify_uploads: bool = True, retained_steps: int = 5,
-             read_range: int = 64 * MiB) -> dict[str, Any]:
+def s3_model(
+    world: int,
+    file_sizes: list[int],
+    manifest_len: int,
+    metadata_len: int,
+    *,
+    part_size: int = 16 * MiB,
+    prefix_strategy: str = "none",
+    verify_uploads: bool = True,
+    retained_steps: int = 5,
+    read_range: int = 64 * MiB,
+) -> dict[str, Any]:
     """S3 requests of one save and one restore, by kind, derived from the code (see
     docs/scale.md "S3 requests"): writer.upload_early/tiers.uploads, tiers.remote.Promotion,
     reader.TieredStorageReader and tiers.catalog. Assumes every early upload succeeds, every
@@ -312,8 +369,15 @@ def s3_model(world: int, file_sizes: list[int], manifest_len: int, metadata_len:
     nodes = -(-world // RANKS_PER_NODE)
     objects = len(file_sizes) + nodes + 3  # data, node records, manifest, .metadata, marker
     pages = lambda n: max(1, -(-n // 1000))
-    save: dict[str, int] = {"PUT": 0, "multipart_create": 0, "multipart_parts": 0,
-                                "multipart_complete": 0, "HEAD": 0, "GET": 0, "LIST": 0}
+    save: dict[str, int] = {
+        "PUT": 0,
+        "multipart_create": 0,
+        "multipart_parts": 0,
+        "multipart_complete": 0,
+        "HEAD": 0,
+        "GET": 0,
+        "LIST": 0,
+    }
     for size in file_sizes:
         # upload_early -> upload_verified -> RemoteBackend.put_file (s3fs, chunksize=part_size)
         if size <= part_size:
@@ -353,10 +417,12 @@ def s3_model(world: int, file_sizes: list[int], manifest_len: int, metadata_len:
     minimum = sum(1 if s <= part_size else -(-s // part_size) + 2 for s in file_sizes)
     return {
         "objects_per_step": objects,
-        "save_requests": save, "save_requests_total": save_total,
+        "save_requests": save,
+        "save_requests_total": save_total,
         "save_requests_per_gib": save_total / max(data / GiB, 1e-9),
         "save_requests_minimum_for_part_size": minimum + 3,
-        "restore_requests": restore, "restore_requests_total": sum(restore.values()),
+        "restore_requests": restore,
+        "restore_requests_total": sum(restore.values()),
         "restore_metadata_bytes_all_ranks": restore_bytes_metadata,
         "restore_metadata_bytes_per_rank": manifest_len,
         "restore_data_bytes_per_rank": data // world,
@@ -383,9 +449,14 @@ def _pickled_all(objs: list[Any], sample: int = 32) -> int:
 
 def _clear_plan_cache() -> None:
     from torch.distributed.checkpoint.planner import SavePlanner
-    for cache in (SavePlanner._cached_save_plan, SavePlanner._cached_all_plans,
-                  SavePlanner._cached_global_plan, SavePlanner._cached_metadata,
-                  SavePlanner._cached_final_save_plan):
+
+    for cache in (
+        SavePlanner._cached_save_plan,
+        SavePlanner._cached_all_plans,
+        SavePlanner._cached_global_plan,
+        SavePlanner._cached_metadata,
+        SavePlanner._cached_final_save_plan,
+    ):
         cache.clear()
 
 
@@ -407,8 +478,9 @@ class _Traced:
             tracemalloc.stop()
 
 
-def local_plans(model: str, world: int, tp: int, make_planner: Any,
-                prepare: Any) -> tuple[list[SavePlan], list[DefaultSavePlanner], float]:
+def local_plans(
+    model: str, world: int, tp: int, make_planner: Any, prepare: Any
+) -> tuple[list[SavePlan], list[DefaultSavePlanner], float]:
     """Every rank's create_local_plan + storage writer's prepare_local_plan."""
     plans, planners, spent = [], [], 0.0
     for rank in range(world):
@@ -422,13 +494,24 @@ def local_plans(model: str, world: int, tp: int, make_planner: Any,
     return plans, planners, spent / world
 
 
-def run_ours(model: str, world: int, tp: int, work: Path, thread_count: int,
-             framing: tuple[int, int], trace: bool) -> dict[str, Any]:
+def run_ours(
+    model: str,
+    world: int,
+    tp: int,
+    work: Path,
+    thread_count: int,
+    framing: tuple[int, int],
+    trace: bool,
+) -> dict[str, Any]:
     nodes = -(-world // RANKS_PER_NODE)
     writers = []
     for n in range(nodes):
-        w = TieredStorageWriter(work / f"node{n}", sync_files=False, thread_count=thread_count,
-                                collective_timeout_warn_secs=None)
+        w = TieredStorageWriter(
+            work / f"node{n}",
+            sync_files=False,
+            thread_count=thread_count,
+            collective_timeout_warn_secs=None,
+        )
         # The node's disk must hold the simulated state: report ample free space (the only
         # I/O probe replaced; every other call is the writer's own).
         w.local_tier.backend.free_bytes = lambda: 1 << 62  # type: ignore[method-assign]
@@ -440,8 +523,12 @@ def run_ours(model: str, world: int, tp: int, work: Path, thread_count: int,
     out: dict[str, Any] = {}
     with _Traced(trace) as mem:
         plans, planners, per_rank = local_plans(
-            model, world, tp, lambda r: DefaultSavePlanner(),
-            lambda r, p: writers[r // RANKS_PER_NODE].prepare_local_plan(p))
+            model,
+            world,
+            tp,
+            lambda r: DefaultSavePlanner(),
+            lambda r, p: writers[r // RANKS_PER_NODE].prepare_local_plan(p),
+        )
         out["local_plan_s_per_rank"] = per_rank
         out["gathered_bytes"] = _pickled_all(plans) if not trace else None
         started = time.perf_counter()
@@ -468,25 +555,36 @@ def run_ours(model: str, world: int, tp: int, work: Path, thread_count: int,
         started = time.perf_counter()
         locations = {wr.index: wr.storage_data for rs in results for wr in rs}
         manifest_bytes = manifest.build(
-            step=save.step, save_id=save.save_id, world_size=lay.world_size,
+            step=save.step,
+            save_id=save.save_id,
+            world_size=lay.world_size,
             nodes=[[r for r, n in enumerate(node_of) if n == k] for k in sorted(set(node_of))],
-            committed_at_ns=time.time_ns(), metadata=metadata, locations=locations,
+            committed_at_ns=time.time_ns(),
+            metadata=metadata,
+            locations=locations,
             versions={"dcp_tiered": __version__, "torch": torch.__version__},
-            promote=save.promote)
+            promote=save.promote,
+        )
         build_s = time.perf_counter() - started
         metadata_bytes = _vanilla_metadata(metadata, locations, save.step)
         pickle_s = time.perf_counter() - started - build_s
         tmp = work / "node0" / layout.tmp_dir_name(save.step, save.save_id)
         tmp.mkdir(parents=True, exist_ok=True)
-        commit.write_step_files(coord.local_tier.backend, tmp.name, manifest_bytes,
-                                metadata_bytes, sync=False)
+        commit.write_step_files(
+            coord.local_tier.backend, tmp.name, manifest_bytes, metadata_bytes, sync=False
+        )
         hs = handshake_ops(nodes, manifest_bytes, metadata_bytes)
         out["commit_s"] = time.perf_counter() - started
     out["coordinator_peak_bytes"] = mem.peak
-    out.update(manifest_build_s=build_s, metadata_pickle_s=pickle_s,
-               manifest_bytes=len(manifest_bytes), metadata_bytes=len(metadata_bytes),
-               manifest_bytes_all_node_copies=len(manifest_bytes) * nodes,
-               items=len(locations), handshake=hs)
+    out.update(
+        manifest_build_s=build_s,
+        metadata_pickle_s=pickle_s,
+        manifest_bytes=len(manifest_bytes),
+        metadata_bytes=len(metadata_bytes),
+        manifest_bytes_all_node_copies=len(manifest_bytes) * nodes,
+        items=len(locations),
+        handshake=hs,
+    )
     file_sizes = sorted({(loc.relative_path, loc.file_size) for loc in locations.values()})
     out["files_per_step"] = len(file_sizes)
     out["file_sizes"] = [s for _, s in file_sizes]
@@ -501,7 +599,8 @@ def run_ours(model: str, world: int, tp: int, work: Path, thread_count: int,
         started = time.perf_counter()
         flat, _ = _flatten(state_of_rank(model, world - 1, world, tp))
         load_plan = reader.prepare_local_plan(
-            create_default_local_load_plan(flat, parsed.metadata, strict=False))
+            create_default_local_load_plan(flat, parsed.metadata, strict=False)
+        )
         out["reader_plan_s"] = time.perf_counter() - started
     out["reader_peak_bytes"] = rmem.peak
     out["reader_read_items"] = len(load_plan.items)
@@ -512,11 +611,19 @@ def run_ours(model: str, world: int, tp: int, work: Path, thread_count: int,
 
 def _flatten(state: dict[str, Any]) -> tuple[dict[str, Any], Any]:
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
     return flatten_state_dict(state)
 
 
-def run_vanilla(model: str, world: int, tp: int, work: Path, framing: tuple[int, int],
-                caching: bool, trace: bool) -> dict[str, Any]:
+def run_vanilla(
+    model: str,
+    world: int,
+    tp: int,
+    work: Path,
+    framing: tuple[int, int],
+    caching: bool,
+    trace: bool,
+) -> dict[str, Any]:
     """DefaultSavePlanner + FileSystemWriter on the same layout (twice with plan caching: the
     second save is the repeat whose planning caching saves)."""
     _clear_plan_cache()
@@ -537,7 +644,8 @@ def run_vanilla(model: str, world: int, tp: int, work: Path, framing: tuple[int,
     for n in range(saves):
         with _Traced(trace and n == 0) as mem:
             plans, planners, per_rank = local_plans(
-                model, world, tp, make, lambda r, p: writer.prepare_local_plan(p))
+                model, world, tp, make, lambda r, p: writer.prepare_local_plan(p)
+            )
             gathered = _pickled_all(plans) if not trace else None
             started = time.perf_counter()
             global_plans, metadata = planners[0].create_global_plan(plans)
@@ -559,8 +667,7 @@ def run_vanilla(model: str, world: int, tp: int, work: Path, framing: tuple[int,
         if n == 0:
             out["coordinator_peak_bytes"] = mem.peak
             out["metadata_bytes"] = (work / "vanilla" / ".metadata").stat().st_size
-            out["results_gathered_bytes"] = (_pickled_all(results)
-                                             if not trace else None)
+            out["results_gathered_bytes"] = _pickled_all(results) if not trace else None
         del results, global_plans, planners
     _clear_plan_cache()
     return out
@@ -580,8 +687,9 @@ def ours_with_caching(work: Path) -> str:
     return "accepted"
 
 
-def run_config(model: str, sharding: str, world: int, args: argparse.Namespace,
-               framing: tuple[int, int]) -> dict[str, Any]:
+def run_config(
+    model: str, sharding: str, world: int, args: argparse.Namespace, framing: tuple[int, int]
+) -> dict[str, Any]:
     tp = 8 if sharding == "fsdp2+tp8" else 1
     work = Path(tempfile.mkdtemp(prefix="dcp-tiered-scale-", dir=args.dir))
     try:
@@ -594,24 +702,40 @@ def run_config(model: str, sharding: str, world: int, args: argparse.Namespace,
         vanilla = {k: v for k, v in cached.items() if not k.startswith("repeat_")}
         gc.collect()
         if args.memory:
-            traced = run_ours(model, world, tp, work / "ours-traced", args.thread_count,
-                              framing, True)
+            traced = run_ours(
+                model, world, tp, work / "ours-traced", args.thread_count, framing, True
+            )
             ours["coordinator_peak_bytes"] = traced["coordinator_peak_bytes"]
             ours["reader_peak_bytes"] = traced["reader_peak_bytes"]
             gc.collect()
             vanilla["coordinator_peak_bytes"] = run_vanilla(
-                model, world, tp, work / "v-traced", framing, False, True)["coordinator_peak_bytes"]
+                model, world, tp, work / "v-traced", framing, False, True
+            )["coordinator_peak_bytes"]
             gc.collect()
         file_sizes = ours.pop("file_sizes")
-        s3 = {strategy: s3_model(world, file_sizes, ours["manifest_bytes"],
-                                 ours["metadata_bytes"], part_size=args.part_size_mib * MiB,
-                                 prefix_strategy=strategy, retained_steps=args.retained_steps)
-              for strategy in ("none", "hash")}
+        s3 = {
+            strategy: s3_model(
+                world,
+                file_sizes,
+                ours["manifest_bytes"],
+                ours["metadata_bytes"],
+                part_size=args.part_size_mib * MiB,
+                prefix_strategy=strategy,
+                retained_steps=args.retained_steps,
+            )
+            for strategy in ("none", "hash")
+        }
         ours["caching"] = ours_with_caching(work)
         return {
-            "model": model, "sharding": sharding, "world": world,
-            "nodes": -(-world // RANKS_PER_NODE), "state_bytes": state_bytes(model),
-            "ours": ours, "vanilla": vanilla, "vanilla_cached": cached, "s3": s3,
+            "model": model,
+            "sharding": sharding,
+            "world": world,
+            "nodes": -(-world // RANKS_PER_NODE),
+            "state_bytes": state_bytes(model),
+            "ours": ours,
+            "vanilla": vanilla,
+            "vanilla_cached": cached,
+            "s3": s3,
             "ratios": {
                 "plan_commit_vs_vanilla": (ours["plan_s"] + ours["commit_s"])
                 / (vanilla["plan_s"] + vanilla["commit_s"]),
@@ -646,17 +770,32 @@ COLUMNS = [
     ("plan s (DCP)", lambda r: f"{r['ours']['plan_s']:.2f} ({r['vanilla']['plan_s']:.2f})"),
     ("commit s (DCP)", lambda r: f"{r['ours']['commit_s']:.2f} ({r['vanilla']['commit_s']:.2f})"),
     ("DCP cached repeat plan s", lambda r: f"{r['vanilla_cached']['repeat_plan_s']:.3f}"),
-    ("gathered (DCP)", lambda r: f"{_fmt_bytes(r['ours']['gathered_bytes'])} "
-                                 f"({_fmt_bytes(r['vanilla']['gathered_bytes'])})"),
+    (
+        "gathered (DCP)",
+        lambda r: (
+            f"{_fmt_bytes(r['ours']['gathered_bytes'])} "
+            f"({_fmt_bytes(r['vanilla']['gathered_bytes'])})"
+        ),
+    ),
     ("manifest", lambda r: _fmt_bytes(r["ours"]["manifest_bytes"])),
-    (".metadata (DCP)", lambda r: f"{_fmt_bytes(r['ours']['metadata_bytes'])} "
-                                  f"({_fmt_bytes(r['vanilla']['metadata_bytes'])})"),
+    (
+        ".metadata (DCP)",
+        lambda r: (
+            f"{_fmt_bytes(r['ours']['metadata_bytes'])} "
+            f"({_fmt_bytes(r['vanilla']['metadata_bytes'])})"
+        ),
+    ),
     ("md ratio", lambda r: f"{r['ratios']['metadata_bytes_vs_vanilla']:.2f}"),
     ("all node copies", lambda r: _fmt_bytes(r["ours"]["manifest_bytes_all_node_copies"])),
     ("parse s", lambda r: f"{r['ours']['reader_parse_s']:.2f}"),
     ("parse peak", lambda r: _fmt_bytes(r["ours"]["reader_peak_bytes"])),
-    ("coord peak (DCP)", lambda r: f"{_fmt_bytes(r['ours']['coordinator_peak_bytes'])} "
-                                   f"({_fmt_bytes(r['vanilla']['coordinator_peak_bytes'])})"),
+    (
+        "coord peak (DCP)",
+        lambda r: (
+            f"{_fmt_bytes(r['ours']['coordinator_peak_bytes'])} "
+            f"({_fmt_bytes(r['vanilla']['coordinator_peak_bytes'])})"
+        ),
+    ),
     ("files", lambda r: str(r["ours"]["files_per_step"])),
     ("objects", lambda r: str(r["s3"]["none"]["objects_per_step"])),
     ("save req", lambda r: str(r["s3"]["none"]["save_requests_total"])),
@@ -696,23 +835,37 @@ FITTED = {
     "ours.reader_parse_s": lambda r: r["ours"]["reader_parse_s"],
     "ours.reader_peak_bytes": lambda r: r["ours"]["reader_peak_bytes"],
     "ours.coordinator_peak_bytes": lambda r: r["ours"]["coordinator_peak_bytes"],
-    "restore_metadata_bytes_all_ranks": lambda r: r["s3"]["none"]["restore_metadata_bytes_all_ranks"],
-    "handshake.total_bytes_through_store": lambda r: r["ours"]["handshake"]["total_bytes_through_store"],
+    "restore_metadata_bytes_all_ranks": lambda r: r["s3"]["none"][
+        "restore_metadata_bytes_all_ranks"
+    ],
+    "handshake.total_bytes_through_store": lambda r: r["ours"]["handshake"][
+        "total_bytes_through_store"
+    ],
     "s3.save_LIST": lambda r: r["s3"]["none"]["save_requests"]["LIST"],
 }
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--ranks", default="16,64", help="comma-separated world sizes")
     ap.add_argument("--models", default="llama3-8b", help=f"comma-separated: {', '.join(MODELS)}")
     ap.add_argument("--shardings", default="fsdp2", help="fsdp2 and/or fsdp2+tp8")
     ap.add_argument("--thread-count", type=int, default=2, help="the writer's files per rank")
     ap.add_argument("--part-size-mib", type=int, default=16)
-    ap.add_argument("--retained-steps", type=int, default=5,
-                    help="committed steps on the remote when a restore resolves 'latest'")
-    ap.add_argument("--no-memory", dest="memory", action="store_false",
-                    help="skip the tracemalloc passes (peak memory; they double the time)")
+    ap.add_argument(
+        "--retained-steps",
+        type=int,
+        default=5,
+        help="committed steps on the remote when a restore resolves 'latest'",
+    )
+    ap.add_argument(
+        "--no-memory",
+        dest="memory",
+        action="store_false",
+        help="skip the tracemalloc passes (peak memory; they double the time)",
+    )
     ap.add_argument("--dir", default=None, help="scratch directory (default: the system's)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
@@ -737,16 +890,25 @@ def main(argv: list[str] | None = None) -> int:
             sel = [r for r in rows if r["model"] == model and r["sharding"] == sharding]
             fits[f"{model} {sharding}"] = {
                 k: fit_exponent([r["world"] for r in sel], [f(r) for r in sel])
-                for k, f in FITTED.items()}
+                for k, f in FITTED.items()
+            }
     print(table(rows))
     print("\nfitted exponents (y ~ N**k):")
     for layout_name, ks in fits.items():
-        print(f"  {layout_name}: " + ", ".join(
-            f"{k}={v:.2f}" for k, v in ks.items() if v is not None))
+        print(
+            f"  {layout_name}: " + ", ".join(f"{k}={v:.2f}" for k, v in ks.items() if v is not None)
+        )
     result = {
-        "machine": {"cores": os.cpu_count(), "python": platform.python_version(),
-                    "torch": torch.__version__, "dcp_tiered": __version__},
-        "args": vars(args), "framing": framing, "rows": rows, "exponents": fits,
+        "machine": {
+            "cores": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "dcp_tiered": __version__,
+        },
+        "args": vars(args),
+        "framing": framing,
+        "rows": rows,
+        "exponents": fits,
         "total_s": time.perf_counter() - started,
     }
     if args.json:

@@ -32,23 +32,40 @@ from tests.s3server import s3fs_options, start_moto
 
 # number, what, ours, baseline, target, "<=" or ">=" on ours / baseline
 TARGETS = [
-    (1, "caller stall of async_save vs copy_ into preallocated buffers",
-     "ours_stall", "copy", 1.2),
-    (2, "caller stall of async_save vs DCP async_save + FileSystemWriter",
-     "ours_stall", "dcp_stall", 0.3),
+    (1, "caller stall of async_save vs copy_ into preallocated buffers", "ours_stall", "copy", 1.2),
+    (
+        2,
+        "caller stall of async_save vs DCP async_save + FileSystemWriter",
+        "ours_stall",
+        "dcp_stall",
+        0.3,
+    ),
     (3, "time to committed-local vs dd conv=fdatasync", "ours_commit", "dd", 1.15),
-    (4, "time to committed-local vs DCP dcp.save + FileSystemWriter (fsync)",
-     "ours_commit", "dcp_save", 1.0),
+    (
+        4,
+        "time to committed-local vs DCP dcp.save + FileSystemWriter (fsync)",
+        "ours_commit",
+        "dcp_save",
+        1.0,
+    ),
     (5, "time to durable on S3 vs s3fs bulk put", "s3_ours_durable", "s3_bulk_put", 1.1),
-    (6, "time to durable on S3 vs FsspecWriter dcp.save",
-     "s3_ours_durable", "s3_fsspec_save", 0.5),
+    (6, "time to durable on S3 vs FsspecWriter dcp.save", "s3_ours_durable", "s3_fsspec_save", 0.5),
     (7, "restore from local vs cold read of the same files", "ours_restore", "cold_read", 1.15),
-    (8, "restore from S3 vs FsspecReader dcp.load",
-     "s3_ours_restore", "s3_fsspec_restore", 0.5),
-    (11, "planning a repeat save with DCP's plan caching vs a first save's (ours)",
-     "ours_plan_cached", "ours_plan_first", 0.2),
-    (12, "the same for DCP's FileSystemWriter (vanilla DCP's cached planner)",
-     "dcp_plan_cached", "dcp_plan_first", 0.2),
+    (8, "restore from S3 vs FsspecReader dcp.load", "s3_ours_restore", "s3_fsspec_restore", 0.5),
+    (
+        11,
+        "planning a repeat save with DCP's plan caching vs a first save's (ours)",
+        "ours_plan_cached",
+        "ours_plan_first",
+        0.2,
+    ),
+    (
+        12,
+        "the same for DCP's FileSystemWriter (vanilla DCP's cached planner)",
+        "dcp_plan_cached",
+        "dcp_plan_first",
+        0.2,
+    ),
 ]
 
 
@@ -57,23 +74,40 @@ def summary(xs: list[float]) -> dict:
 
 
 def machine(directory: Path) -> dict:
-    df = subprocess.run(["df", "-hT", str(directory)], capture_output=True, text=True,
-                        check=False).stdout
+    df = subprocess.run(
+        ["df", "-hT", str(directory)], capture_output=True, text=True, check=False
+    ).stdout
     return {
         "cores": os.cpu_count(),
         "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
         "disk": df.splitlines()[-1] if df else "?",
-        "torch": torch.__version__, "python": platform.python_version(),
-        "kernel": platform.release(), "load_avg_at_start": os.getloadavg(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "kernel": platform.release(),
+        "load_avg_at_start": os.getloadavg(),
     }
 
 
-def run_config(gib: float, ranks: int, runs: int, work: Path, s3: tuple[str, str] | None,
-               s3_args: list[str]) -> dict:
+def run_config(
+    gib: float, ranks: int, runs: int, work: Path, s3: tuple[str, str] | None, s3_args: list[str]
+) -> dict:
     out = work / f"figures-{gib}-{ranks}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
-           "--standalone", str(HERE / "figures.py"), "--gib", str(gib), "--runs", str(runs),
-           "--dir", str(work / f"w-{gib}-{ranks}"), "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={ranks}",
+        "--standalone",
+        str(HERE / "figures.py"),
+        "--gib",
+        str(gib),
+        "--runs",
+        str(runs),
+        "--dir",
+        str(work / f"w-{gib}-{ranks}"),
+        "--out",
+        str(out),
+    ]
     if s3:
         cmd += ["--s3-endpoint", s3[0], "--s3-bucket", s3[1], *s3_args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -87,16 +121,20 @@ def run_config(gib: float, ranks: int, runs: int, work: Path, s3: tuple[str, str
 
 def ratios(samples: dict[str, list[float]], nbytes: int) -> dict[int, float]:
     med = {k: statistics.median(v) for k, v in samples.items()}
-    found = {n: med[ours] / med[base] for n, _, ours, base, _ in TARGETS
-             if ours in med and base in med}
+    found = {
+        n: med[ours] / med[base] for n, _, ours, base, _ in TARGETS if ours in med and base in med
+    }
     found[10] = med["peak_extra_bytes"] / nbytes
     return found
 
 
 def training(runs: int, work: Path) -> dict:
     out = work / "manager.json"
-    subprocess.run([sys.executable, str(HERE / "bench_manager.py"), "--runs", str(runs),
-                    "--out", str(out)], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, str(HERE / "bench_manager.py"), "--runs", str(runs), "--out", str(out)],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     return json.loads(out.read_text())
 
 
@@ -105,8 +143,9 @@ def print_table(configs: list[dict], train: dict | None) -> None:
     print("\n| # | figure | target | " + " | ".join(heads) + " |")
     print("|---|---|---|" + "---|" * len(heads))
     rows = [(n, what, f"<= {t}") for n, what, _, _, t in TARGETS]
-    rows.insert(8, (9, "training throughput (memory every step, local every 10) vs none",
-                    ">= 0.95"))
+    rows.insert(
+        8, (9, "training throughput (memory every step, local every 10) vs none", ">= 0.95")
+    )
     rows.append((10, "peak extra host memory during a save / state size", "<= 2.2"))
     rows.sort(key=lambda row: row[0])
     for n, what, target in rows:
@@ -114,22 +153,37 @@ def print_table(configs: list[dict], train: dict | None) -> None:
             cells = ["-"] * len(configs)
             if train:
                 value = 1 - train["throughput_loss"]
-                cells[0] = f"{value:.3f} {'met' if value >= 0.95 else 'NOT met'} " \
-                           f"({train['state_mib']:.0f} MiB)"
+                cells[0] = (
+                    f"{value:.3f} {'met' if value >= 0.95 else 'NOT met'} "
+                    f"({train['state_mib']:.0f} MiB)"
+                )
         else:
             limit = float(target.split()[1])
-            cells = [f"{c['ratios'][n]:.2f} {'met' if c['ratios'][n] <= limit else 'NOT met'}"
-                     if n in c["ratios"] else "-" for c in configs]
+            cells = [
+                f"{c['ratios'][n]:.2f} {'met' if c['ratios'][n] <= limit else 'NOT met'}"
+                if n in c["ratios"]
+                else "-"
+                for c in configs
+            ]
         print(f"| {n} | {what} | {target} | " + " | ".join(cells) + " |")
     print("\nSeconds per GiB (median), to see how each grows with size and ranks:")
-    keys = ["ours_stall", "ours_commit", "ours_restore", "dd", "cold_read", "dcp_save",
-            "s3_ours_durable", "s3_ours_restore"]
+    keys = [
+        "ours_stall",
+        "ours_commit",
+        "ours_restore",
+        "dd",
+        "cold_read",
+        "dcp_save",
+        "s3_ours_durable",
+        "s3_ours_restore",
+    ]
     print("| config | " + " | ".join(keys) + " |")
     print("|---|" + "---|" * len(keys))
     for c, head in zip(configs, heads):
         gib = c["bytes"] / 2**30
-        cells = [f"{c['figures'][k]['median'] / gib:.2f}" if k in c["figures"] else "-"
-                 for k in keys]
+        cells = [
+            f"{c['figures'][k]['median'] / gib:.2f}" if k in c["figures"] else "-" for k in keys
+        ]
         print(f"| {head} | " + " | ".join(cells) + " |")
 
 
@@ -139,14 +193,20 @@ def main() -> None:
     p.add_argument("--sizes", help="GiB, comma-separated (default 0.25,1,4; quick 0.25,1)")
     p.add_argument("--ranks", default="1,2,4")
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--s3-sizes", default="0.25",
-                   help="sizes that also run the S3 figures (moto moves ~25 MB/s here)")
+    p.add_argument(
+        "--s3-sizes",
+        default="0.25",
+        help="sizes that also run the S3 figures (moto moves ~25 MB/s here)",
+    )
     p.add_argument("--s3-ranks", default="1,2")
     p.add_argument("--endpoint", help="an S3 endpoint (default: start moto on 127.0.0.1)")
     p.add_argument("--part-mib", type=int, default=16, help="our multipart part size")
     p.add_argument("--concurrency", type=int, default=8, help="our parts in flight per file")
-    p.add_argument("--no-verify-uploads", action="store_true",
-                   help="measure our S3 figures without the read-back of uploaded objects")
+    p.add_argument(
+        "--no-verify-uploads",
+        action="store_true",
+        help="measure our S3 figures without the read-back of uploaded objects",
+    )
     p.add_argument("--no-training", action="store_true", help="skip figure 9")
     p.add_argument("--dir", default=None, help="directory on the disk under test (default: tmp)")
     p.add_argument("--out", default=str(HERE / "results" / "suite.json"))
@@ -177,14 +237,25 @@ def main() -> None:
         for gib in sizes:
             for r in ranks:
                 use_s3 = s3 if gib in s3_sizes and r in s3_ranks else None
-                res = run_config(gib, r, a.runs, work, use_s3,
-                                 ["--part-mib", str(a.part_mib), "--concurrency", str(a.concurrency)]
-                                 + (["--no-verify-uploads"] if a.no_verify_uploads else []))
-                configs.append({
-                    "gib": gib, "world": r, "bytes": res["bytes"], "samples": res["samples"],
-                    "figures": {k: summary(v) for k, v in res["samples"].items()},
-                    "ratios": ratios(res["samples"], res["bytes"]),
-                })
+                res = run_config(
+                    gib,
+                    r,
+                    a.runs,
+                    work,
+                    use_s3,
+                    ["--part-mib", str(a.part_mib), "--concurrency", str(a.concurrency)]
+                    + (["--no-verify-uploads"] if a.no_verify_uploads else []),
+                )
+                configs.append(
+                    {
+                        "gib": gib,
+                        "world": r,
+                        "bytes": res["bytes"],
+                        "samples": res["samples"],
+                        "figures": {k: summary(v) for k, v in res["samples"].items()},
+                        "ratios": ratios(res["samples"], res["bytes"]),
+                    }
+                )
         train = None if a.no_training else training(max(a.runs, 4), work)
     finally:
         if moto is not None:
@@ -193,10 +264,20 @@ def main() -> None:
     info["load_avg_at_end"] = os.getloadavg()
     print_table(configs, train)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({
-        "machine": info, "targets": {n: {"figure": w, "ours": o, "baseline": b, "max": t}
-                                     for n, w, o, b, t in TARGETS},
-        "configs": configs, "training": train}, indent=1))
+    Path(a.out).write_text(
+        json.dumps(
+            {
+                "machine": info,
+                "targets": {
+                    n: {"figure": w, "ours": o, "baseline": b, "max": t}
+                    for n, w, o, b, t in TARGETS
+                },
+                "configs": configs,
+                "training": train,
+            },
+            indent=1,
+        )
+    )
     print(f"\nwrote {a.out}")
 
 

@@ -48,20 +48,39 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from .tiers.remote import Durability
     from .writer import TieredStorageWriter
 
-_ERRORS = ("CheckpointExistsError", "CheckpointNotFoundError", "CommitError", "ConfigError",
-           "DcpTieredError", "ForeignPathError", "InsufficientSpaceError", "IntegrityError",
-           "ManifestError", "MissingShardError", "NotWritableError", "PermanentTierError",
-           "SaveFailedError", "StagingError", "TierError", "TierUnavailableError",
-           "TransientTierError", "UnsupportedExtensionError", "UploadFailedError")
+_ERRORS = (
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "CommitError",
+    "ConfigError",
+    "DcpTieredError",
+    "ForeignPathError",
+    "InsufficientSpaceError",
+    "IntegrityError",
+    "ManifestError",
+    "MissingShardError",
+    "NotWritableError",
+    "PermanentTierError",
+    "SaveFailedError",
+    "StagingError",
+    "TierError",
+    "TierUnavailableError",
+    "TransientTierError",
+    "UnsupportedExtensionError",
+    "UploadFailedError",
+)
 # public name -> the module (relative to the package) that defines it
 _PUBLIC = {
     **dict.fromkeys(_ERRORS, "errors"),
-    "RemoteConfig": "config", "RetryConfig": "config",
+    "RemoteConfig": "config",
+    "RetryConfig": "config",
     "checkpoint_process_group": "distributed",
     "CheckpointManager": "manager",
     "Admission": "policy.admission",
-    "Every": "policy.cadence", "SavePolicy": "policy.cadence",
-    "Retention": "policy.retention", "RetentionPolicy": "policy.retention",
+    "Every": "policy.cadence",
+    "SavePolicy": "policy.cadence",
+    "Retention": "policy.retention",
+    "RetentionPolicy": "policy.retention",
     "RankState": "rank_state",
     "TieredStorageReader": "reader",
     "Durability": "tiers.remote",
@@ -70,13 +89,22 @@ _PUBLIC = {
 
 # ``dcp_tiered.layout``, ``dcp_tiered.tiering``... (the modules before they moved into
 # ``policy/`` and ``tiers/``) still import, as the same module objects.
-_MOVED = {"layout": "policy.layout", "manifest": "policy.manifest",
-          "integrity": "policy.integrity", "retention": "policy.retention",
-          "cadence": "policy.cadence", "admission": "policy.admission",
-          "memory_format": "policy.memory_format", "local_tier": "tiers.local",
-          "memory_tier": "tiers.memory", "tiering": "tiers.remote", "commit": "tiers.commit",
-          "catalog": "tiers.catalog", "housekeeping": "tiers.housekeeping",
-          "uploads": "tiers.uploads"}
+_MOVED = {
+    "layout": "policy.layout",
+    "manifest": "policy.manifest",
+    "integrity": "policy.integrity",
+    "retention": "policy.retention",
+    "cadence": "policy.cadence",
+    "admission": "policy.admission",
+    "memory_format": "policy.memory_format",
+    "local_tier": "tiers.local",
+    "memory_tier": "tiers.memory",
+    "tiering": "tiers.remote",
+    "commit": "tiers.commit",
+    "catalog": "tiers.catalog",
+    "housekeeping": "tiers.housekeeping",
+    "uploads": "tiers.uploads",
+}
 
 
 class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -117,6 +145,7 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *_PUBLIC, *_MOVED})
+
 
 __all__ = [
     "Admission",

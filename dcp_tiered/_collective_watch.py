@@ -51,8 +51,11 @@ class CollectiveWatch:
         if self.threshold_secs is None or not (dist.is_available() and dist.is_initialized()):
             return  # no collectives without a process group
         rank = dist.get_rank()
-        timer = threading.Timer(self.threshold_secs, self._fire,
-                                args=(threading.get_ident(), step, rank, phase, time.monotonic()))
+        timer = threading.Timer(
+            self.threshold_secs,
+            self._fire,
+            args=(threading.get_ident(), step, rank, phase, time.monotonic()),
+        )
         timer.daemon = True
         timer.name = THREAD_NAME
         with self._lock:
@@ -70,8 +73,9 @@ class CollectiveWatch:
                 timer.join()  # no thread outlives the watch: a long-lived process stays flat
         if stuck is not None:
             step, phase, since = stuck
-            logger.warning("step %s: the save left %s after %.0f s", step, phase,
-                           time.monotonic() - since)
+            logger.warning(
+                "step %s: the save left %s after %.0f s", step, phase, time.monotonic() - since
+            )
 
     def _fire(self, ident: int, step: str, rank: int, phase: str, since: float) -> None:
         frame = sys._current_frames().get(ident)
@@ -89,4 +93,8 @@ class CollectiveWatch:
             "(CheckpointManager and the shims use their own gloo group already). If a rank "
             "is only late, raise the writer's collective_timeout_warn_secs (None disables "
             "this check). Logged once; the save keeps waiting.",
-            step, rank, time.monotonic() - since, phase)
+            step,
+            rank,
+            time.monotonic() - since,
+            phase,
+        )

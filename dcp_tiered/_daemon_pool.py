@@ -19,11 +19,13 @@ class DaemonPool:
     """``submit``/``shutdown`` like ``ThreadPoolExecutor``, on up to ``workers`` daemon threads
     (started on demand)."""
 
-    def __init__(self, workers: int, name: str,
-                 initializer: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, workers: int, name: str, initializer: Callable[[], None] | None = None
+    ) -> None:
         self._workers, self._name, self._initializer = workers, name, initializer
         self._queue: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple] | None] = (
-            queue.SimpleQueue())
+            queue.SimpleQueue()
+        )
         self._threads: list[threading.Thread] = []
         self._idle = threading.Semaphore(0)
         self._lock = threading.Lock()
@@ -36,8 +38,9 @@ class DaemonPool:
                 raise RuntimeError(f"{self._name}: pool is shut down")
             self._queue.put((fut, fn, args))
             if not self._idle.acquire(blocking=False) and len(self._threads) < self._workers:
-                t = threading.Thread(target=self._work, daemon=True,
-                                     name=f"{self._name}_{len(self._threads)}")
+                t = threading.Thread(
+                    target=self._work, daemon=True, name=f"{self._name}_{len(self._threads)}"
+                )
                 t.start()
                 self._threads.append(t)
         return fut

@@ -49,8 +49,12 @@ def load_keys(out: dict[str, Any], keys: set[str], storage_reader: Any) -> None:
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    _load_state_dict(out, storage_reader=storage_reader, no_dist=True,
-                     planner=_EmptyStateDictLoadPlanner(keys=keys))
+    _load_state_dict(
+        out,
+        storage_reader=storage_reader,
+        no_dist=True,
+        planner=_EmptyStateDictLoadPlanner(keys=keys),
+    )
 
 
 def default_store() -> Any | None:
@@ -82,8 +86,13 @@ def _zip_writer_without_crc() -> Callable[[Any, Any], None] | None:
         writer_cls = torch._C.PyTorchFileWriter
     except (ImportError, AttributeError, ValueError):
         return None
-    if params != ["obj", "zip_file", "pickle_module", "pickle_protocol",
-                  "_disable_byteorder_record"]:
+    if params != [
+        "obj",
+        "zip_file",
+        "pickle_module",
+        "pickle_protocol",
+        "_disable_byteorder_record",
+    ]:
         return None
 
     def save(obj: Any, stream: Any) -> None:
@@ -109,8 +118,13 @@ def save_tensor(tensor: torch.Tensor, stream: Any) -> None:
 # class attributes of SavePlanner, one entry per planner class, for the life of the process.
 # The writer reads them to lay out a partly replayed plan, and clears them when a replayed plan
 # was made for another writer; no public API does either.
-_PLAN_CACHES = ("_cached_save_plan", "_cached_final_save_plan", "_cached_all_plans",
-                "_cached_global_plan", "_cached_metadata")
+_PLAN_CACHES = (
+    "_cached_save_plan",
+    "_cached_final_save_plan",
+    "_cached_all_plans",
+    "_cached_global_plan",
+    "_cached_metadata",
+)
 
 
 def _plan_cache(name: str) -> dict[str, Any]:

@@ -23,7 +23,6 @@ from .errors import DcpTieredError, PermanentTierError, describe
 T = TypeVar("T")
 
 
-
 class Agreement:
     """Collective decisions; construct it on every rank, in the same order (the first one
     with a given timeout makes the process's agreement group; later ones share it, so a
@@ -83,8 +82,9 @@ class Agreement:
             raise error
         return value
 
-    def by_node_leaders(self, fn: Callable[[], T], what: str,
-                        error: type[DcpTieredError] = DcpTieredError) -> T | None:
+    def by_node_leaders(
+        self, fn: Callable[[], T], what: str, error: type[DcpTieredError] = DcpTieredError
+    ) -> T | None:
         """``fn()`` run by one process a node (node-wide files); its value there, None
         elsewhere. What it raised is raised on every rank: a node's own error as itself on that
         node, ``error`` naming it on the others (never one node alone, leaving the rest here)."""
@@ -112,9 +112,13 @@ class Agreement:
             value = fn()
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             mine = e
-        problems = [p for p in self.gather(
-            None if mine is None else (describe(mine), isinstance(mine, PermanentTierError)))
-            if p]
+        problems = [
+            p
+            for p in self.gather(
+                None if mine is None else (describe(mine), isinstance(mine, PermanentTierError))
+            )
+            if p
+        ]
         if mine is not None:
             raise mine
         if problems:

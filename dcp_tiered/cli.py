@@ -34,34 +34,54 @@ class _Parser(argparse.ArgumentParser):
         raise _UsageError(f"{self.format_usage()}{self.prog}: error: {message}")
 
 
-def envelope(command: str | None, code: int, errors: list[dict[str, str]],
-             fields: dict[str, Any]) -> dict[str, Any]:
+def envelope(
+    command: str | None, code: int, errors: list[dict[str, str]], fields: dict[str, Any]
+) -> dict[str, Any]:
     """The one JSON shape every command prints: these keys, then the command's own."""
-    return {"schema": SCHEMA, "tool": "dcp-tiered", "version": __version__, "command": command,
-            "exit_code": code, "ok": code == OK, "errors": errors, **fields}
+    return {
+        "schema": SCHEMA,
+        "tool": "dcp-tiered",
+        "version": __version__,
+        "command": command,
+        "exit_code": code,
+        "ok": code == OK,
+        "errors": errors,
+        **fields,
+    }
 
 
 def error_entry(e: BaseException) -> dict[str, str]:
     return {"type": type(e).__name__, "message": str(e)}
 
 
-def cmd_convert(args: argparse.Namespace, fields: dict[str, Any],
-                errors: list[dict[str, str]]) -> int:
+def cmd_convert(
+    args: argparse.Namespace, fields: dict[str, Any], errors: list[dict[str, str]]
+) -> int:
     from .errors import DcpTieredError
 
     try:
         if args.framework == "megatron":
             from .shims import megatron_convert  # needs megatron-core
 
-            out = megatron_convert.convert(args.src, args.dst, iteration=args.iteration,
-                                           trust_source=args.trust_source,
-                                           overwrite=args.overwrite)
+            out = megatron_convert.convert(
+                args.src,
+                args.dst,
+                iteration=args.iteration,
+                trust_source=args.trust_source,
+                overwrite=args.overwrite,
+            )
         else:
             from .shims import deepspeed_convert  # needs DeepSpeed
 
-            out = deepspeed_convert.convert(args.src, args.dst, tag=args.tag, native=args.native,
-                                            trust_source=args.trust_source,
-                                            overwrite=args.overwrite, work_dir=args.work_dir)
+            out = deepspeed_convert.convert(
+                args.src,
+                args.dst,
+                tag=args.tag,
+                native=args.native,
+                trust_source=args.trust_source,
+                overwrite=args.overwrite,
+                work_dir=args.work_dir,
+            )
     except DcpTieredError as e:
         print(f"dcp-tiered: {e}", file=sys.stderr)
         errors.append(error_entry(e))
@@ -73,14 +93,16 @@ def cmd_convert(args: argparse.Namespace, fields: dict[str, Any],
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="dcp-tiered", description=__doc__,
-                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(
+        prog="dcp-tiered", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--version", action="version", version=f"dcp-tiered {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     json_help = "one JSON object on stdout (schema: docs/cli.md)"
 
-    def command(name: str, help: str, *, root: str = "the local tier's directory",
-                remote: str | None = None) -> argparse.ArgumentParser:
+    def command(
+        name: str, help: str, *, root: str = "the local tier's directory", remote: str | None = None
+    ) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help, description=help)
         p.add_argument("root", help=root)
         p.add_argument("--json", action="store_true", help=json_help)
@@ -88,59 +110,124 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--remote", metavar="URL", help=remote)
         return p
 
-    remote_help = ("remote URL (default: the one recorded in ROOT); S3 credentials and "
-                   "endpoint come from the AWS_* environment")
+    remote_help = (
+        "remote URL (default: the one recorded in ROOT); S3 credentials and "
+        "endpoint come from the AWS_* environment"
+    )
     command("ls", "list steps with sizes and state")
     verify = command("verify", "check every file against its manifest checksum")
     verify.add_argument("step", nargs="?", help="a step name or 'latest' (default: all steps)")
-    status = command("status", "steps of every tier (memory, local, remote) and their "
-                     "durability", remote=remote_help)
+    status = command(
+        "status",
+        "steps of every tier (memory, local, remote) and their durability",
+        remote=remote_help,
+    )
     status.add_argument("--memory", help="memory-tier directory (default: recorded in ROOT)")
-    inspect = command("inspect", "tensors, shapes, dtypes and bytes per rank of a step, from "
-                      "its manifest alone (no data is read)", remote=remote_help)
-    inspect.add_argument("step", nargs="?", default="latest",
-                         help="a step name or 'latest' (default), local or remote")
-    pull = command("pull", "copy a durable remote step to the local tier: every file "
-                   "verified against the manifest, committed atomically", remote=remote_help)
+    inspect = command(
+        "inspect",
+        "tensors, shapes, dtypes and bytes per rank of a step, from "
+        "its manifest alone (no data is read)",
+        remote=remote_help,
+    )
+    inspect.add_argument(
+        "step",
+        nargs="?",
+        default="latest",
+        help="a step name or 'latest' (default), local or remote",
+    )
+    pull = command(
+        "pull",
+        "copy a durable remote step to the local tier: every file "
+        "verified against the manifest, committed atomically",
+        remote=remote_help,
+    )
     pull.add_argument("step", help="a step name or 'latest'")
-    rm = command("rm", "delete a step from the local tier, or with --remote from the remote "
-                 "tier; refuses the only durable copy without --force")
+    rm = command(
+        "rm",
+        "delete a step from the local tier, or with --remote from the remote "
+        "tier; refuses the only durable copy without --force",
+    )
     rm.add_argument("step", help="the step name")
-    rm.add_argument("--remote", nargs="?", const="", metavar="URL", help="delete the remote "
-                    "copy instead of the local one (URL: default the one recorded in ROOT)")
-    rm.add_argument("--force", action="store_true",
-                    help="delete even the only durable copy of the step")
-    prune = command("prune", "delete the local tier's old steps by retention: never the newest, "
-                    "a milestone, or a step not yet durable on the remote", remote=remote_help)
-    prune.add_argument("--keep-latest", type=int, required=True, metavar="N",
-                       help="keep the newest N committed steps (N >= 1)")
-    prune.add_argument("--keep-every", type=int, metavar="K",
-                       help="also keep every step whose number is a multiple of K")
-    prune.add_argument("--dry-run", action="store_true",
-                       help="say what would be deleted, delete nothing")
-    convert = sub.add_parser("convert", help="a framework's native checkpoint as "
-                             "world-size-independent DCP (full params + per-param optimizer "
-                             "state)")
+    rm.add_argument(
+        "--remote",
+        nargs="?",
+        const="",
+        metavar="URL",
+        help="delete the remote "
+        "copy instead of the local one (URL: default the one recorded in ROOT)",
+    )
+    rm.add_argument(
+        "--force", action="store_true", help="delete even the only durable copy of the step"
+    )
+    prune = command(
+        "prune",
+        "delete the local tier's old steps by retention: never the newest, "
+        "a milestone, or a step not yet durable on the remote",
+        remote=remote_help,
+    )
+    prune.add_argument(
+        "--keep-latest",
+        type=int,
+        required=True,
+        metavar="N",
+        help="keep the newest N committed steps (N >= 1)",
+    )
+    prune.add_argument(
+        "--keep-every",
+        type=int,
+        metavar="K",
+        help="also keep every step whose number is a multiple of K",
+    )
+    prune.add_argument(
+        "--dry-run", action="store_true", help="say what would be deleted, delete nothing"
+    )
+    convert = sub.add_parser(
+        "convert",
+        help="a framework's native checkpoint as "
+        "world-size-independent DCP (full params + per-param optimizer "
+        "state)",
+    )
     convert.add_argument("framework", choices=["deepspeed", "megatron"])
-    convert.add_argument("src", help="DeepSpeed: save directory (uses 'latest') or tag directory; "
-                         "Megatron: a legacy (--ckpt-format torch) save directory")
-    convert.add_argument("dst", help="tier root the DCP step is written into (named after the "
-                         "tag, or iter_XXXXXXX)")
+    convert.add_argument(
+        "src",
+        help="DeepSpeed: save directory (uses 'latest') or tag directory; "
+        "Megatron: a legacy (--ckpt-format torch) save directory",
+    )
+    convert.add_argument(
+        "dst", help="tier root the DCP step is written into (named after the tag, or iter_XXXXXXX)"
+    )
     convert.add_argument("--json", action="store_true", help=json_help)
-    convert.add_argument("--tag", help="DeepSpeed: the tag to convert (default: the one 'latest' "
-                         "names)")
-    convert.add_argument("--iteration", type=int, help="Megatron: the iteration to convert "
-                         "(default: the one latest_checkpointed_iteration.txt names)")
-    convert.add_argument("--native", action="store_true", help="for a dcp_tiered DeepSpeed "
-                         "step: write DeepSpeed's own files into DST/TAG instead (for "
-                         "zero_to_fp32 and other DeepSpeed tools)")
-    convert.add_argument("--trust-source", action="store_true", help="skip the weights_only "
-                         "check of native input files (they get unpickled by DeepSpeed's tool)")
-    convert.add_argument("--overwrite", action="store_true",
-                         help="replace DST's step of the same name")
-    convert.add_argument("--work-dir", help="scratch space for the intermediate universal "
-                         "checkpoint (default: the system temp dir; needs about 3x the "
-                         "fp32 model size)")
+    convert.add_argument(
+        "--tag", help="DeepSpeed: the tag to convert (default: the one 'latest' names)"
+    )
+    convert.add_argument(
+        "--iteration",
+        type=int,
+        help="Megatron: the iteration to convert "
+        "(default: the one latest_checkpointed_iteration.txt names)",
+    )
+    convert.add_argument(
+        "--native",
+        action="store_true",
+        help="for a dcp_tiered DeepSpeed "
+        "step: write DeepSpeed's own files into DST/TAG instead (for "
+        "zero_to_fp32 and other DeepSpeed tools)",
+    )
+    convert.add_argument(
+        "--trust-source",
+        action="store_true",
+        help="skip the weights_only "
+        "check of native input files (they get unpickled by DeepSpeed's tool)",
+    )
+    convert.add_argument(
+        "--overwrite", action="store_true", help="replace DST's step of the same name"
+    )
+    convert.add_argument(
+        "--work-dir",
+        help="scratch space for the intermediate universal "
+        "checkpoint (default: the system temp dir; needs about 3x the "
+        "fp32 model size)",
+    )
     return parser
 
 
@@ -152,8 +239,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _UsageError as e:
         print(e, file=sys.stderr)
         if as_json:
-            print(json.dumps(envelope(None, USAGE, [{"type": "UsageError", "message": str(e)}],
-                                      {})))
+            print(
+                json.dumps(envelope(None, USAGE, [{"type": "UsageError", "message": str(e)}], {}))
+            )
         return USAGE
     except SystemExit as e:  # --help, --version
         return e.code if isinstance(e.code, int) else OK
@@ -171,8 +259,10 @@ def _run(args: argparse.Namespace, fields: dict[str, Any], errors: list[dict[str
         return cmd_convert(args, fields, errors)
     if not os.path.isdir(args.root):
         what = "is not a directory" if os.path.exists(args.root) else "does not exist"
-        message = (f"{args.root} {what}: give the local tier's directory (the root the writer "
-                   "or manager saved into)")
+        message = (
+            f"{args.root} {what}: give the local tier's directory (the root the writer "
+            "or manager saved into)"
+        )
         print(f"dcp-tiered: {message}", file=sys.stderr)
         errors.append({"type": "ConfigError", "message": message})
         return USAGE
@@ -193,9 +283,15 @@ def _run(args: argparse.Namespace, fields: dict[str, Any], errors: list[dict[str
     log.addHandler(shown)
     level = log.level
     log.setLevel(min(level or logging.WARNING, shown.level))
-    handler = {"ls": cli_steps.cmd_ls, "verify": cli_steps.cmd_verify,
-               "status": cli_steps.cmd_status, "inspect": cli_steps.cmd_inspect,
-               "pull": cli_ops.cmd_pull, "rm": cli_ops.cmd_rm, "prune": cli_ops.cmd_prune}
+    handler = {
+        "ls": cli_steps.cmd_ls,
+        "verify": cli_steps.cmd_verify,
+        "status": cli_steps.cmd_status,
+        "inspect": cli_steps.cmd_inspect,
+        "pull": cli_ops.cmd_pull,
+        "rm": cli_ops.cmd_rm,
+        "prune": cli_ops.cmd_prune,
+    }
     try:
         return handler[args.command](cli_steps.Run(args, fields, errors))
     except DcpTieredError as e:

@@ -24,16 +24,21 @@ def cmd_pull(run: Run) -> int:
     tier, remote = run.tier, run.need_remote()
     step = run.args.step
     if step == layout.LATEST:
-        remote_steps = [(s.name, s.committed_at_ns) for s in
-                        catalog.list_steps(tier, remote, strict=True) if s.remote]
+        remote_steps = [
+            (s.name, s.committed_at_ns)
+            for s in catalog.list_steps(tier, remote, strict=True)
+            if s.remote
+        ]
         step = layout.newest(remote_steps)
         if step is None:
             raise CheckpointNotFoundError(f"no committed step on {remote.config.url}")
     layout.validate_step_name(step)
     keys = remote_tier.keys_of_step(remote, step)
     if keys is None:
-        raise CheckpointNotFoundError(f"step {step!r} is not committed on {remote.config.url}; "
-                                      f"`dcp-tiered status {tier.root}` lists the steps there")
+        raise CheckpointNotFoundError(
+            f"step {step!r} is not committed on {remote.config.url}; "
+            f"`dcp-tiered status {tier.root}` lists the steps there"
+        )
     m = manifest.parse(remote.get_bytes(keys.manifest), where=remote.url(keys.manifest))
     if tier.has_step(step):
         here = tier.read_manifest(step)
@@ -41,7 +46,8 @@ def cmd_pull(run: Run) -> int:
             raise CheckpointExistsError(
                 f"{tier.root}/{step} is another save ({here.save_id}) than the remote one "
                 f"({m.save_id}); they are never mixed. Remove the local one first "
-                f"(dcp-tiered rm {tier.root} {step}) if the remote one is wanted")
+                f"(dcp-tiered rm {tier.root} {step}) if the remote one is wanted"
+            )
     names = sorted(n for n in m.files if not tier.backend.exists(step, n))
     total = sum(int(m.files[n]["size"]) for n in names)
     started = time.monotonic()
@@ -49,11 +55,21 @@ def cmd_pull(run: Run) -> int:
         with progress(total, f"pull {step}", run) as bar:
             remote_tier.hydrate_step(tier, remote, step, m, names, keys, progress=bar.update)
     seconds = time.monotonic() - started
-    run.fields.update(step=step, save_id=m.save_id, world_size=m.world_size, files=len(names),
-                      bytes=total, seconds=round(seconds, 3), already_local=not names)
-    run.say(f"{step}: already complete in {tier.root}" if not names else
-            f"{step}: {len(names)} files, {human(total)} from {remote.config.url} to "
-            f"{tier.root}/{step} in {seconds:.1f} s, every file verified")
+    run.fields.update(
+        step=step,
+        save_id=m.save_id,
+        world_size=m.world_size,
+        files=len(names),
+        bytes=total,
+        seconds=round(seconds, 3),
+        already_local=not names,
+    )
+    run.say(
+        f"{step}: already complete in {tier.root}"
+        if not names
+        else f"{step}: {len(names)} files, {human(total)} from {remote.config.url} to "
+        f"{tier.root}/{step} in {seconds:.1f} s, every file verified"
+    )
     return OK
 
 
@@ -87,26 +103,37 @@ def cmd_rm(run: Run) -> int:
             assert remote is not None
             keys = remote_tier.keys_of_step(remote, step)
             if keys is None:
-                raise CheckpointNotFoundError(f"step {step!r} is not committed on "
-                                              f"{remote.config.url}")
+                raise CheckpointNotFoundError(
+                    f"step {step!r} is not committed on {remote.config.url}"
+                )
             if keys.save_id and _local_holds(run, step, keys.save_id):
                 other = tier.root
         else:
             if not tier.has_step(step):
                 raise CheckpointNotFoundError(f"step {step!r} is not committed in {tier.root}")
-            if (remote is not None and tier.backend.exists(step, layout.MANIFEST_NAME)
-                    and _remote_holds(remote, tier.read_manifest(step).save_id, step)):
+            if (
+                remote is not None
+                and tier.backend.exists(step, layout.MANIFEST_NAME)
+                and _remote_holds(remote, tier.read_manifest(step).save_id, step)
+            ):
                 other = remote.config.url
     except TierError as e:
         if not args.force:
-            run.error(TierError(f"cannot tell whether {step} has another durable copy ({e}); "
-                                "nothing was deleted. Use --force to delete it anyway"))
+            run.error(
+                TierError(
+                    f"cannot tell whether {step} has another durable copy ({e}); "
+                    "nothing was deleted. Use --force to delete it anyway"
+                )
+            )
             return UNREADABLE
     where = remote.config.url if on_remote and remote is not None else tier.root
     if other is None and not args.force:
-        run.error(CheckpointExistsError(
-            f"{where}/{step} is the only durable copy of {step}: nothing was deleted. "
-            "Pull or upload it elsewhere first, or give --force to delete it anyway"))
+        run.error(
+            CheckpointExistsError(
+                f"{where}/{step} is the only durable copy of {step}: nothing was deleted. "
+                "Pull or upload it elsewhere first, or give --force to delete it anyway"
+            )
+        )
         return USAGE
     reason = "dcp-tiered rm" + (" --force (the only durable copy)" if other is None else "")
     if on_remote:
@@ -114,9 +141,11 @@ def cmd_rm(run: Run) -> int:
         remote_tier.delete_remote_step(remote, step, reason=reason)
     else:
         tier.delete_step(step, reason=reason)
-    run.fields.update(step=step, deleted=[{"tier": "remote" if on_remote else "local",
-                                           "step": step, "where": where}],
-                      other_copy=other)
+    run.fields.update(
+        step=step,
+        deleted=[{"tier": "remote" if on_remote else "local", "step": step, "where": where}],
+        other_copy=other,
+    )
     run.say(f"deleted {step} from {where}" + (f" (a copy remains on {other})" if other else ""))
     return OK
 
@@ -132,23 +161,33 @@ def cmd_prune(run: Run) -> int:
         try:
             remote.committed_steps()
         except TierError as e:
-            run.error(TierError(f"cannot read the remote tier {remote.config.url} to tell which "
-                                f"steps are durable there ({e}); nothing was deleted"))
+            run.error(
+                TierError(
+                    f"cannot read the remote tier {remote.config.url} to tell which "
+                    f"steps are durable there ({e}); nothing was deleted"
+                )
+            )
             return UNREADABLE
-    states = [StepState(s.name, s.committed_at_ns) for s in tier.steps()
-              if s.verified_format and s.committed_at_ns >= 0]
+    states = [
+        StepState(s.name, s.committed_at_ns)
+        for s in tier.steps()
+        if s.verified_format and s.committed_at_ns >= 0
+    ]
     candidates = evictions(states, policy)
-    held = [n for n in candidates
-            if remote is not None and housekeeping.awaiting_remote(tier, remote, n)]
+    held = [
+        n
+        for n in candidates
+        if remote is not None and housekeeping.awaiting_remote(tier, remote, n)
+    ]
     if args.dry_run:
         deleted = [n for n in candidates if n not in held]
     else:
         deleted = housekeeping.prune_local(tier, policy, remote, label="local")
         held = [n for n in candidates if n not in deleted]
-    kept = sorted({s.name for s in states} - set(deleted), key=lambda n: (
-        layout.step_number(n) or -1, n))
-    run.fields.update(dry_run=args.dry_run, deleted=deleted, kept=kept,
-                      kept_not_durable=held)
+    kept = sorted(
+        {s.name for s in states} - set(deleted), key=lambda n: (layout.step_number(n) or -1, n)
+    )
+    run.fields.update(dry_run=args.dry_run, deleted=deleted, kept=kept, kept_not_durable=held)
     verb = "would delete" if args.dry_run else "deleted"
     for name in deleted:
         run.say(f"{verb} {tier.root}/{name}")

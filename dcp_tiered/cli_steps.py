@@ -26,8 +26,9 @@ from .tiers.local import LocalTier
 class Run:
     """One command's arguments, local tier, output and errors."""
 
-    def __init__(self, args: argparse.Namespace, fields: dict[str, Any],
-                 errors: list[dict[str, str]]) -> None:
+    def __init__(
+        self, args: argparse.Namespace, fields: dict[str, Any], errors: list[dict[str, str]]
+    ) -> None:
         self.args, self.fields, self.errors = args, fields, errors
         self.tier = LocalTier(LocalBackend(args.root))
         fields["root"] = self.tier.root
@@ -51,8 +52,9 @@ class Run:
         url = url or getattr(self.args, "remote", None) or self.recorded().get("remote")
         self.fields["remote"] = url
         # Two attempts, not eight: an operator wants the answer, not a minute of retries.
-        return remote_backend(RemoteConfig(url=url, retry=RetryConfig(max_attempts=2))
-                              if url else None)
+        return remote_backend(
+            RemoteConfig(url=url, retry=RetryConfig(max_attempts=2)) if url else None
+        )
 
     def need_remote(self, url: str | None = None) -> RemoteBackend:
         remote = self.remote(url)
@@ -74,26 +76,35 @@ def iso(ns: int) -> str | None:
     if ns < 0:
         return None
     return datetime.datetime.fromtimestamp(ns / 1e9, datetime.timezone.utc).isoformat(
-        timespec="seconds")
+        timespec="seconds"
+    )
 
 
 def progress(total: int, desc: str, run: Run) -> Any:
     """A tqdm bar (stderr) for work over 256 MiB; smaller work finishes before it would help."""
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="B", unit_scale=True, desc=desc, leave=False,
-                disable=total < 256 * 2**20)
+    return tqdm(
+        total=total, unit="B", unit_scale=True, desc=desc, leave=False, disable=total < 256 * 2**20
+    )
 
 
 def cmd_ls(run: Run) -> int:
     tier = run.tier
     rows: list[dict[str, Any]] = []
     for s in sorted(tier.steps(), key=lambda s: s.committed_at_ns):
-        row: dict[str, Any] = {"step": s.name, "bytes": sum(
-            tier.backend.file_size(s.name, f) for f in tier.backend.list_files(s.name))}
+        row: dict[str, Any] = {
+            "step": s.name,
+            "bytes": sum(
+                tier.backend.file_size(s.name, f) for f in tier.backend.list_files(s.name)
+            ),
+        }
         if s.verified_format:
-            row.update(state="committed", world_size=tier.read_manifest(s.name).world_size,
-                       committed_at=iso(s.committed_at_ns))
+            row.update(
+                state="committed",
+                world_size=tier.read_manifest(s.name).world_size,
+                committed_at=iso(s.committed_at_ns),
+            )
         else:
             row.update(state="vanilla", world_size=None, committed_at=None)
         rows.append(row)
@@ -101,8 +112,14 @@ def cmd_ls(run: Run) -> int:
         parsed = layout.parse_hidden_dir(name)
         if parsed and parsed[2] == layout.TMP_SUFFIX:
             busy = tier.backend.exists(name, layout.LOCK_NAME) and tier.backend.is_locked(name)
-            rows.append({"step": parsed[0], "bytes": None,
-                         "state": "in-progress" if busy else "abandoned", "path": name})
+            rows.append(
+                {
+                    "step": parsed[0],
+                    "bytes": None,
+                    "state": "in-progress" if busy else "abandoned",
+                    "path": name,
+                }
+            )
         elif parsed and parsed[2] == layout.QUARANTINE_SUFFIX:
             rows.append({"step": parsed[0], "bytes": None, "state": "quarantined", "path": name})
     run.fields["steps"] = rows
@@ -118,7 +135,7 @@ def cmd_ls(run: Run) -> int:
             "in-progress": "in progress",
             "abandoned": "abandoned (swept by the next writer)",
             "quarantined": f"quarantined as {r.get('path')} (a restore fell back past it; "
-                           "kept for inspection, delete it by hand)",
+            "kept for inspection, delete it by hand)",
         }[r["state"]]
         run.say(f"{r['step']:<{width}}  {size:>10}  {state}")
     return OK
@@ -135,8 +152,7 @@ def cmd_verify(run: Run) -> int:
             run.say(f"{name}: {problems[0]}")
         else:
             problems = _verify_step(run, name)
-            run.say(f"{name}: " + ("OK" if not problems else
-                                   "CORRUPT\n  " + "\n  ".join(problems)))
+            run.say(f"{name}: " + ("OK" if not problems else "CORRUPT\n  " + "\n  ".join(problems)))
         results.append({"step": name, "ok": not problems, "problems": problems})
     run.fields["steps"] = results
     return PROBLEM if any(not r["ok"] for r in results) else OK
@@ -158,13 +174,18 @@ def _verify_step(run: Run, step: str) -> list[str]:
                 continue
             crc = tier.backend.file_checksum(step, name, progress=bar.update)
             if crc != info["checksum"]:
-                problems.append(f"{name}: {integrity.ALGORITHM} {crc} != manifest {info['checksum']}")
+                problems.append(
+                    f"{name}: {integrity.ALGORITHM} {crc} != manifest {info['checksum']}"
+                )
     return problems
 
 
 def _in_progress(tier: LocalTier) -> set[str]:
-    return {p[0] for n in tier.backend.list_names()
-            if (p := layout.parse_hidden_dir(n)) and p[2] == layout.TMP_SUFFIX}
+    return {
+        p[0]
+        for n in tier.backend.list_names()
+        if (p := layout.parse_hidden_dir(n)) and p[2] == layout.TMP_SUFFIX
+    }
 
 
 def cmd_status(run: Run) -> int:
@@ -174,7 +195,7 @@ def cmd_status(run: Run) -> int:
     memory = run.args.memory or run.recorded().get("memory")
     remote = run.remote()
     rows: dict[str, dict] = {}
-    for name in (memory_tier.list_steps(memory) if memory else {}):
+    for name in memory_tier.list_steps(memory) if memory else {}:
         rows.setdefault(name, {})["memory"] = True
     unreadable: dict[str, str] = {}
     try:
@@ -194,19 +215,27 @@ def cmd_status(run: Run) -> int:
     for name in _in_progress(tier):
         rows.setdefault(name, {})["saving"] = True
     for row in rows.values():
-        row["durability"] = ("durable-remote" if row.get("remote") else
-                             "committed-local" if row.get("local") else
-                             "memory" if row.get("memory") else "staged")
+        row["durability"] = (
+            "durable-remote"
+            if row.get("remote")
+            else "committed-local"
+            if row.get("local")
+            else "memory"
+            if row.get("memory")
+            else "staged"
+        )
         if row.get("promote"):
-            row["durability"] += (" (remote unreadable)" if unreadable
-                                  else " (upload pending)")
+            row["durability"] += " (remote unreadable)" if unreadable else " (upload pending)"
     ordered = sorted(rows.items(), key=lambda kv: (layout.step_number(kv[0]) or -1, kv[0]))
     status = UNREADABLE if unreadable else OK
-    run.fields.update(memory=memory, unreadable=unreadable,
-                      steps=[{"step": k, **v} for k, v in ordered])
-    run.say(f"local:  {tier.root}\nmemory: {memory or '-'}\n"
-            f"remote: {remote.config.url if remote else '-'}"
-            + (" (CANNOT BE READ: its steps are unknown)" if unreadable else ""))
+    run.fields.update(
+        memory=memory, unreadable=unreadable, steps=[{"step": k, **v} for k, v in ordered]
+    )
+    run.say(
+        f"local:  {tier.root}\nmemory: {memory or '-'}\n"
+        f"remote: {remote.config.url if remote else '-'}"
+        + (" (CANNOT BE READ: its steps are unknown)" if unreadable else "")
+    )
     if not ordered:
         run.say("no steps")
         return status
@@ -214,8 +243,10 @@ def cmd_status(run: Run) -> int:
     run.say(f"{'step':<{width}}  memory  local  remote  durability")
     mark = {True: "yes", False: "-", None: "?" if unreadable else "-"}
     for name, row in ordered:
-        run.say(f"{name:<{width}}  {mark[row.get('memory')]:<6}  {mark[row.get('local')]:<5}  "
-                f"{mark[row.get('remote')]:<6}  {row['durability']}")
+        run.say(
+            f"{name:<{width}}  {mark[row.get('memory')]:<6}  {mark[row.get('local')]:<5}  "
+            f"{mark[row.get('remote')]:<6}  {row['durability']}"
+        )
     return status
 
 
@@ -226,14 +257,17 @@ def read_step_manifest(run: Run, step: str) -> tuple[manifest.Manifest, str]:
     name = catalog.resolve(run.tier, remote, step).name
     if run.tier.has_step(name):
         if not run.tier.backend.exists(name, layout.MANIFEST_NAME):
-            raise ManifestError(f"{run.tier.root}/{name} is a vanilla DCP checkpoint without a "
-                                "manifest: it cannot be inspected without reading its data")
+            raise ManifestError(
+                f"{run.tier.root}/{name} is a vanilla DCP checkpoint without a "
+                "manifest: it cannot be inspected without reading its data"
+            )
         return run.tier.read_manifest(name), "local"
     assert remote is not None  # resolve found it on some tier
     keys = remote_tier.keys_of_step(remote, name)
     assert keys is not None
-    return manifest.parse(remote.get_bytes(keys.manifest), where=remote.url(keys.manifest)), \
-        "remote"
+    return manifest.parse(
+        remote.get_bytes(keys.manifest), where=remote.url(keys.manifest)
+    ), "remote"
 
 
 def cmd_inspect(run: Run) -> int:
@@ -252,31 +286,55 @@ def cmd_inspect(run: Run) -> int:
             chunks = []
             for c in md.chunks:
                 loc = m.locations.get(MetadataIndex(fqn, c.offsets))
-                chunks.append({"offsets": list(c.offsets), "sizes": list(c.sizes),
-                               "rank": loc.rank if loc else None,
-                               "stored_bytes": loc.length if loc else None})
+                chunks.append(
+                    {
+                        "offsets": list(c.offsets),
+                        "sizes": list(c.sizes),
+                        "rank": loc.rank if loc else None,
+                        "stored_bytes": loc.length if loc else None,
+                    }
+                )
                 if loc:
                     ranks[loc.rank]["items"] += 1
             numel = 1
             for d in md.size:
                 numel *= d
-            tensors.append({"fqn": fqn, "dtype": str(md.properties.dtype).removeprefix("torch."),
-                            "shape": list(md.size), "bytes": numel * md.properties.dtype.itemsize,
-                            "chunks": chunks})
+            tensors.append(
+                {
+                    "fqn": fqn,
+                    "dtype": str(md.properties.dtype).removeprefix("torch."),
+                    "shape": list(md.size),
+                    "bytes": numel * md.properties.dtype.itemsize,
+                    "chunks": chunks,
+                }
+            )
         else:
             locs = [loc for idx, loc in m.locations.items() if idx.fqn == fqn]
             for loc in locs:
                 ranks[loc.rank]["items"] += 1
-            objects.append({"fqn": fqn, "ranks": sorted({loc.rank for loc in locs}),
-                            "stored_bytes": sum(loc.length for loc in locs)})
-    run.fields.update(step=m.step, source=source, save_id=m.save_id, world_size=m.world_size,
-                      committed_at=iso(m.committed_at_ns), bytes=sum(
-                          int(f["size"]) for f in m.files.values()),
-                      ranks=[{"rank": k, **v} for k, v in sorted(ranks.items())],
-                      tensors=tensors, objects=objects)
+            objects.append(
+                {
+                    "fqn": fqn,
+                    "ranks": sorted({loc.rank for loc in locs}),
+                    "stored_bytes": sum(loc.length for loc in locs),
+                }
+            )
+    run.fields.update(
+        step=m.step,
+        source=source,
+        save_id=m.save_id,
+        world_size=m.world_size,
+        committed_at=iso(m.committed_at_ns),
+        bytes=sum(int(f["size"]) for f in m.files.values()),
+        ranks=[{"rank": k, **v} for k, v in sorted(ranks.items())],
+        tensors=tensors,
+        objects=objects,
+    )
     f = run.fields
-    run.say(f"{m.step} ({source})  world={m.world_size}  save={m.save_id}  {f['committed_at']}  "
-            f"{len(m.files)} files, {human(f['bytes'])}")
+    run.say(
+        f"{m.step} ({source})  world={m.world_size}  save={m.save_id}  {f['committed_at']}  "
+        f"{len(m.files)} files, {human(f['bytes'])}"
+    )
     run.say(f"{'rank':>4}  {'files':>5}  {'items':>5}  {'bytes':>10}")
     for r in f["ranks"]:
         run.say(f"{r['rank']:>4}  {r['files']:>5}  {r['items']:>5}  {human(r['bytes']):>10}")
@@ -284,9 +342,13 @@ def cmd_inspect(run: Run) -> int:
     run.say(f"{'tensor':<{width}}  {'dtype':<9}  {'shape':<16}  {'bytes':>10}  ranks")
     for t in tensors:
         owners = sorted({c["rank"] for c in t["chunks"] if c["rank"] is not None})
-        run.say(f"{t['fqn']:<{width}}  {t['dtype']:<9}  {'x'.join(map(str, t['shape'])) or '()':<16}"
-                f"  {human(t['bytes']):>10}  {','.join(map(str, owners))}")
+        run.say(
+            f"{t['fqn']:<{width}}  {t['dtype']:<9}  {'x'.join(map(str, t['shape'])) or '()':<16}"
+            f"  {human(t['bytes']):>10}  {','.join(map(str, owners))}"
+        )
     for o in objects:
-        run.say(f"{o['fqn']:<{width}}  {'object':<9}  {'':<16}  {human(o['stored_bytes']):>10}  "
-                f"{','.join(map(str, o['ranks']))}")
+        run.say(
+            f"{o['fqn']:<{width}}  {'object':<9}  {'':<16}  {human(o['stored_bytes']):>10}  "
+            f"{','.join(map(str, o['ranks']))}"
+        )
     return OK

@@ -62,12 +62,15 @@ class RemoteConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not self.url:
-            raise ConfigError(f"remote must be an fsspec URL such as s3://bucket/run, got {self.url!r}")
+            raise ConfigError(
+                f"remote must be an fsspec URL such as s3://bucket/run, got {self.url!r}"
+            )
         if "://" not in self.url and not self.url.startswith("/"):
             # "bucket/run" would silently become a directory under the working directory.
             raise ConfigError(
                 f"remote {self.url!r} has no scheme: did you mean s3://{self.url}? For a local "
-                "directory give an absolute path or file:///ABSOLUTE/PATH")
+                "directory give an absolute path or file:///ABSOLUTE/PATH"
+            )
         if not 5 * 2**20 <= self.part_size_bytes <= 5 * 2**30:
             raise ConfigError(
                 f"part_size_bytes={self.part_size_bytes} is outside S3's multipart limits "
@@ -76,4 +79,6 @@ class RemoteConfig:
         if self.max_concurrency < 1:
             raise ConfigError("max_concurrency must be >= 1")
         if self.prefix_strategy not in ("none", "hash"):
-            raise ConfigError(f"prefix_strategy must be 'none' or 'hash', not {self.prefix_strategy!r}")
+            raise ConfigError(
+                f"prefix_strategy must be 'none' or 'hash', not {self.prefix_strategy!r}"
+            )

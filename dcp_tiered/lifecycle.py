@@ -89,11 +89,17 @@ class Conventions:
     local_tier: str = "local"
 
 
-def failure(rank: int, step: str, tier: str, where: str,
-            error: BaseException | str) -> dict[str, Any]:
+def failure(
+    rank: int, step: str, tier: str, where: str, error: BaseException | str
+) -> dict[str, Any]:
     """One record of :attr:`SaveFailedError.failures`."""
-    return {"rank": rank, "step": step, "tier": tier, "where": where,
-            "error": error if isinstance(error, str) else describe(error)}
+    return {
+        "rank": rank,
+        "step": step,
+        "tier": tier,
+        "where": where,
+        "error": error if isinstance(error, str) else describe(error),
+    }
 
 
 def advice(errors: list[BaseException], conventions: Conventions) -> str:
@@ -108,13 +114,14 @@ def advice(errors: list[BaseException], conventions: Conventions) -> str:
     return "fix the cause above and save again; training can go on"
 
 
-def raise_failures(agree: Agreement, mine: list[dict[str, Any]], headline: str,
-                   todo: str) -> None:
+def raise_failures(agree: Agreement, mine: list[dict[str, Any]], headline: str, todo: str) -> None:
     """Collective, once the ranks agreed that some rank failed: SaveFailedError on every rank,
     listing every rank's ``mine``."""
     everyone = [f for part in agree.gather(mine) for f in part]
-    lines = "\n".join(f"  rank {f['rank']}: {f['step']} on the {f['tier']} tier "
-                      f"({f['where']}): {f['error']}" for f in everyone)
+    lines = "\n".join(
+        f"  rank {f['rank']}: {f['step']} on the {f['tier']} tier ({f['where']}): {f['error']}"
+        for f in everyone
+    )
     raise SaveFailedError(f"{headline}:\n{lines}\n{todo}.", everyone)
 
 
@@ -123,16 +130,18 @@ class Writers:
     save. A writer is recovered (crashed saves swept, unfinished uploads resumed) when first
     used, as an explicit step, not as a side effect of building it."""
 
-    def __init__(self, remote: Any = None, storage_options: Mapping[str, Any] | None = None,
-                 **options: Any) -> None:
+    def __init__(
+        self, remote: Any = None, storage_options: Mapping[str, Any] | None = None, **options: Any
+    ) -> None:
         self.remote, self.storage_options, self.options = remote, storage_options, options
         self._writers: dict[str, TieredStorageWriter] = {}
 
     def get(self, root: str | os.PathLike[str]) -> TieredStorageWriter:
         root = os.path.abspath(root)
         if root not in self._writers:
-            writer = TieredStorageWriter(root, remote=self.remote,
-                                         storage_options=self.storage_options, **self.options)
+            writer = TieredStorageWriter(
+                root, remote=self.remote, storage_options=self.storage_options, **self.options
+            )
             writer.recover()
             self._writers[root] = writer
         return self._writers[root]
@@ -176,13 +185,20 @@ class Lifecycle:
     otherwise a state must load back with ``weights_only``, ``trusted_classes`` allowed.
     """
 
-    def __init__(self, conventions: Conventions, *, remote: Any = None,
-                 storage_options: Mapping[str, Any] | None = None,
-                 retention: RetentionPolicy | None = None,
-                 remote_retention: RetentionPolicy | None = None,
-                 publish_early: bool = True, writer_options: Mapping[str, Any] | None = None,
-                 collective_timeout_secs: float = 1800.0, allow_pickle: bool = False,
-                 trusted_classes: tuple[type, ...] = ()) -> None:
+    def __init__(
+        self,
+        conventions: Conventions,
+        *,
+        remote: Any = None,
+        storage_options: Mapping[str, Any] | None = None,
+        retention: RetentionPolicy | None = None,
+        remote_retention: RetentionPolicy | None = None,
+        publish_early: bool = True,
+        writer_options: Mapping[str, Any] | None = None,
+        collective_timeout_secs: float = 1800.0,
+        allow_pickle: bool = False,
+        trusted_classes: tuple[type, ...] = (),
+    ) -> None:
         self.conventions = conventions
         self.allow_pickle, self.trusted_classes = allow_pickle, tuple(trusted_classes)
         self.writers = Writers(remote, storage_options, **dict(writer_options or {}))
@@ -202,15 +218,24 @@ class Lifecycle:
         saves swept, uploads resumed, the remote checked). A failure on any rank, such as a
         remote with no such bucket or bad credentials, is raised on every rank, so no rank
         goes on to wait for the others at the next collective."""
-        return self.agree.everywhere(lambda: self.writers.get(root),
-                                     f"starting {self.conventions.framework} checkpoints in "
-                                     f"{os.path.abspath(root)}")
+        return self.agree.everywhere(
+            lambda: self.writers.get(root),
+            f"starting {self.conventions.framework} checkpoints in {os.path.abspath(root)}",
+        )
 
     # ------------------------------------------------------------ saving
 
-    def save(self, root: str, step: str, state: dict[str, Any], *, sync: bool,
-             planner: Any = None, on_commit: Callable[[], Any] | None = None,
-             values: dict[str, Any] | None = None) -> None:
+    def save(
+        self,
+        root: str,
+        step: str,
+        state: dict[str, Any],
+        *,
+        sync: bool,
+        planner: Any = None,
+        on_commit: Callable[[], Any] | None = None,
+        values: dict[str, Any] | None = None,
+    ) -> None:
         """Writes ``state`` as step ``root/step`` (``dcp.save`` or ``dcp.async_save`` on the
         checkpoint group). Finishes the save in flight first; with ``sync``, this one too.
         ``values``: what to check with :meth:`require_restorable` instead of ``state``, when
@@ -223,13 +248,24 @@ class Lifecycle:
         try:
             with quiet_single_process():
                 if sync:
-                    dcp.save(state, checkpoint_id=step, storage_writer=writer, planner=planner,
-                             process_group=self.group, no_dist=single)
+                    dcp.save(
+                        state,
+                        checkpoint_id=step,
+                        storage_writer=writer,
+                        planner=planner,
+                        process_group=self.group,
+                        no_dist=single,
+                    )
                     future = settled()
                 else:
-                    future = dcp.async_save(state, checkpoint_id=step, storage_writer=writer,
-                                            planner=planner, process_group=self.group,
-                                            no_dist=single)
+                    future = dcp.async_save(
+                        state,
+                        checkpoint_id=step,
+                        storage_writer=writer,
+                        planner=planner,
+                        process_group=self.group,
+                        no_dist=single,
+                    )
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - raised at finish
             future = settled(error=e)
         self.track(root, step, future, on_commit=on_commit)
@@ -248,12 +284,19 @@ class Lifecycle:
             f"{self.conventions.framework} checkpoint {step!r} was not saved: on rank {rank}, "
             f"{why}, so it could never be restored. Keep tensors, numbers, strings, lists and "
             "dicts in the state, or pass allow_pickle=True only for checkpoints you trust "
-            "(non-tensor values then load with full pickle, which can run code).")
+            "(non-tensor values then load with full pickle, which can run code)."
+        )
 
-    def track(self, root: str, step: str, future: Future[Any], *,
-              finalize: Callable[[], Any] | None = None,
-              on_commit: Callable[[], Any] | None = None,
-              on_failure: Callable[[], Any] | None = None) -> None:
+    def track(
+        self,
+        root: str,
+        step: str,
+        future: Future[Any],
+        *,
+        finalize: Callable[[], Any] | None = None,
+        on_commit: Callable[[], Any] | None = None,
+        on_failure: Callable[[], Any] | None = None,
+    ) -> None:
         """Takes charge of a save started elsewhere (mcore's strategy): ``future`` ends when
         this rank's part is written; ``finalize`` then runs on every rank at :meth:`finish`,
         ``on_commit`` on rank 0 once committed, ``on_failure`` on every rank if it failed."""
@@ -286,8 +329,7 @@ class Lifecycle:
             if record.finalize is not None:
                 record.finalize()
             if self.rank == 0 and record.on_commit is not None:
-                (record.published.result() if record.published is not None
-                 else record.on_commit())
+                (record.published.result() if record.published is not None else record.on_commit())
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's is a BaseException
             error = e
         if self.agree.any(error is not None):
@@ -301,16 +343,28 @@ class Lifecycle:
         return record.step
 
     def _fail(self, record: _Save, error: BaseException | None) -> None:
-        mine = [] if error is None else [failure(self.rank, record.step, "local",
-                                                 os.path.join(record.root, record.step), error)]
-        todo = (f"{self.conventions.kept}; "
-                f"{advice([error] if error is not None else [], self.conventions)}")
+        mine = (
+            []
+            if error is None
+            else [
+                failure(
+                    self.rank, record.step, "local", os.path.join(record.root, record.step), error
+                )
+            ]
+        )
+        todo = (
+            f"{self.conventions.kept}; "
+            f"{advice([error] if error is not None else [], self.conventions)}"
+        )
         # The advice of the rank that failed, on every rank.
-        todo = next((t for t in self.agree.gather(todo if error is not None else None) if t),
-                    todo)
-        raise_failures(self.agree, mine,
-                       f"{self.conventions.framework} checkpoint {record.step!r} in "
-                       f"{record.root} was not saved", todo)
+        todo = next((t for t in self.agree.gather(todo if error is not None else None) if t), todo)
+        raise_failures(
+            self.agree,
+            mine,
+            f"{self.conventions.framework} checkpoint {record.step!r} in "
+            f"{record.root} was not saved",
+            todo,
+        )
 
     # ------------------------------------------------------------ retention and the end
 
@@ -326,13 +380,16 @@ class Lifecycle:
             self._keepers[root] = (backend, backend.try_lock_exclusive(layout.RETENTION_LOCK_NAME))
         try:
             if self._keepers[root][1] is not None:
-                deleted = prune_local(writer.local_tier, self.retention, writer.remote_backend,
-                                      label=self.conventions.local_tier)
+                deleted = prune_local(
+                    writer.local_tier,
+                    self.retention,
+                    writer.remote_backend,
+                    label=self.conventions.local_tier,
+                )
             if self.rank == 0 and self.remote_retention is not None and writer.remote_backend:
                 deleted += prune_remote(writer.remote_backend, self.remote_retention)
         except Exception as e:  # noqa: BLE001 - retried after the next save
-            logger.warning("retention pass of %s failed (retried after the next save): %s",
-                           root, e)
+            logger.warning("retention pass of %s failed (retried after the next save): %s", root, e)
         return deleted
 
     def wait_durable(self, timeout_secs: float | None = None) -> None:
@@ -376,20 +433,30 @@ class Lifecycle:
 
     def _raise_upload_failure(self, error: UploadFailedError | None) -> None:
         if self.agree.any(error is not None):
-            mine = [] if error is None else [failure(self.rank, "-", "remote",
-                                                     str(self.writers.remote), error)]
-            raise_failures(self.agree, mine,
-                           f"{self.conventions.framework}: not every step became durable on "
-                           "the remote tier",
-                           "the steps are committed locally; the next job on this root "
-                           "resumes their upload")
+            mine = (
+                []
+                if error is None
+                else [failure(self.rank, "-", "remote", str(self.writers.remote), error)]
+            )
+            raise_failures(
+                self.agree,
+                mine,
+                f"{self.conventions.framework}: not every step became durable on the remote tier",
+                "the steps are committed locally; the next job on this root resumes their upload",
+            )
 
     # ------------------------------------------------------------ restore
 
-    def restore(self, candidates: Callable[[bool], list[C]],
-                load: Callable[[C], str | None], *, on_unreadable_tier: str,
-                retry: str, name: Callable[[C], str] = str,
-                abandon: Callable[[list[C], C], None] | None = None) -> C | None:
+    def restore(
+        self,
+        candidates: Callable[[bool], list[C]],
+        load: Callable[[C], str | None],
+        *,
+        on_unreadable_tier: str,
+        retry: str,
+        name: Callable[[C], str] = str,
+        abandon: Callable[[list[C], C], None] | None = None,
+    ) -> C | None:
         """Collective: the first candidate ``load`` loads on every rank, or None if there
         are none.
 
@@ -401,8 +468,9 @@ class Lifecycle:
         back, ``abandon(skipped, chosen)`` runs on every rank (see :meth:`quarantine`).
         """
         if on_unreadable_tier not in ("raise", "skip"):
-            raise ConfigError(f"on_unreadable_tier must be 'raise' or 'skip', "
-                              f"not {on_unreadable_tier!r}")
+            raise ConfigError(
+                f"on_unreadable_tier must be 'raise' or 'skip', not {on_unreadable_tier!r}"
+            )
 
         def listing() -> tuple[list[C], str | None]:
             try:
@@ -416,26 +484,29 @@ class Lifecycle:
             if on_unreadable_tier == "raise":
                 raise TierUnavailableError(
                     f"{unreadable}. To restore from the tiers that can be read instead, call "
-                    f"{retry}(..., on_unreadable_tier='skip').")
-            logger.error("%s; restoring from the other tiers (on_unreadable_tier='skip')",
-                         unreadable)
+                    f"{retry}(..., on_unreadable_tier='skip')."
+                )
+            logger.error(
+                "%s; restoring from the other tiers (on_unreadable_tier='skip')", unreadable
+            )
         reasons = []
         for candidate in found:
             problem = load(candidate)
             if self.agree.any(problem is not None):
                 problem = problem or "failed on another rank"
                 reasons.append(f"{name(candidate)}: {problem}")
-                logger.warning("cannot restore %s, trying an older step: %s", name(candidate),
-                               problem)
+                logger.warning(
+                    "cannot restore %s, trying an older step: %s", name(candidate), problem
+                )
                 continue
             if reasons and abandon is not None:
-                abandon(found[:found.index(candidate)], candidate)
+                abandon(found[: found.index(candidate)], candidate)
             return candidate
         if reasons:
             raise CheckpointNotFoundError(
-                "no step could be restored; every candidate failed:\n  " + "\n  ".join(reasons))
+                "no step could be restored; every candidate failed:\n  " + "\n  ".join(reasons)
+            )
         return None
-
 
     def quarantine(self, root: str, steps: list[str], *, reason: str) -> None:
         """Collective: move ``steps`` aside on every node's ``root`` (one process a node) and on
@@ -447,11 +518,13 @@ class Lifecycle:
         tier = LocalTier(LocalBackend(root))
         self.agree.by_node_leaders(
             lambda: [tier.quarantine(step, reason=reason) for step in steps],
-            f"quarantining {', '.join(steps)} in {root}")
+            f"quarantining {', '.join(steps)} in {root}",
+        )
         remote = remote_backend(self.writers.remote, self.writers.storage_options)
         if remote is not None:
-            self.agree.from_rank0(lambda: [quarantine_remote_step(remote, step, reason=reason)
-                                           for step in steps])
+            self.agree.from_rank0(
+                lambda: [quarantine_remote_step(remote, step, reason=reason) for step in steps]
+            )
 
 
 def attempt(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, str | None]:
@@ -460,8 +533,9 @@ def attempt(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, str
     try:
         return fn(*args, **kwargs), None
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's is a BaseException
-        return None, (describe(e) if isinstance(e, CheckpointException)
-                      else f"rank {rank}: {describe(e)}")
+        return None, (
+            describe(e) if isinstance(e, CheckpointException) else f"rank {rank}: {describe(e)}"
+        )
 
 
 def _after(future: Future[Any], then: Callable[[], Any]) -> Any:

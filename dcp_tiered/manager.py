@@ -60,7 +60,6 @@ from .tiers.memory import MemoryTier
 logger = logging.getLogger(__name__)
 
 
-
 CONVENTIONS = Conventions("CheckpointManager")
 
 
@@ -136,9 +135,13 @@ class CheckpointManager:
         # the training thread never interleaves with a background save's collectives.
         options = dict(writer_options or {})
         options.setdefault("overwrite", True)  # a replayed step replaces its abandoned twin
-        self._lifecycle = Lifecycle(CONVENTIONS, remote=remote, storage_options=storage_options,
-                                    writer_options=options,
-                                    collective_timeout_secs=collective_timeout_secs)
+        self._lifecycle = Lifecycle(
+            CONVENTIONS,
+            remote=remote,
+            storage_options=storage_options,
+            writer_options=options,
+            collective_timeout_secs=collective_timeout_secs,
+        )
         # Saves run their collectives on one group, the manager's votes on another: a vote on
         # the training thread never interleaves with a background save's collectives.
         self._save_pg, self._agree = self._lifecycle.group, self._lifecycle.agree
@@ -147,15 +150,18 @@ class CheckpointManager:
         if memory is not None and os.path.realpath(memory) == os.path.realpath(local):
             raise ConfigError("memory and local must be different directories")
         self.allow_pickle = allow_pickle
-        self._memory = (MemoryTier(memory, self.rank, allow_pickle=allow_pickle)
-                        if memory is not None else None)
+        self._memory = (
+            MemoryTier(memory, self.rank, allow_pickle=allow_pickle) if memory is not None else None
+        )
         self._remote = self._local.remote_backend
         # One process per directory applies retention: whoever holds its lock (the kernel
         # drops it with the process), whatever the node layout.
         self._local_keeper = self._local.local_tier.backend.try_lock_exclusive(
-            layout.RETENTION_LOCK_NAME)
-        self._events = EventLog(os.path.join(self._local.root, layout.EVENTS_LOG)
-                                if events == "default" else events)
+            layout.RETENTION_LOCK_NAME
+        )
+        self._events = EventLog(
+            os.path.join(self._local.root, layout.EVENTS_LOG) if events == "default" else events
+        )
         self._last: dict[str, float] = {t: time.time() for t in ("memory", "local", "remote")}
         self._in_flight: list[_InFlight] = []
         self._uploading: list[_InFlight] = []
@@ -167,18 +173,23 @@ class CheckpointManager:
         self.skipped_saves = 0
         self._ram_checked: tuple[float, int | None] = (-1e9, None)
         self._first_estimate: int | None = None
-        self._time_based = any(e is not None and e.secs is not None
-                               for e in (self.policy.memory, self.policy.local, self.policy.remote))
+        self._time_based = any(
+            e is not None and e.secs is not None
+            for e in (self.policy.memory, self.policy.local, self.policy.remote)
+        )
         self._closed = False
         self._restorable = allow_pickle  # checked at the first save otherwise
         if self.rank == 0:
             self._record_tiers(memory)
 
     def _record_tiers(self, memory: Any) -> None:
-        tiers = {"memory": os.path.abspath(memory) if memory is not None else None,
-                 "remote": self._remote.config.url if self._remote is not None else None}
-        self._local.local_tier.backend.replace_root_file(layout.TIERS_RECORD,
-                                                         json.dumps(tiers).encode())
+        tiers = {
+            "memory": os.path.abspath(memory) if memory is not None else None,
+            "remote": self._remote.config.url if self._remote is not None else None,
+        }
+        self._local.local_tier.backend.replace_root_file(
+            layout.TIERS_RECORD, json.dumps(tiers).encode()
+        )
 
     # ------------------------------------------------------------ save
 
@@ -196,29 +207,43 @@ class CheckpointManager:
         t0 = time.perf_counter()
         now = time.time()
         self._reap()
-        wanted = cadence.decide(self.policy, step, now, self._last, force=force,
-                                has_memory=self._memory is not None,
-                                has_remote=self._remote is not None)
+        wanted = cadence.decide(
+            self.policy,
+            step,
+            now,
+            self._last,
+            force=force,
+            has_memory=self._memory is not None,
+            has_remote=self._remote is not None,
+        )
         # The cap is on disk saves, which hold staging buffers; a memory snapshot waits only
         # for the previous snapshot's checksum pass.
         busy = sum(r.tier == "local" for r in self._in_flight) >= self.admission.max_in_flight
         # With time-based cadence another rank may find a tier due that this one does not:
         # then every rank checks its own node's room for both tiers.
         check = wanted.any or self._time_based
-        short = {tier: self._shortfall(app_state, tier) if check and self._has(tier) else None
-                 for tier in ("memory", "local")}
+        short = {
+            tier: self._shortfall(app_state, tier) if check and self._has(tier) else None
+            for tier in ("memory", "local")
+        }
         refused = None if self._restorable else _refused_value(app_state)
-        flags = self._agree.vote(cadence.encode(wanted) + [
-            int(bool(self._failures)), int(busy),
-            int(short["memory"] is not None), int(short["local"] is not None),
-            int(refused is not None),
-        ])
+        flags = self._agree.vote(
+            cadence.encode(wanted)
+            + [
+                int(bool(self._failures)),
+                int(busy),
+                int(short["memory"] is not None),
+                int(short["local"] is not None),
+                int(refused is not None),
+            ]
+        )
         if flags[7]:
             why = next(w for w in self._agree.gather(refused) if w)
             raise ConfigError(
                 f"step {step} was not saved: {why}, so it could never be restored. Keep "
                 "tensors, numbers, strings, lists and dicts in the state or, for checkpoints "
-                "you trust, construct CheckpointManager(..., allow_pickle=True).")
+                "you trust, construct CheckpointManager(..., allow_pickle=True)."
+            )
         self._restorable = True
         if flags[3]:
             self._raise_failures()
@@ -232,15 +257,24 @@ class CheckpointManager:
         if flags[4] and tier == "local":
             if self.admission.when_busy == "skip":
                 self.skipped_saves += 1
-                logger.warning("skipping the save of step %d: %d disk saves already in flight "
-                               "(Admission.when_busy='skip')", step,
-                               self.admission.max_in_flight)
-                self._events.emit("skipped", step=step, tier=tier, rank=self.rank,
-                                  reason="saves in flight at the cap")
+                logger.warning(
+                    "skipping the save of step %d: %d disk saves already in flight "
+                    "(Admission.when_busy='skip')",
+                    step,
+                    self.admission.max_in_flight,
+                )
+                self._events.emit(
+                    "skipped",
+                    step=step,
+                    tier=tier,
+                    rank=self.rank,
+                    reason="saves in flight at the cap",
+                )
                 self.last_stall_secs = time.perf_counter() - t0
                 return Decision()
-            while (local := [r for r in self._in_flight if r.tier == "local"]) and \
-                    len(local) >= self.admission.max_in_flight:
+            while (local := [r for r in self._in_flight if r.tier == "local"]) and len(
+                local
+            ) >= self.admission.max_in_flight:
                 self._wait(local[0])
                 self._reap()
         self._start(step, app_state, decision, t0)
@@ -250,8 +284,10 @@ class CheckpointManager:
         return decision
 
     def _refuse(self, step: int, tier: str, why: str, t0: float) -> Decision:
-        message = (f"step {step} was not saved to the {tier} tier: {why}. Nothing was written; "
-                   "free space, keep fewer steps or lower the cadence.")
+        message = (
+            f"step {step} was not saved to the {tier} tier: {why}. Nothing was written; "
+            "free space, keep fewer steps or lower the cadence."
+        )
         if self.admission.when_full == "raise":
             raise InsufficientSpaceError(28, message)
         self.skipped_saves += 1
@@ -270,15 +306,21 @@ class CheckpointManager:
             assert self._memory is not None
             # Two slots, allocated once in tmpfs (which is RAM), then reused.
             new = 0 if self._memory.buffers_ready() else 2 * nbytes
-            headroom = Headroom(self._ranks_on_node, new_tier_bytes=new, new_ram_bytes=new,
-                                ram_available=self._ram_available(),
-                                tier_free=self._memory.backend.free_bytes())
+            headroom = Headroom(
+                self._ranks_on_node,
+                new_tier_bytes=new,
+                new_ram_bytes=new,
+                ram_available=self._ram_available(),
+                tier_free=self._memory.backend.free_bytes(),
+            )
         else:
             headroom = Headroom(
-                self._ranks_on_node, new_tier_bytes=nbytes,
+                self._ranks_on_node,
+                new_tier_bytes=nbytes,
                 new_ram_bytes=0 if self._local.staging_buffers_ready() >= 2 else nbytes,
                 ram_available=self._ram_available(),
-                tier_free=self._local.local_tier.backend.free_bytes())
+                tier_free=self._local.local_tier.backend.free_bytes(),
+            )
         return shortfall(self.admission, headroom, tier)
 
     def _ram_available(self) -> int | None:
@@ -298,8 +340,12 @@ class CheckpointManager:
         if decision.local:
             if not decision.remote:
                 self._local.keep_local(name)
-            future = dcp.async_save(app_state, checkpoint_id=name, storage_writer=self._local,
-                                    process_group=self._save_pg)
+            future = dcp.async_save(
+                app_state,
+                checkpoint_id=name,
+                storage_writer=self._local,
+                process_group=self._save_pg,
+            )
             stage_s, nbytes = self._local.last_stall_secs, self._local.last_staged_bytes
         else:
             assert self._memory is not None
@@ -307,11 +353,18 @@ class CheckpointManager:
             stage_s, nbytes = self._memory.last_copy_secs, self._memory.last_bytes
         stall = time.perf_counter() - t0
         self.last_stall_secs = stall
-        self._in_flight.append(_InFlight(
-            step=step, tier="local" if decision.local else "memory",
-            remote=decision.remote and self._remote is not None, future=future,
-            started=started, stall_s=stall, stage_s=stage_s, nbytes=nbytes,
-        ))
+        self._in_flight.append(
+            _InFlight(
+                step=step,
+                tier="local" if decision.local else "memory",
+                remote=decision.remote and self._remote is not None,
+                future=future,
+                started=started,
+                stall_s=stall,
+                stage_s=stage_s,
+                nbytes=nbytes,
+            )
+        )
 
     def _start_memory(self, name: str, app_state: dict[str, Any]) -> Future[dict[str, float]]:
         assert self._memory is not None
@@ -350,8 +403,9 @@ class CheckpointManager:
             if error is not None:
                 self._fail(rec, rec.tier, error)
                 continue
-            rec.timings = (rec.future.result() if rec.tier == "memory"
-                           else self._local.pop_timings(rec.name))
+            rec.timings = (
+                rec.future.result() if rec.tier == "memory" else self._local.pop_timings(rec.name)
+            )
             if rec.timings.get("uploads"):  # this process promotes its node's copy
                 self._uploading.append(rec)
             else:
@@ -379,15 +433,22 @@ class CheckpointManager:
         """A save the tier had no room for after all (the state grew past the estimate, or
         something else filled the disk): under ``when_full='skip'`` it is skipped, not failed."""
         return self.admission.when_full == "skip" and any(
-            isinstance(c, InsufficientSpaceError) for c in causes(error))
+            isinstance(c, InsufficientSpaceError) for c in causes(error)
+        )
 
     def _skip_unfit(self, rec: _InFlight, error: BaseException) -> None:
         self.skipped_saves += 1
-        logger.warning("step %d was not saved to the %s tier, which had no room for it after "
-                       "all (Admission.when_full='skip'; nothing of it was kept, earlier steps "
-                       "are intact): %s", rec.step, rec.tier, describe(error))
-        self._events.emit("skipped", step=rec.step, tier=rec.tier, rank=self.rank,
-                          reason=describe(error))
+        logger.warning(
+            "step %d was not saved to the %s tier, which had no room for it after "
+            "all (Admission.when_full='skip'; nothing of it was kept, earlier steps "
+            "are intact): %s",
+            rec.step,
+            rec.tier,
+            describe(error),
+        )
+        self._events.emit(
+            "skipped", step=rec.step, tier=rec.tier, rank=self.rank, reason=describe(error)
+        )
 
     def _upload_future(self, rec: _InFlight) -> Future[None] | None:
         """This rank's promotion of the step, if this rank's node leader is this process."""
@@ -396,36 +457,56 @@ class CheckpointManager:
         return uploads.uploader_for(self._local.local_tier, self._remote).future(rec.name)
 
     def _fail(self, rec: _InFlight, tier: str, error: BaseException) -> None:
-        where = (self._remote.config.url if tier == "remote" and self._remote is not None
-                 else self._memory.root if tier == "memory" and self._memory is not None
-                 else self._local.root)
+        where = (
+            self._remote.config.url
+            if tier == "remote" and self._remote is not None
+            else self._memory.root
+            if tier == "memory" and self._memory is not None
+            else self._local.root
+        )
         self._failures.append(failure(self.rank, rec.name, tier, where, error))
-        self._events.emit("failed", step=rec.step, rank=self.rank, tier=tier, where=where,
-                          error=describe(error))
+        self._events.emit(
+            "failed", step=rec.step, rank=self.rank, tier=tier, where=where, error=describe(error)
+        )
 
     def _emit(self, rec: _InFlight) -> None:
         fields: dict[str, Any] = {
-            "step": rec.step, "rank": self.rank,
-            "tier": rec.tier, "remote": rec.remote, "bytes": rec.nbytes,
-            "stall_s": round(rec.stall_s, 6), "stage_s": round(rec.stage_s, 6),
+            "step": rec.step,
+            "rank": self.rank,
+            "tier": rec.tier,
+            "remote": rec.remote,
+            "bytes": rec.nbytes,
+            "stall_s": round(rec.stall_s, 6),
+            "stage_s": round(rec.stage_s, 6),
             "local_write_s": _round(rec.timings.get("write_s")),
             "commit_s": _round(rec.timings.get("commit_s")),
-            "upload_s": None, "durable_at": None, "durable_after_s": None,
+            "upload_s": None,
+            "durable_at": None,
+            "durable_after_s": None,
         }
-        times = (uploads.uploader_for(self._local.local_tier, self._remote).times(rec.name)
-                 if rec.upload is not None and self._remote is not None else None)
+        times = (
+            uploads.uploader_for(self._local.local_tier, self._remote).times(rec.name)
+            if rec.upload is not None and self._remote is not None
+            else None
+        )
         if times is not None:
-            fields.update(upload_s=round(times[1] - times[0], 6), durable_at=round(times[1], 6),
-                          durable_after_s=round(times[1] - rec.started, 6))
+            fields.update(
+                upload_s=round(times[1] - times[0], 6),
+                durable_at=round(times[1], 6),
+                durable_after_s=round(times[1] - rec.started, 6),
+            )
         self._events.emit("saved", **fields)
 
     # ------------------------------------------------------------ agreement across ranks
 
     def _raise_failures(self) -> None:
         mine, self._failures = self._failures, []
-        raise_failures(self._agree, mine, "checkpoint failure(s) since the last save",
-                       "Earlier committed steps are intact; fix the cause and keep training, "
-                       "or restore")
+        raise_failures(
+            self._agree,
+            mine,
+            "checkpoint failure(s) since the last save",
+            "Earlier committed steps are intact; fix the cause and keep training, or restore",
+        )
 
     # ------------------------------------------------------------ retention
 
@@ -437,8 +518,9 @@ class CheckpointManager:
     def _prune(self) -> None:
         try:
             if self._local_keeper is not None:
-                housekeeping.prune_local(self._local.local_tier, self.retention.local, self._remote,
-                                         label="local")
+                housekeeping.prune_local(
+                    self._local.local_tier, self.retention.local, self._remote, label="local"
+                )
             if self.rank == 0 and self._remote is not None and self.retention.remote is not None:
                 housekeeping.prune_remote(self._remote, self.retention.remote)
         except Exception as e:
@@ -446,8 +528,13 @@ class CheckpointManager:
 
     # ------------------------------------------------------------ restore
 
-    def restore(self, app_state: dict[str, Any], step: int | None = None, *,
-                on_unreadable_tier: str = "raise") -> int | None:
+    def restore(
+        self,
+        app_state: dict[str, Any],
+        step: int | None = None,
+        *,
+        on_unreadable_tier: str = "raise",
+    ) -> int | None:
         """Load the newest step that verifies (or ``step``) into ``app_state``.
 
         Looks in memory, then the local disk, then the remote tier, and falls back to older
@@ -460,15 +547,23 @@ class CheckpointManager:
         from scratch (or from an older step) while newer ones may exist. With
         ``on_unreadable_tier="skip"`` it restores from the tiers it can read, with an ERROR log.
         """
+
         def load(candidate: tuple[str, str]) -> str | None:
             name, tier = candidate
-            return (self._load_memory(name, app_state) if tier == "memory"
-                    else self._load_dcp(name, app_state))
+            return (
+                self._load_memory(name, app_state)
+                if tier == "memory"
+                else self._load_dcp(name, app_state)
+            )
 
         chosen = self._lifecycle.restore(
             lambda with_remote: self._candidates(step, self._remote if with_remote else None),
-            load, on_unreadable_tier=on_unreadable_tier, retry="restore",
-            name=lambda c: f"{c[0]} from the {c[1]} tier", abandon=self._abandon)
+            load,
+            on_unreadable_tier=on_unreadable_tier,
+            retry="restore",
+            name=lambda c: f"{c[0]} from the {c[1]} tier",
+            abandon=self._abandon,
+        )
         if chosen is None:
             if step is not None:
                 raise CheckpointNotFoundError(f"step {step} is in no tier of this manager")
@@ -481,24 +576,35 @@ class CheckpointManager:
         self._events.emit("restored", step=number, tier=tier, rank=self.rank)
         if tier == "memory" and (name, "local") not in self._lifecycle.listed:
             # Only host memory has it: persist it down the tiers before going on.
-            self._start(number, app_state, Decision(local=True, remote=self._remote is not None),
-                        time.perf_counter())
+            self._start(
+                number,
+                app_state,
+                Decision(local=True, remote=self._remote is not None),
+                time.perf_counter(),
+            )
         return number + 1
 
     def _abandon(self, skipped: list[tuple[str, str]], chosen: tuple[str, str]) -> None:
         """Steps newer than the one restored are abandoned: training saves them again."""
         number = layout.step_number(chosen[0]) or -1
         newer = sorted({n for n, _ in skipped if (layout.step_number(n) or -1) > number})
-        self._lifecycle.quarantine(self._local.root, newer,
-                                   reason=f"a restore fell back past it to {chosen[0]}")
+        self._lifecycle.quarantine(
+            self._local.root, newer, reason=f"a restore fell back past it to {chosen[0]}"
+        )
 
     def _load_dcp(self, name: str, app_state: dict[str, Any]) -> str | None:
-        reader = TieredStorageReader(self._local.root, remote=self._remote.config
-                                     if self._remote is not None else None,
-                                     allow_pickle=self.allow_pickle)
+        reader = TieredStorageReader(
+            self._local.root,
+            remote=self._remote.config if self._remote is not None else None,
+            allow_pickle=self.allow_pickle,
+        )
         try:
-            dcp.load(self._loadable(app_state, reader, name), checkpoint_id=name,
-                     storage_reader=reader, process_group=self._save_pg)
+            dcp.load(
+                self._loadable(app_state, reader, name),
+                checkpoint_id=name,
+                storage_reader=reader,
+                process_group=self._save_pg,
+            )
         except (CheckpointException, DcpTieredError) as e:  # DCP told every rank already
             return describe(e)
         return None
@@ -512,8 +618,7 @@ class CheckpointManager:
             return f"rank {self.rank}: {type(e).__name__}: {e}"
         return None
 
-    def _candidates(self, step: int | None,
-                    remote: RemoteBackend | None) -> list[tuple[str, str]]:
+    def _candidates(self, step: int | None, remote: RemoteBackend | None) -> list[tuple[str, str]]:
         """(step name, tier) pairs to try, newest first, nearest tier first."""
         found: list[tuple[int, int, str, str]] = []
         order = {"memory": 0, "local": 1}
@@ -527,8 +632,9 @@ class CheckpointManager:
         found.sort(key=lambda f: (-f[0], order[f[3]], -f[1]))
         return [(name, tier) for _, _, name, tier in found if layout.step_number(name) is not None]
 
-    def _loadable(self, app_state: dict[str, Any], reader: TieredStorageReader,
-                  name: str) -> dict[str, Any]:
+    def _loadable(
+        self, app_state: dict[str, Any], reader: TieredStorageReader, name: str
+    ) -> dict[str, Any]:
         """``app_state`` without per-rank states the step lacks (it was saved by fewer ranks)."""
         rank_states = {k: v for k, v in app_state.items() if isinstance(v, RankState)}
         if not rank_states:
@@ -539,8 +645,13 @@ class CheckpointManager:
         for k, rs in rank_states.items():
             prefix = f"{k}.{rs.key}."
             if not any(fqn.startswith(prefix) for fqn in keys):
-                logger.warning("%s holds no %s state for rank %d (saved with fewer ranks?): "
-                               "its RNG and data position start fresh", name, k, self.rank)
+                logger.warning(
+                    "%s holds no %s state for rank %d (saved with fewer ranks?): "
+                    "its RNG and data position start fresh",
+                    name,
+                    k,
+                    self.rank,
+                )
                 del out[k]
         return out
 
@@ -566,10 +677,14 @@ class CheckpointManager:
                 if deadline is not None and time.monotonic() > deadline:
                     for rec in list(self._uploading):
                         self._uploading.remove(rec)
-                        self._fail(rec, "remote", TimeoutError(
-                            f"not durable after close(timeout_secs={timeout_secs})"))
-                failed, pending = self._agree.vote([int(bool(self._failures)),
-                                                    int(bool(self._uploading))])
+                        self._fail(
+                            rec,
+                            "remote",
+                            TimeoutError(f"not durable after close(timeout_secs={timeout_secs})"),
+                        )
+                failed, pending = self._agree.vote(
+                    [int(bool(self._failures)), int(bool(self._uploading))]
+                )
                 if failed:
                     self._raise_failures()
                 if not pending:

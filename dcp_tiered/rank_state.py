@@ -29,10 +29,18 @@ def capture_rng() -> dict[str, Any]:
     version, py_state, gauss = random.getstate()
     np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)
     state: dict[str, Any] = {
-        "python": {"version": version, "state": torch.tensor(py_state, dtype=torch.int64),
-                   "gauss": gauss},
-        "numpy": {"kind": np_kind, "keys": torch.from_numpy(np_keys.astype(np.int64)),
-                  "pos": int(np_pos), "has_gauss": int(np_has_gauss), "gauss": float(np_gauss)},
+        "python": {
+            "version": version,
+            "state": torch.tensor(py_state, dtype=torch.int64),
+            "gauss": gauss,
+        },
+        "numpy": {
+            "kind": np_kind,
+            "keys": torch.from_numpy(np_keys.astype(np.int64)),
+            "pos": int(np_pos),
+            "has_gauss": int(np_has_gauss),
+            "gauss": float(np_gauss),
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -44,16 +52,20 @@ def restore_rng(state: Mapping[str, Any]) -> None:
     py = state["python"]
     random.setstate((py["version"], tuple(int(v) for v in py["state"].tolist()), py["gauss"]))
     n = state["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"],
-                         n["has_gauss"], n["gauss"]))
+    np.random.set_state(
+        (n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"])
+    )
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         saved = list(state["cuda"])
         if len(saved) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(saved)
         else:
-            logger.warning("CUDA RNG states of %d devices saved, %d present: not restored",
-                           len(saved), torch.cuda.device_count())
+            logger.warning(
+                "CUDA RNG states of %d devices saved, %d present: not restored",
+                len(saved),
+                torch.cuda.device_count(),
+            )
 
 
 class RankState(Stateful):

@@ -179,8 +179,9 @@ class TieredStorageReader(StorageReader):
             except (ManifestError, OSError) as e:
                 if not step.remote:
                     raise
-                logger.warning("local manifest of %s is unusable (%s); using the remote one",
-                               step.name, e)
+                logger.warning(
+                    "local manifest of %s is unusable (%s); using the remote one", step.name, e
+                )
         assert self._remote is not None
         self._keys = None
         key = self._remote_keys_of(step.name).manifest
@@ -190,8 +191,9 @@ class TieredStorageReader(StorageReader):
         assert self._remote is not None
         keys = remote_tier.keys_of_step(self._remote, step)
         if keys is None:
-            raise CheckpointNotFoundError(f"step {step!r} is not committed on "
-                                          f"{self._remote.config.url}")
+            raise CheckpointNotFoundError(
+                f"step {step!r} is not committed on {self._remote.config.url}"
+            )
         return keys
 
     def _read_vanilla_metadata(self) -> Metadata:
@@ -212,7 +214,8 @@ class TieredStorageReader(StorageReader):
         }
         # Older writers have no transform_descriptors field at all.
         self._descriptors = {
-            idx: tuple(descs) for idx, info in md.storage_data.items()
+            idx: tuple(descs)
+            for idx, info in md.storage_data.items()
             if (descs := getattr(info, "transform_descriptors", None))
         }
         self._check_extensions(where)
@@ -233,9 +236,11 @@ class TieredStorageReader(StorageReader):
                 ):
                     fix = "install zstandard in this environment (pip install zstandard)"
                 else:
-                    fix = ("register the extension's class in an ExtensionRegistry and pass it as "
-                           "TieredStorageReader(..., extension_registry=registry), as you would "
-                           "to FileSystemReader(..., _extension_registry=registry)")
+                    fix = (
+                        "register the extension's class in an ExtensionRegistry and pass it as "
+                        "TieredStorageReader(..., extension_registry=registry), as you would "
+                        "to FileSystemReader(..., _extension_registry=registry)"
+                    )
                 raise UnsupportedExtensionError(
                     f"{where}: item {idx.fqn!r} in data file {name!r} was written with the DCP "
                     f"stream extension(s) {list(descs)}, which this reader cannot apply ({e}). "
@@ -284,8 +289,9 @@ class TieredStorageReader(StorageReader):
         """Whether to read ``name`` from the local tier (present, with the manifest's size);
         False means the remote, and raises when there is none to fall back on."""
         can_fetch = self._remote is not None and self._manifest is not None
-        here = (bool(self._step and self._step.local)
-                and self._tier.backend.is_regular_file(*self._dir, name))  # no links, FIFOs
+        here = bool(self._step and self._step.local) and self._tier.backend.is_regular_file(
+            *self._dir, name
+        )  # no links, FIFOs
         if here:
             size = self._tier.backend.file_size(*self._dir, name)
             expected = int(self._manifest.files[name]["size"]) if self._manifest else size
@@ -297,8 +303,13 @@ class TieredStorageReader(StorageReader):
                     f"corrupt data in step {self.checkpoint_id!r}: file {name!r} in {self.root}: "
                     f"{problem}. Restore it from another tier or load an earlier step."
                 )
-            logger.warning("%s of step %s: %s; reading it from %s", name, self.checkpoint_id,
-                           problem, self._remote.config.url if self._remote else "")
+            logger.warning(
+                "%s of step %s: %s; reading it from %s",
+                name,
+                self.checkpoint_id,
+                problem,
+                self._remote.config.url if self._remote else "",
+            )
         elif not can_fetch:
             raise MissingShardError(
                 f"data file {name!r} of step {self.checkpoint_id!r} is missing (or not a "
@@ -317,21 +328,26 @@ class TieredStorageReader(StorageReader):
         into the target (no staging buffer, no copy). Other items go through one of two
         reused buffers.
         """
-        jobs = [_Job(name, index, group) for name, items in files
-                for index, group in _by_storage_index(items)]
+        jobs = [
+            _Job(name, index, group)
+            for name, items in files
+            for index, group in _by_storage_index(items)
+        ]
         if not jobs:
             return
         opened: dict[str, Any] = {}
         # The pool is left first, so a read still in flight finishes before any file closes.
-        with contextlib.ExitStack() as open_files, ThreadPoolExecutor(
-            1, thread_name_prefix="dcp-tiered-read"
-        ) as pool:
+        with (
+            contextlib.ExitStack() as open_files,
+            ThreadPoolExecutor(1, thread_name_prefix="dcp-tiered-read") as pool,
+        ):
 
             def read(n: int) -> list[memoryview]:  # runs on the helper thread only
                 job = jobs[n]
                 if job.name not in opened:
                     opened[job.name] = open_files.enter_context(
-                        self._tier.backend.open_read(*self._dir, job.name))
+                        self._tier.backend.open_read(*self._dir, job.name)
+                    )
                 loc = self._locations[job.index]
                 if job.direct:
                     parts = self._direct_parts(loc, job.target)
@@ -358,7 +374,10 @@ class TieredStorageReader(StorageReader):
                 if problem and self._remote is not None and self._manifest is not None:
                     logger.warning(
                         "local copy of %s in step %s is corrupt (%s, item %s); reading it from %s",
-                        job.name, self.checkpoint_id, problem, job.index.fqn,
+                        job.name,
+                        self.checkpoint_id,
+                        problem,
+                        job.index.fqn,
                         self._remote.config.url,
                     )
                     parts = [memoryview(self._fetch(job.name, loc.offset, loc.offset + loc.length))]
@@ -379,15 +398,21 @@ class TieredStorageReader(StorageReader):
             return
         item = job.group[0]
         sizes, dtype = self._chunks[job.index]
-        if item.type != LoadItemType.TENSOR or any(item.storage_offsets) or (
-            tuple(item.lengths) != tuple(sizes)
+        if (
+            item.type != LoadItemType.TENSOR
+            or any(item.storage_offsets)
+            or (tuple(item.lengths) != tuple(sizes))
         ):
             return  # only part of the stored chunk is wanted (resharding)
         target = planner.resolve_tensor(item).detach()
         job.target = target
         job.direct = (
-            type(target) is torch.Tensor and target.device.type == "cpu" and target.dtype == dtype
-            and target.size() == sizes and target.is_contiguous() and target.layout == torch.strided
+            type(target) is torch.Tensor
+            and target.device.type == "cpu"
+            and target.dtype == dtype
+            and target.size() == sizes
+            and target.is_contiguous()
+            and target.layout == torch.strided
             and loc.raw_offset + target.nbytes <= loc.length
         )
 
@@ -399,7 +424,9 @@ class TieredStorageReader(StorageReader):
         tail = loc.length - loc.raw_offset - target.nbytes
         return [memoryview(bytearray(loc.raw_offset)), body, memoryview(bytearray(tail))]
 
-    def _remote_payloads(self, name: str, items: list[ReadItem]) -> Iterator[tuple[ReadItem, bytes]]:
+    def _remote_payloads(
+        self, name: str, items: list[ReadItem]
+    ) -> Iterator[tuple[ReadItem, bytes]]:
         """Coalesced ranged GETs, a few in flight at once, delivered in file order."""
         assert self._remote is not None
         groups = list(_by_storage_index(items))
@@ -438,7 +465,8 @@ class TieredStorageReader(StorageReader):
                     f"the remote copy of step {self._step.name!r} on {self._remote.config.url} "
                     f"is another save ({keys.save_id}) than the local one "
                     f"({self._manifest.save_id}): two jobs saved this step name. Its files "
-                    "cannot stand in for the local copy's; restore another step.")
+                    "cannot stand in for the local copy's; restore another step."
+                )
             self._keys = keys
         return self._keys
 
@@ -475,7 +503,10 @@ class TieredStorageReader(StorageReader):
     # ------------------------------------------------------------ delivery
 
     def _deliver(
-        self, item: ReadItem, data: bytes | memoryview, planner: LoadPlanner,
+        self,
+        item: ReadItem,
+        data: bytes | memoryview,
+        planner: LoadPlanner,
         target: torch.Tensor | None = None,
     ) -> None:
         """Hands one item's verified bytes to the planner (``target``: already resolved)."""
@@ -562,16 +593,32 @@ class TieredStorageReader(StorageReader):
         done (a full or read-only disk, ...) the load, which has succeeded, is not failed."""
         assert self._remote is not None and self._manifest is not None and self._step is not None
         try:
-            remote_tier.hydrate_step(self._tier, self._remote, self._step.name, self._manifest,
-                                     names, self._remote_keys())
+            remote_tier.hydrate_step(
+                self._tier,
+                self._remote,
+                self._step.name,
+                self._manifest,
+                names,
+                self._remote_keys(),
+            )
         except (DcpTieredError, OSError) as e:
-            logger.warning("hydration of step %s into %s skipped: %s: %s. The load itself "
-                           "succeeded (from %s); nothing was left on the local tier.",
-                           self._step.name, self.root, type(e).__name__, e,
-                           self._remote.config.url)
+            logger.warning(
+                "hydration of step %s into %s skipped: %s: %s. The load itself "
+                "succeeded (from %s); nothing was left on the local tier.",
+                self._step.name,
+                self.root,
+                type(e).__name__,
+                e,
+                self._remote.config.url,
+            )
             return
-        logger.info("hydrated %s (%s) from %s into %s", self._step.name, ", ".join(names),
-                    self._remote.config.url, self.root)
+        logger.info(
+            "hydrated %s (%s) from %s into %s",
+            self._step.name,
+            ", ".join(names),
+            self._remote.config.url,
+            self.root,
+        )
 
 
 @dataclass
@@ -602,8 +649,10 @@ def _coalesce(locs: list[ItemLocation]) -> list[tuple[int, int]]:
     ranges: list[list[int]] = []
     for loc in locs:
         start, end = loc.offset, loc.offset + loc.length
-        if ranges and start - ranges[-1][1] <= _RANGE_MERGE_GAP_BYTES and (
-            end - ranges[-1][0] <= _RANGE_MAX_BYTES
+        if (
+            ranges
+            and start - ranges[-1][1] <= _RANGE_MERGE_GAP_BYTES
+            and (end - ranges[-1][0] <= _RANGE_MAX_BYTES)
         ):
             ranges[-1][1] = max(ranges[-1][1], end)
         else:

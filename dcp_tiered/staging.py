@@ -159,8 +159,10 @@ class DoubleBufferStager:
                 # Not DCP's executor as we know it (another torch?): we cannot tell when this
                 # save is done, so its buffers are never handed out again. The in-flight save
                 # keeps them alive; the next stage into this slot allocates fresh ones.
-                logger.warning("cannot track this async save's thread; staging buffers will "
-                               "not be reused for it")
+                logger.warning(
+                    "cannot track this async save's thread; staging buffers will "
+                    "not be reused for it"
+                )
                 slot.buffers, slot.signature = None, None
 
     # ------------------------------------------------------------ ordering
@@ -197,5 +199,3 @@ class DoubleBufferStager:
     def close(self) -> None:
         self._wait_for([t for s in self._slots for t in s.threads], what="an async save")
         self._slots = [_Slot(), _Slot()]
-
-

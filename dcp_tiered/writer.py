@@ -109,8 +109,9 @@ class _SaveFacts:
     @classmethod
     def decode(cls, raw: bytes) -> _SaveFacts:
         body = json.loads(raw)
-        return cls(step=str(body["step"]), save_id=str(body["save_id"]),
-                   promote=bool(body["promote"]))
+        return cls(
+            step=str(body["step"]), save_id=str(body["save_id"]), promote=bool(body["promote"])
+        )
 
 
 @dataclass(frozen=True)
@@ -184,8 +185,10 @@ class TieredStorageWriter(StorageWriter):
     ) -> None:
         super().__init__()
         if collective_timeout_warn_secs is not None and not collective_timeout_warn_secs > 0:
-            raise ConfigError("collective_timeout_warn_secs must be > 0 (or None to disable), "
-                              f"got {collective_timeout_warn_secs}")
+            raise ConfigError(
+                "collective_timeout_warn_secs must be > 0 (or None to disable), "
+                f"got {collective_timeout_warn_secs}"
+            )
         if thread_count < 1:
             raise ConfigError(f"thread_count must be >= 1, got {thread_count}")
         if free_space_margin_bytes < 0:
@@ -275,8 +278,12 @@ class TieredStorageWriter(StorageWriter):
         try:
             self._remote.probe()
         except TransientTierError as e:
-            logger.warning("remote tier %s cannot be reached now (%s); saves go on and their "
-                           "uploads are retried later", self._remote.config.url, e)
+            logger.warning(
+                "remote tier %s cannot be reached now (%s); saves go on and their "
+                "uploads are retried later",
+                self._remote.config.url,
+                e,
+            )
             return False
         return True
 
@@ -285,13 +292,15 @@ class TieredStorageWriter(StorageWriter):
         for the upload retry policy's minute. The coordinator's root decides: a save it does
         not hold committed can never be committed remotely (its promotion writes the marker)."""
         assert self._remote is not None
-        once = RemoteBackend(dataclasses.replace(self._remote.config,
-                                                 retry=RetryConfig(max_attempts=1)))
+        once = RemoteBackend(
+            dataclasses.replace(self._remote.config, retry=RetryConfig(max_attempts=1))
+        )
         try:
             remote_tier.sweep_orphans(self._tier, once)
         except (TierError, OSError) as e:
-            logger.warning("could not look for orphaned uploads on %s: %s",
-                           self._remote.config.url, e)
+            logger.warning(
+                "could not look for orphaned uploads on %s: %s", self._remote.config.url, e
+            )
 
     def _hold_uploads(self) -> None:
         if self._remote is not None and self._uploader is None:
@@ -310,8 +319,9 @@ class TieredStorageWriter(StorageWriter):
         if not isinstance(record, dict):
             record = {}
         if record.get("remote") != url:
-            backend.replace_root_file(layout.TIERS_RECORD,
-                                      json.dumps({**record, "remote": url}).encode())
+            backend.replace_root_file(
+                layout.TIERS_RECORD, json.dumps({**record, "remote": url}).encode()
+            )
 
     # ------------------------------------------------------------ durability
 
@@ -344,7 +354,8 @@ class TieredStorageWriter(StorageWriter):
                 f"step {step!r} is durable on {self._remote.config.url} as another save "
                 f"({marker.get('save_id')}) than this writer's ({mine}): another job (or "
                 f"writer) replaced it in {self.root} (overwrite=True) before it was uploaded. "
-                "This writer's data is not durable; give each job its own root.")
+                "This writer's data is not durable; give each job its own root."
+            )
 
     def keep_local(self, step: str) -> None:
         """Do not copy ``step`` to the remote tier when it is saved (decided by rank 0)."""
@@ -488,8 +499,11 @@ class TieredStorageWriter(StorageWriter):
                 f"step {step!r} is already committed in {self.root}; choose a new step name "
                 "or construct the writer with overwrite=True"
             )
-        if (self._tier.backend.exists(step) and not self._tier.has_step(step)
-                and not self._tier.is_pending(step)):
+        if (
+            self._tier.backend.exists(step)
+            and not self._tier.has_step(step)
+            and not self._tier.is_pending(step)
+        ):
             raise ForeignPathError(
                 f"{self._tier.backend.path_of(step)} exists and is not a checkpoint step (no "
                 "manifest or DCP .metadata); it was left untouched. Move it away, or save "
@@ -501,14 +515,17 @@ class TieredStorageWriter(StorageWriter):
         self._free_bytes = self._tier.backend.free_bytes()
         planned = plan
         if getattr(plan, "usable", True):  # an unusable plan: DCP replays the cached one
-            info = _RankInfo(node_key=self._node_key(), root=self.root, step=step,
-                             free_bytes=self._free_bytes)
+            info = _RankInfo(
+                node_key=self._node_key(), root=self.root, step=step, free_bytes=self._free_bytes
+            )
             planned = dataclasses.replace(plan, storage_data=info)
         if self._use_collectives:
-            self._watch_collective("the plan gather (every rank's local plan to the "
-                                   "coordinator)" if self._coordinator else
-                                   "the plan gather/scatter (this rank's plan to the "
-                                   "coordinator and its global plan back)")
+            self._watch_collective(
+                "the plan gather (every rank's local plan to the coordinator)"
+                if self._coordinator
+                else "the plan gather/scatter (this rank's plan to the "
+                "coordinator and its global plan back)"
+            )
         return planned
 
     def _node_key(self) -> str:
@@ -546,13 +563,15 @@ class TieredStorageWriter(StorageWriter):
             if full is None:
                 raise ConfigError(
                     f"step {step!r}: DCP's plan caching sent a partial plan whose cached global "
-                    "plan cannot be found; save with enable_plan_caching=False")
+                    "plan cannot be found; save with enable_plan_caching=False"
+                )
         infos = [p.storage_data for p in full]
         if not all(isinstance(i, _RankInfo) for i in infos):
             raise ConfigError(
                 f"step {step!r}: a local plan carries no dcp_tiered rank info (another storage "
                 "writer's plan, replayed by DCP's plan caching?); save with one "
-                "TieredStorageWriter on every rank")
+                "TieredStorageWriter on every rank"
+            )
         if not _torch_compat.plan_cache_in_use():
             # Every plan was made for this save: refuse early, before any rank writes. With a
             # cached plan each rank checks its own node in write_data instead.
@@ -562,16 +581,20 @@ class TieredStorageWriter(StorageWriter):
         layouts = _layouts(full, infos, _torch_compat.global_rank())
         if not _torch_compat.plan_cache_in_use():
             _check_space(infos, layouts, self.free_space_margin_bytes)
-        return [dataclasses.replace(p, storage_data=lay) if getattr(p, "usable", True) else p
-                for p, lay in zip(plans, layouts)]
+        return [
+            dataclasses.replace(p, storage_data=lay) if getattr(p, "usable", True) else p
+            for p, lay in zip(plans, layouts)
+        ]
 
     def _this_save(self, lay: Any) -> _SaveInfo:
         """This rank's save: its layout from the (possibly replayed) plan, the save's facts from
         the coordinator, both checked before anything is written."""
         if not isinstance(lay, _Layout):
-            raise ConfigError(f"step {self._step!r}: the plan DCP handed to write_data carries "
-                              "no dcp_tiered layout; save with one TieredStorageWriter on "
-                              "every rank")
+            raise ConfigError(
+                f"step {self._step!r}: the plan DCP handed to write_data carries "
+                "no dcp_tiered layout; save with one TieredStorageWriter on "
+                "every rank"
+            )
         facts = self._facts
         if facts is None:  # not the coordinator: it set them before DCP scattered the plan
             store = _torch_compat.default_store()
@@ -583,14 +606,16 @@ class TieredStorageWriter(StorageWriter):
             raise ConfigError(
                 f"ranks disagree on the step name: {sorted({facts.step, str(self._step)})} "
                 f"(rank {lay.rank} saves {self._step!r}, the coordinator {facts.step!r}); pass "
-                "the same checkpoint_id on every rank. Nothing of this save is committed.")
+                "the same checkpoint_id on every rank. Nothing of this save is committed."
+            )
         if lay.node_key != self._node_key():
             _torch_compat.forget_save_plans()
             raise ConfigError(
                 f"step {facts.step!r}: DCP's plan cache (enable_plan_caching=True) replayed a "
                 f"plan made for {lay.node_key}, but this writer saves to {self._node_key()}. "
                 "Nothing was written; this process's plan cache is cleared, so the next save "
-                "plans afresh.")
+                "plans afresh."
+            )
         need = lay.node_bytes + self.free_space_margin_bytes
         if need > self._free_bytes:
             raise InsufficientSpaceError(
@@ -599,7 +624,8 @@ class TieredStorageWriter(StorageWriter):
                 f"{self.free_space_margin_bytes / 2**20:.0f} MiB margin) on {self.root} (node "
                 f"{lay.node}) but only {self._free_bytes / 2**20:.1f} MiB is free; free space "
                 "or keep fewer steps. Nothing was written on this node and earlier steps are "
-                "intact.")
+                "intact.",
+            )
         return save
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -620,8 +646,11 @@ class TieredStorageWriter(StorageWriter):
         self._save_ids[save.step] = save.save_id
         while len(self._save_ids) > 1024:  # bounded, oldest first
             self._save_ids.pop(next(iter(self._save_ids)))
-        self._record_timing(save.step, write_s=time.perf_counter() - started,
-                            uploads=float(save.node_leader and save.promote))
+        self._record_timing(
+            save.step,
+            write_s=time.perf_counter() - started,
+            uploads=float(save.node_leader and save.promote),
+        )
         logger.debug(
             "rank %d wrote %d items of step %s to %s", save.rank, len(results), save.step, self.root
         )
@@ -633,9 +662,11 @@ class TieredStorageWriter(StorageWriter):
         else:
             LocalBackend.unlock(lock)
         if self._use_collectives:
-            self._watch_collective("the final gather of write results before finish"
-                                   if self._coordinator else "the final gather of write results "
-                                   "(and the coordinator's finish)")
+            self._watch_collective(
+                "the final gather of write results before finish"
+                if self._coordinator
+                else "the final gather of write results (and the coordinator's finish)"
+            )
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -653,20 +684,22 @@ class TieredStorageWriter(StorageWriter):
             if not backend.is_locked(save.tmp):
                 commit.discard_tmp(backend, save.tmp, reason=f"the save of {save.step} failed")
         except OSError as e:  # the original error is the one to report
-            logger.warning("could not remove the files of the failed save of %s: %s", save.step,
-                           e)
+            logger.warning("could not remove the files of the failed save of %s: %s", save.step, e)
 
     def _write_items(
         self, save: _SaveInfo, items: Sequence[WriteItem], planner: SavePlanner
     ) -> list[WriteResult]:
         buckets = _split_by_size(items, self.thread_count)
         jobs = [
-            (layout.data_file_name(save.rank, i), bucket) for i, bucket in enumerate(buckets) if bucket
+            (layout.data_file_name(save.rank, i), bucket)
+            for i, bucket in enumerate(buckets)
+            if bucket
         ]
         if len(jobs) <= 1:
             return [r for name, b in jobs for r in self._write_file(save, name, b, planner)]
-        with ThreadPoolExecutor(len(jobs), thread_name_prefix="dcp-tiered-write",
-                                initializer=lower_this_thread) as pool:
+        with ThreadPoolExecutor(
+            len(jobs), thread_name_prefix="dcp-tiered-write", initializer=lower_this_thread
+        ) as pool:
             futures = [pool.submit(self._write_file, save, n, b, planner) for n, b in jobs]
             return [r for f in futures for r in f.result()]
 
@@ -691,9 +724,7 @@ class TieredStorageWriter(StorageWriter):
                             raise out.error from e
                         raise
                     raw_offset = out.raw_offset(offset, tensor.numel() * tensor.element_size())
-                placed.append(
-                    (item.index, offset, out.position - offset, out.item_crc, raw_offset)
-                )
+                placed.append((item.index, offset, out.position - offset, out.item_crc, raw_offset))
         file_crc = integrity.format_checksum(out.file_crc)
         if self._remote is not None and save.promote:
             uploader = uploads.uploader_for(self._tier, self._remote)
@@ -730,8 +761,9 @@ class TieredStorageWriter(StorageWriter):
 
         def publish() -> None:
             try:
-                commit.publish_step(backend, save.step, save.save_id, save.tmp,
-                                    overwrite=self.overwrite)
+                commit.publish_step(
+                    backend, save.step, save.save_id, save.tmp, overwrite=self.overwrite
+                )
             finally:
                 LocalBackend.unlock(lock)
             self._promote(save)
@@ -752,9 +784,15 @@ class TieredStorageWriter(StorageWriter):
         other_nodes = sorted(set(node_of) - {node_of[0]})
         self._save = None
         if metadata.storage_meta is not None and metadata.storage_meta.checkpoint_id not in (
-                None, save.step):  # DCP's plan caching replays an earlier save's metadata
-            metadata = dataclasses.replace(metadata, storage_meta=dataclasses.replace(
-                metadata.storage_meta, checkpoint_id=save.step, save_id=None))
+            None,
+            save.step,
+        ):  # DCP's plan caching replays an earlier save's metadata
+            metadata = dataclasses.replace(
+                metadata,
+                storage_meta=dataclasses.replace(
+                    metadata.storage_meta, checkpoint_id=save.step, save_id=None
+                ),
+            )
         backend = self._tier.backend
         locations = {wr.index: wr.storage_data for rs in results for wr in rs}
         manifest_bytes = manifest.build(
@@ -774,8 +812,9 @@ class TieredStorageWriter(StorageWriter):
             commit.publish_step(backend, save.step, save.save_id, tmp, overwrite=self.overwrite)
 
         try:
-            commit.write_step_files(backend, tmp, manifest_bytes, metadata_bytes,
-                                    sync=self.sync_files)
+            commit.write_step_files(
+                backend, tmp, manifest_bytes, metadata_bytes, sync=self.sync_files
+            )
             if other_nodes:
                 store = _torch_compat.default_store()
                 handshake = commit.Handshake(store, save.save_id, self.commit_timeout_secs)
@@ -826,10 +865,17 @@ def _layouts(plans: list[SavePlan], infos: list[_RankInfo], coordinator: int) ->
         leader.setdefault(node, rank)
         node_bytes[node] += sum(_planned_bytes(i) for i in plan.items)
     return [
-        _Layout(rank=rank, node=node, node_key=infos[rank].node_key,
-                node_leader=leader[node] == rank, coordinator_node=node == node_of[0],
-                world_size=len(plans), node_bytes=node_bytes[node], coordinator=coordinator,
-                node_of=tuple(node_of) if rank == 0 else ())
+        _Layout(
+            rank=rank,
+            node=node,
+            node_key=infos[rank].node_key,
+            node_leader=leader[node] == rank,
+            coordinator_node=node == node_of[0],
+            world_size=len(plans),
+            node_bytes=node_bytes[node],
+            coordinator=coordinator,
+            node_of=tuple(node_of) if rank == 0 else (),
+        )
         for rank, node in enumerate(node_of)
     ]
 
@@ -878,4 +924,3 @@ def _vanilla_metadata(
         storage_meta=metadata.storage_meta or StorageMeta(checkpoint_id=step),
     )
     return pickle.dumps(vanilla, protocol=4)
-

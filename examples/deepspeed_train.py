@@ -34,13 +34,17 @@ def main() -> None:
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config={
-        "train_micro_batch_size_per_gpu": 8,
-        "zero_optimization": {"stage": a.stage},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 10**9,
-    })
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        model_parameters=model.parameters(),
+        config={
+            "train_micro_batch_size_per_gpu": 8,
+            "zero_optimization": {"stage": a.stage},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 10**9,
+        },
+    )
     # The newest checkpoint on either tier: with --remote, also on a fresh node whose save_dir
     # is empty. (None, None) on a first run.
     path, client = engine.load_checkpoint(a.save_dir)

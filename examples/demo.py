@@ -23,8 +23,16 @@ MEMORY = Path("/dev/shm") / f"dcp-tiered-demo-{os.getuid()}"
 
 
 def torchrun(*args: str, quiet_stderr: bool = False) -> int:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "--max-restarts=0", str(HERE / "fsdp2_train.py"), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "--max-restarts=0",
+        str(HERE / "fsdp2_train.py"),
+        *args,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     stderr = subprocess.DEVNULL if quiet_stderr else None  # torchrun's report of the kill
     return subprocess.run(cmd, env=env, stderr=stderr).returncode
@@ -43,19 +51,48 @@ def main() -> int:
 def run() -> int:
     for tier in (MEMORY, Path(f"{MEMORY}-reference")):
         shutil.rmtree(tier, ignore_errors=True)
-    print(f"== 1. uninterrupted run (reference); tiers: memory {MEMORY}, local {RUNS}, "
-          f"remote {REMOTE}")
-    if torchrun("--root", str(RUNS / "reference"), "--memory", f"{MEMORY}-reference",
-                "--losses", str(RUNS / "reference.json"), "--remote", REMOTE + "-reference"):
+    print(
+        f"== 1. uninterrupted run (reference); tiers: memory {MEMORY}, local {RUNS}, "
+        f"remote {REMOTE}"
+    )
+    if torchrun(
+        "--root",
+        str(RUNS / "reference"),
+        "--memory",
+        f"{MEMORY}-reference",
+        "--losses",
+        str(RUNS / "reference.json"),
+        "--remote",
+        REMOTE + "-reference",
+    ):
         return 1
     print("\n== 2. run that crashes at step 8")
-    rc = torchrun("--root", str(RUNS / "ckpt"), "--memory", str(MEMORY), "--kill-at", "8",
-                  "--losses", str(RUNS / "x.json"), "--remote", REMOTE, quiet_stderr=True)
+    rc = torchrun(
+        "--root",
+        str(RUNS / "ckpt"),
+        "--memory",
+        str(MEMORY),
+        "--kill-at",
+        "8",
+        "--losses",
+        str(RUNS / "x.json"),
+        "--remote",
+        REMOTE,
+        quiet_stderr=True,
+    )
     print(f"   torchrun exited with {rc}: every rank was SIGKILLed. What the tiers hold now:")
     subprocess.run([sys.executable, "-m", "dcp_tiered.cli", "status", str(RUNS / "ckpt")])
     print("\n== 3. restart: resumes from the newest step of any tier")
-    if torchrun("--root", str(RUNS / "ckpt"), "--memory", str(MEMORY),
-                "--losses", str(RUNS / "resumed.json"), "--remote", REMOTE):
+    if torchrun(
+        "--root",
+        str(RUNS / "ckpt"),
+        "--memory",
+        str(MEMORY),
+        "--losses",
+        str(RUNS / "resumed.json"),
+        "--remote",
+        REMOTE,
+    ):
         return 1
     print("\n   and now:")
     subprocess.run([sys.executable, "-m", "dcp_tiered.cli", "status", str(RUNS / "ckpt")])

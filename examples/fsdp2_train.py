@@ -7,7 +7,6 @@ verifies in any tier. ``--kill-at N`` SIGKILLs every rank at step N (a node fail
 restart then resumes from the newest in-memory snapshot.
 """
 
-
 from __future__ import annotations
 
 import argparse
@@ -40,7 +39,9 @@ class TrainState(Stateful):
         return {"model": msd, "optim": osd}
 
     def load_state_dict(self, sd) -> None:
-        set_state_dict(self.model, self.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        set_state_dict(
+            self.model, self.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"]
+        )
 
 
 def main() -> None:
@@ -69,14 +70,23 @@ def main() -> None:
 
     memory = a.memory or f"/dev/shm/dcp-tiered-{os.path.basename(os.path.abspath(a.root))}"
     mgr = CheckpointManager(
-        memory=memory, local=a.root, remote=a.remote,
-        policy=SavePolicy(memory=Every(steps=1), local=Every(steps=a.save_every),
-                          remote=Every(steps=2 * a.save_every)),
+        memory=memory,
+        local=a.root,
+        remote=a.remote,
+        policy=SavePolicy(
+            memory=Every(steps=1),
+            local=Every(steps=a.save_every),
+            remote=Every(steps=2 * a.save_every),
+        ),
     )
     start = mgr.restore(app_state)  # newest step that verifies in memory, on disk or remote
     if rank == 0:
-        print("no checkpoint yet: starting from scratch" if start is None else
-              f"resumed from step-{mgr.restored_step}", flush=True)
+        print(
+            "no checkpoint yet: starting from scratch"
+            if start is None
+            else f"resumed from step-{mgr.restored_step}",
+            flush=True,
+        )
     losses = {}
     for step in range(start or 0, a.steps):
         if step == a.kill_at:
@@ -94,8 +104,11 @@ def main() -> None:
         where = mgr.save(step, app_state)  # returns once staged; the I/O runs in the background
         if rank == 0:
             tiers = "+".join(t for t in ("memory", "local", "remote") if getattr(where, t))
-            print(f"step {step}: loss {loss.item():.6f}  saved to {tiers or 'nothing'} "
-                  f"(stall {mgr.last_stall_secs * 1e3:.1f} ms)", flush=True)
+            print(
+                f"step {step}: loss {loss.item():.6f}  saved to {tiers or 'nothing'} "
+                f"(stall {mgr.last_stall_secs * 1e3:.1f} ms)",
+                flush=True,
+            )
     mgr.close()  # waits for saves and uploads; any rank's failure is raised on every rank
     if rank == 0:
         with open(a.losses, "w") as f:

@@ -27,14 +27,22 @@ def main() -> None:
     a = p.parse_args()
 
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2,
-                                       n_head=2))
+    model = GPT2LMHeadModel(
+        GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    )
     ids = torch.randint(0, 64, (256, 16), generator=torch.Generator().manual_seed(1))
     data = [{"input_ids": x, "labels": x} for x in ids]
     args = TrainingArguments(
-        output_dir=a.output_dir, max_steps=a.max_steps, save_steps=2, save_total_limit=2,
-        per_device_train_batch_size=4, learning_rate=1e-3, use_cpu=True, report_to=[],
-        ddp_backend="gloo" if "WORLD_SIZE" in os.environ else None, disable_tqdm=True,
+        output_dir=a.output_dir,
+        max_steps=a.max_steps,
+        save_steps=2,
+        save_total_limit=2,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        use_cpu=True,
+        report_to=[],
+        ddp_backend="gloo" if "WORLD_SIZE" in os.environ else None,
+        disable_tqdm=True,
     )
     # The added line: Trainer's checkpoints now go through dcp_tiered.
     trainer = wrap(Trainer(model=model, args=args, train_dataset=data), remote=a.remote)
@@ -44,8 +52,11 @@ def main() -> None:
         print(f"resumed from: {resume or 'none'}", flush=True)
     trainer.train(resume_from_checkpoint=resume is not None)
     if args.process_index == 0:
-        print(f"done at step {trainer.state.global_step}; newest checkpoint: "
-              f"{trainer.dcp_tiered.latest()}", flush=True)
+        print(
+            f"done at step {trainer.state.global_step}; newest checkpoint: "
+            f"{trainer.dcp_tiered.latest()}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

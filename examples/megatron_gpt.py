@@ -38,9 +38,15 @@ def main() -> None:
     cpu.patch_cuda_for_cpu()
     cpu.init_parallel()
 
-    ckpt.initialize(save_mem_interval=1, save_storage_interval=5, max_ckpt_num=2,
-                    log_file_path=os.path.join(a.save, f"easyckpt-rank{rank}.log"),
-                    save=a.save, memory=os.path.join(a.save, "memory"), remote=a.remote)
+    ckpt.initialize(
+        save_mem_interval=1,
+        save_storage_interval=5,
+        max_ckpt_num=2,
+        log_file_path=os.path.join(a.save, f"easyckpt-rank{rank}.log"),
+        save=a.save,
+        memory=os.path.join(a.save, "memory"),
+        remote=a.remote,
+    )
     model = cpu.tiny_gpt(seed=0)
     optimizer = cpu.TorchAdam(model)
     iteration = ckpt.load_checkpoint(model, optimizer, None)

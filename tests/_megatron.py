@@ -47,9 +47,14 @@ def tiny_gpt(seed: int) -> torch.nn.Module:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     torch.manual_seed(seed)
-    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
-                               use_cpu_initialization=True, hidden_dropout=0.0,
-                               attention_dropout=0.0)
+    config = TransformerConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     return GPTModel(config, get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=16)
 
 
@@ -69,8 +74,9 @@ class TorchAdam:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
 
-    def sharded_state_dict(self, model_sharded_state_dict: dict[str, Any],
-                           is_loading: bool = False, **_: Any) -> dict[str, Any]:
+    def sharded_state_dict(
+        self, model_sharded_state_dict: dict[str, Any], is_loading: bool = False, **_: Any
+    ) -> dict[str, Any]:
         from megatron.core.dist_checkpointing.optimizer import (
             get_param_id_to_sharded_param_map,
             optim_state_to_sharding_state,
@@ -80,11 +86,12 @@ class TorchAdam:
             self._init_state()
         # state_dict() aliases the live per-param dicts: copy before editing.
         state = self.optimizer.state_dict()
-        state = {"state": {i: dict(s) for i, s in state["state"].items()},
-                 "param_groups": [dict(g) for g in state["param_groups"]]}
+        state = {
+            "state": {i: dict(s) for i, s in state["state"].items()},
+            "param_groups": [dict(g) for g in state["param_groups"]],
+        }
         steps = {i: s.pop("step") for i, s in state["state"].items() if "step" in s}
-        id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict,
-                                                   self.get_parameters())
+        id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, self.get_parameters())
         optim_state_to_sharding_state(state, id_map)
         if steps:
             state["state"]["common_step"] = next(iter(steps.values()))
@@ -99,9 +106,11 @@ class TorchAdam:
 
     def _init_state(self) -> None:
         for p in self.get_parameters():
-            self.optimizer.state[p] = {"step": torch.tensor(0.0),
-                                       "exp_avg": torch.zeros_like(p),
-                                       "exp_avg_sq": torch.zeros_like(p)}
+            self.optimizer.state[p] = {
+                "step": torch.tensor(0.0),
+                "exp_avg": torch.zeros_like(p),
+                "exp_avg_sq": torch.zeros_like(p),
+            }
 
 
 def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

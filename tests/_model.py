@@ -87,7 +87,9 @@ class AppState(Stateful):
         return {"model": msd, "optim": osd, "extra": self.extra}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        set_state_dict(self.model, self.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        set_state_dict(
+            self.model, self.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"]
+        )
         self.extra = sd["extra"]
 
 

@@ -12,16 +12,30 @@ REPO = Path(__file__).resolve().parents[1]
 WORKERS = REPO / "tests" / "workers"
 
 
-def torchrun(script: str, nproc: int, *args: str, timeout: float = 240, check: bool = True,
-             env: dict | None = None, python: str = sys.executable) -> subprocess.CompletedProcess:
+def torchrun(
+    script: str,
+    nproc: int,
+    *args: str,
+    timeout: float = 240,
+    check: bool = True,
+    env: dict | None = None,
+    python: str = sys.executable,
+) -> subprocess.CompletedProcess:
     """Run tests/workers/<script> on ``nproc`` real gloo ranks (under ``python``'s torch)."""
     cmd = [
-        python, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={nproc}", "--max-restarts=0", str(WORKERS / script), *args,
+        python,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "--max-restarts=0",
+        str(WORKERS / script),
+        *args,
     ]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env,
-                          cwd=REPO)
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO
+    )
     if check and proc.returncode != 0:
         raise AssertionError(
             f"{script} {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
@@ -30,14 +44,24 @@ def torchrun(script: str, nproc: int, *args: str, timeout: float = 240, check: b
     return proc
 
 
-def run_example(script: str, *args: str, ranks: int | None = None, timeout: float = 300,
-                env: dict | None = None) -> str:
+def run_example(
+    script: str, *args: str, ranks: int | None = None, timeout: float = 300, env: dict | None = None
+) -> str:
     """Run examples/<script> (under torchrun with ``ranks``); its stdout, or fail the test."""
-    launcher = ([] if ranks is None else
-                ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"])
-    proc = subprocess.run([sys.executable, *launcher, str(REPO / "examples" / script), *args],
-                          capture_output=True, text=True, timeout=timeout, cwd=REPO, check=False,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    launcher = (
+        []
+        if ranks is None
+        else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+    )
+    proc = subprocess.run(
+        [sys.executable, *launcher, str(REPO / "examples" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc.stdout
 
@@ -63,8 +87,12 @@ class Tmpfs:
         mnt = self.tmp_path / name
         mnt.mkdir()
         options = f"size={size_mib}m" + (f",nr_inodes={inodes}" if inodes else "")
-        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mnt)],
-                              capture_output=True, text=True, check=False)
+        proc = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mnt)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         if proc.returncode != 0:
             pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
         self.mounted.append(mnt)
@@ -76,8 +104,9 @@ class Tmpfs:
         would not stop root) or writable again, or give it another size."""
         options = ["remount"] + ([("ro" if read_only else "rw")] if read_only is not None else [])
         options += [f"size={size_mib}m"] if size_mib is not None else []
-        subprocess.run(["mount", "-o", ",".join(options), str(mnt)], check=True,
-                       capture_output=True)
+        subprocess.run(
+            ["mount", "-o", ",".join(options), str(mnt)], check=True, capture_output=True
+        )
 
     @staticmethod
     def fill_inodes(directory: Path, leave: int = 0) -> list[Path]:
@@ -161,16 +190,37 @@ def fault_proxy(s3):
     """Start a fault proxy in front of the S3 server; returns a function (rate, seed) -> URL."""
     procs = []
 
-    def start(rate: float, seed: int = 0, stall_secs: float = 6.0, deny: str | None = None,
-              corrupt: str | None = None, corrupt_count: int = 1) -> str:
+    def start(
+        rate: float,
+        seed: int = 0,
+        stall_secs: float = 6.0,
+        deny: str | None = None,
+        corrupt: str | None = None,
+        corrupt_count: int = 1,
+    ) -> str:
         port = free_port()
         proc = subprocess.Popen(
-            [sys.executable, str(REPO / "tests" / "faultproxy.py"), "--port", str(port),
-             "--upstream", s3.endpoint, "--rate", str(rate), "--seed", str(seed),
-             "--stall-secs", str(stall_secs), "--max-secs", "900",
-             *(["--deny", deny] if deny else []),
-             *(["--corrupt", corrupt, "--corrupt-count", str(corrupt_count)] if corrupt else [])],
-            stderr=subprocess.PIPE, text=True)
+            [
+                sys.executable,
+                str(REPO / "tests" / "faultproxy.py"),
+                "--port",
+                str(port),
+                "--upstream",
+                s3.endpoint,
+                "--rate",
+                str(rate),
+                "--seed",
+                str(seed),
+                "--stall-secs",
+                str(stall_secs),
+                "--max-secs",
+                "900",
+                *(["--deny", deny] if deny else []),
+                *(["--corrupt", corrupt, "--corrupt-count", str(corrupt_count)] if corrupt else []),
+            ],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         procs.append(proc)
         _wait_for_port(port, proc, "fault proxy")
         return f"http://127.0.0.1:{port}"
@@ -192,9 +242,12 @@ class NcclLikeDefaultGroup:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         directory.mkdir()
-        self.env = {"DCP_TIERED_REFUSED_DIR": str(directory),
-                    "PYTHONPATH": os.pathsep.join(filter(None, [
-                        str(WORKERS / "nccl_like"), os.environ.get("PYTHONPATH")]))}
+        self.env = {
+            "DCP_TIERED_REFUSED_DIR": str(directory),
+            "PYTHONPATH": os.pathsep.join(
+                filter(None, [str(WORKERS / "nccl_like"), os.environ.get("PYTHONPATH")])
+            ),
+        }
 
     def refused(self, processes: int) -> list[str]:
         """Every collective refused, after checking that ``processes`` ran with the guard."""

@@ -20,18 +20,31 @@ import sys
 from aiohttp import ClientSession, ClientTimeout, web
 
 FAULTS = ("500", "503", "reset-before", "reset-mid-body", "stall")
-SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
-            b"<Message>Please reduce your request rate.</Message></Error>")
-DENIED = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>AccessDenied</Code>'
-          b"<Message>Access Denied</Message></Error>")
-INTERNAL = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InternalError</Code>'
-            b"<Message>We encountered an internal error.</Message></Error>")
+SLOWDOWN = (
+    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
+    b"<Message>Please reduce your request rate.</Message></Error>"
+)
+DENIED = (
+    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>AccessDenied</Code>'
+    b"<Message>Access Denied</Message></Error>"
+)
+INTERNAL = (
+    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InternalError</Code>'
+    b"<Message>We encountered an internal error.</Message></Error>"
+)
 HOP = {"transfer-encoding", "connection", "keep-alive", "content-length", "content-encoding"}
 
 
-def build_app(upstream: str, rate: float, seed: int, stall_secs: float, max_secs: float,
-              deny: str | None = None, corrupt: str | None = None,
-              corrupt_count: int = 0) -> web.Application:
+def build_app(
+    upstream: str,
+    rate: float,
+    seed: int,
+    stall_secs: float,
+    max_secs: float,
+    deny: str | None = None,
+    corrupt: str | None = None,
+    corrupt_count: int = 0,
+) -> web.Application:
     rng = random.Random(seed)
     counts = {f: 0 for f in FAULTS} | {"ok": 0, "denied": 0, "corrupted": 0}
     session: dict[str, ClientSession] = {}
@@ -43,8 +56,13 @@ def build_app(upstream: str, rate: float, seed: int, stall_secs: float, max_secs
         if deny and deny in request.path and request.method in ("PUT", "POST"):
             counts["denied"] += 1  # a permanent failure for the writes of chosen keys
             return web.Response(status=403, body=DENIED, content_type="application/xml")
-        if (corrupt and corrupt in request.path and request.method == "PUT" and len(body) > 64
-                and counts["corrupted"] < corrupt_count):
+        if (
+            corrupt
+            and corrupt in request.path
+            and request.method == "PUT"
+            and len(body) > 64
+            and counts["corrupted"] < corrupt_count
+        ):
             counts["corrupted"] += 1  # the signature covers headers only: the store accepts it
             flipped = bytearray(body)
             flipped[len(body) // 2] ^= 0x01
@@ -61,12 +79,18 @@ def build_app(upstream: str, rate: float, seed: int, stall_secs: float, max_secs
         if fault == "stall":
             await asyncio.sleep(stall_secs)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in ("content-length",)}
-        async with session["s"].request(request.method, upstream + request.path_qs,
-                                        headers=headers, data=body,
-                                        allow_redirects=False) as up:
+        async with session["s"].request(
+            request.method,
+            upstream + request.path_qs,
+            headers=headers,
+            data=body,
+            allow_redirects=False,
+        ) as up:
             data = await up.read()
-            out = web.StreamResponse(status=up.status, headers={
-                k: v for k, v in up.headers.items() if k.lower() not in HOP})
+            out = web.StreamResponse(
+                status=up.status,
+                headers={k: v for k, v in up.headers.items() if k.lower() not in HOP},
+            )
             if request.method == "HEAD":  # no body, but the object's length must get through
                 if "Content-Length" in up.headers:
                     out.headers["Content-Length"] = up.headers["Content-Length"]
@@ -110,8 +134,9 @@ def main() -> None:
     p.add_argument("--corrupt-count", type=int, default=1, help="how many PUTs to corrupt")
     p.add_argument("--max-secs", type=float, default=1800.0, help="stop by itself after this")
     a = p.parse_args()
-    app = build_app(a.upstream, a.rate, a.seed, a.stall_secs, a.max_secs, a.deny, a.corrupt,
-                    a.corrupt_count)
+    app = build_app(
+        a.upstream, a.rate, a.seed, a.stall_secs, a.max_secs, a.deny, a.corrupt, a.corrupt_count
+    )
     web.run_app(app, host="127.0.0.1", port=a.port, print=None, access_log=None)
 
 

@@ -35,19 +35,27 @@ def start_moto(env: dict | None = None) -> tuple[subprocess.Popen, str]:
     if not moto.exists():
         raise RuntimeError("moto_server missing: run scripts/setup")
     port = free_port()
-    proc = subprocess.Popen([str(moto), "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env=None if env is None else {**os.environ, **env})
+    proc = subprocess.Popen(
+        [str(moto), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=None if env is None else {**os.environ, **env},
+    )
     wait_for_port(port, proc, "moto_server")
     return proc, f"http://127.0.0.1:{port}"
 
 
-def s3fs_options(endpoint: str, key: str = "testing", secret: str = "testing",
-                 read_timeout: float = 10) -> dict:
+def s3fs_options(
+    endpoint: str, key: str = "testing", secret: str = "testing", read_timeout: float = 10
+) -> dict:
     return {
         "key": key,
         "secret": secret,
         "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
-        "config_kwargs": {"s3": {"addressing_style": "path"}, "connect_timeout": 5,
-                          "read_timeout": read_timeout, "retries": {"max_attempts": 2}},
+        "config_kwargs": {
+            "s3": {"addressing_style": "path"},
+            "connect_timeout": 5,
+            "read_timeout": read_timeout,
+            "retries": {"max_attempts": 2},
+        },
     }

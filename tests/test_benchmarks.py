@@ -13,10 +13,28 @@ REPO = Path(__file__).resolve().parents[1]
 def test_suite_runs_and_writes_every_figure(tmp_path):
     out = tmp_path / "suite.json"
     subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "suite.py"), "--sizes", "0.03",
-         "--ranks", "1,2", "--runs", "1", "--s3-sizes", "0.03", "--s3-ranks", "2",
-         "--no-training", "--dir", str(tmp_path), "--out", str(out)],
-        check=True, capture_output=True, timeout=600,
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "suite.py"),
+            "--sizes",
+            "0.03",
+            "--ranks",
+            "1,2",
+            "--runs",
+            "1",
+            "--s3-sizes",
+            "0.03",
+            "--s3-ranks",
+            "2",
+            "--no-training",
+            "--dir",
+            str(tmp_path),
+            "--out",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=600,
     )
     result = json.loads(out.read_text())
     assert result["machine"]["cores"] >= 1
@@ -31,9 +49,23 @@ def test_suite_runs_and_writes_every_figure(tmp_path):
 def test_scale_harness_runs_and_writes_every_field(tmp_path):
     out = tmp_path / "scale.json"
     subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "scale.py"), "--models", "tiny",
-         "--shardings", "fsdp2,fsdp2+tp8", "--ranks", "8", "--dir", str(tmp_path), "--json", str(out)],
-        check=True, capture_output=True, timeout=120,
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "scale.py"),
+            "--models",
+            "tiny",
+            "--shardings",
+            "fsdp2,fsdp2+tp8",
+            "--ranks",
+            "8",
+            "--dir",
+            str(tmp_path),
+            "--json",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
     )
     rows = json.loads(out.read_text())["rows"]
     assert [(r["sharding"], r["world"]) for r in rows] == [("fsdp2", 8), ("fsdp2+tp8", 8)]

@@ -15,8 +15,12 @@ from tests.s3server import free_port
 
 
 def _save(root, step):
-    dcp.save({"w": torch.ones(1000)}, checkpoint_id=step, storage_writer=TieredStorageWriter(root),
-             no_dist=True)
+    dcp.save(
+        {"w": torch.ones(1000)},
+        checkpoint_id=step,
+        storage_writer=TieredStorageWriter(root),
+        no_dist=True,
+    )
 
 
 def test_ls_lists_steps_sizes_and_state(tmp_path, capsys):
@@ -45,14 +49,22 @@ def test_verify_detects_flipped_byte(tmp_path, capsys):
 
 def test_verify_unknown_step_is_a_clear_error(tmp_path):
     _save(tmp_path, "step-1")
-    proc = subprocess.run([sys.executable, "-m", "dcp_tiered.cli", "verify", str(tmp_path),
-                           "step-7"], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dcp_tiered.cli", "verify", str(tmp_path), "step-7"],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and "step-1" in proc.stderr and "step-7" in proc.stderr
 
 
 def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dcp_tiered.cli", *args], capture_output=True,
-                          text=True, env={**os.environ, **(env or {})}, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "dcp_tiered.cli", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=120,
+    )
 
 
 def test_a_root_that_is_missing_or_a_file_is_an_error_not_an_empty_listing(tmp_path, capsys):
@@ -70,10 +82,14 @@ def test_status_finds_the_remote_a_writer_recorded_and_says_when_it_cannot_be_re
     exits 3; it does not pass a durable step off as 'upload pending'."""
     url, root = s3.url(), tmp_path / "root"
     with TieredStorageWriter(root, remote=url, storage_options=s3.options()) as writer:
-        dcp.save({"w": torch.ones(1000)}, checkpoint_id="step-1", storage_writer=writer,
-                 no_dist=True)  # close() waits until it is durable
-    aws = {"AWS_ACCESS_KEY_ID": s3.key, "AWS_SECRET_ACCESS_KEY": s3.secret,
-           "AWS_DEFAULT_REGION": "us-east-1"}
+        dcp.save(
+            {"w": torch.ones(1000)}, checkpoint_id="step-1", storage_writer=writer, no_dist=True
+        )  # close() waits until it is durable
+    aws = {
+        "AWS_ACCESS_KEY_ID": s3.key,
+        "AWS_SECRET_ACCESS_KEY": s3.secret,
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
     ok = _cli("status", str(root), "--json", env={**aws, "AWS_ENDPOINT_URL": s3.endpoint})
     assert ok.returncode == 0, ok.stderr
     data = json.loads(ok.stdout)
@@ -87,5 +103,6 @@ def test_status_finds_the_remote_a_writer_recorded_and_says_when_it_cannot_be_re
     data = json.loads(bad.stdout)
     assert url in data["unreadable"]["remote"] and url in bad.stderr
     assert [(s["step"], s["local"], s["remote"]) for s in data["steps"]] == [
-        ("step-1", True, None)]  # unknown, not "not there"
+        ("step-1", True, None)
+    ]  # unknown, not "not there"
     assert "upload pending" not in bad.stdout

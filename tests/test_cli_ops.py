@@ -17,8 +17,11 @@ from dcp_tiered.policy import layout
 from dcp_tiered.tiers import remote as remote_tier
 from tests.s3server import free_port
 
-STATE = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3),
-         "h": torch.ones(4, dtype=torch.bfloat16), "n": torch.tensor([7], dtype=torch.int64)}
+STATE = {
+    "w": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+    "h": torch.ones(4, dtype=torch.bfloat16),
+    "n": torch.tensor([7], dtype=torch.int64),
+}
 
 
 @pytest.fixture(params=["file", "s3"])
@@ -28,15 +31,20 @@ def remote(request, tmp_path, monkeypatch):
     if request.param == "file":
         return f"file://{tmp_path / 'remote'}", {}
     s3 = request.getfixturevalue("s3")
-    for k, v in {"AWS_ACCESS_KEY_ID": s3.key, "AWS_SECRET_ACCESS_KEY": s3.secret,
-                 "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": s3.endpoint}.items():
+    for k, v in {
+        "AWS_ACCESS_KEY_ID": s3.key,
+        "AWS_SECRET_ACCESS_KEY": s3.secret,
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": s3.endpoint,
+    }.items():
         monkeypatch.setenv(k, v)
     return s3.url(), s3.options()
 
 
 def _save(root, step, remote=None, state=STATE):
-    with TieredStorageWriter(root, remote=remote[0] if remote else None,
-                             storage_options=remote[1] if remote else None) as writer:
+    with TieredStorageWriter(
+        root, remote=remote[0] if remote else None, storage_options=remote[1] if remote else None
+    ) as writer:
         dcp.save(state, checkpoint_id=step, storage_writer=writer, no_dist=True)
     # close() waits until the step is durable on the remote
 
@@ -65,8 +73,10 @@ def test_pull_copies_a_remote_step_verified_and_refuses_a_corrupt_one(tmp_path, 
     assert data["step"] == "step-1" and data["files"] >= 1 and data["bytes"] > 0
     assert main(["verify", str(fresh), "step-1"]) == 0
     assert all(torch.equal(v, STATE[k]) for k, v in _load(fresh, "step-1").items())
-    assert _json(capsys, "pull", str(fresh), "step-1", "--remote", remote[0])[1][
-        "already_local"] is True
+    assert (
+        _json(capsys, "pull", str(fresh), "step-1", "--remote", remote[0])[1]["already_local"]
+        is True
+    )
 
     backend = remote_backend(remote[0], remote[1])
     keys = remote_tier.keys_of_step(backend, "step-1")
@@ -98,8 +108,9 @@ def test_rm_refuses_the_only_durable_copy_without_force(tmp_path, remote, capsys
         code, data = _json(capsys, "rm", str(root), "step-1", "--remote", "--force")
     assert code == 0 and remote_tier.keys_of_step(backend, "step-1") is None
     assert backend.sizes("step-1/") == {}  # the save's objects went too
-    assert any("deleting" in r.getMessage() or "remov" in r.getMessage().lower()
-               for r in caplog.records), "every delete is logged"
+    assert any(
+        "deleting" in r.getMessage() or "remov" in r.getMessage().lower() for r in caplog.records
+    ), "every delete is logged"
 
     alone = tmp_path / "alone"
     _save(alone, "step-2")
@@ -116,7 +127,10 @@ def test_inspect_reads_the_manifest_alone(tmp_path, remote, capsys):
     assert code == 0 and data["source"] == "local" and data["world_size"] == 1
     tensors = {t["fqn"]: t for t in data["tensors"]}
     assert (tensors["w"]["dtype"], tensors["w"]["shape"], tensors["w"]["bytes"]) == (
-        "float32", [2, 3], 24)
+        "float32",
+        [2, 3],
+        24,
+    )
     assert (tensors["h"]["dtype"], tensors["h"]["bytes"]) == ("bfloat16", 8)
     assert tensors["n"]["dtype"] == "int64" and tensors["n"]["chunks"][0]["rank"] == 0
     assert [r["rank"] for r in data["ranks"]] == [0] and data["ranks"][0]["bytes"] == data["bytes"]
@@ -133,8 +147,9 @@ def test_prune_keeps_the_newest_milestones_and_steps_not_durable(tmp_path, capsy
     root = tmp_path / "root"
     for n in range(1, 6):
         _save(root, f"step-{n}")
-    code, data = _json(capsys, "prune", str(root), "--keep-latest", "2", "--keep-every", "2",
-                       "--dry-run")
+    code, data = _json(
+        capsys, "prune", str(root), "--keep-latest", "2", "--keep-every", "2", "--dry-run"
+    )
     assert code == 0 and data["deleted"] == ["step-1", "step-3"]
     assert all((root / f"step-{n}").is_dir() for n in range(1, 6))  # a dry run deletes nothing
     code, data = _json(capsys, "prune", str(root), "--keep-latest", "2", "--keep-every", "2")
@@ -160,9 +175,13 @@ def test_prune_deletes_nothing_when_the_remote_cannot_be_read(tmp_path, capsys, 
     for n in range(1, 4):
         _save(root, f"step-{n}")
     (root / layout.TIERS_RECORD).write_text(json.dumps({"remote": "s3://bucket/run"}))
-    for k, v in {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x",
-                 "AWS_DEFAULT_REGION": "us-east-1", "AWS_MAX_ATTEMPTS": "1",
-                 "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}"}.items():  # nobody listens
+    for k, v in {
+        "AWS_ACCESS_KEY_ID": "x",
+        "AWS_SECRET_ACCESS_KEY": "x",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_MAX_ATTEMPTS": "1",
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}",
+    }.items():  # nobody listens
         monkeypatch.setenv(k, v)
     code, data = _json(capsys, "prune", str(root), "--keep-latest", "1")
     assert code == 3 and "s3://bucket/run" in data["errors"][0]["message"]

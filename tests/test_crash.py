@@ -19,13 +19,22 @@ from tests.conftest import torchrun
 pytestmark = pytest.mark.multirank
 
 BEFORE_COMMIT = [
-    ("stage", "0"), ("stage", "1"), ("stage", "all"),
-    ("local-plan", "1"), ("local-plan", "all"),
+    ("stage", "0"),
+    ("stage", "1"),
+    ("stage", "all"),
+    ("local-plan", "1"),
+    ("local-plan", "all"),
     ("global-plan", "0"),
-    ("write-first-byte", "0"), ("write-first-byte", "1"), ("write-first-byte", "all"),
-    ("write-middle", "0"), ("write-middle", "1"), ("write-middle", "all"),
-    ("fsync-data", "0"), ("fsync-data", "1"),
-    ("after-write-data", "1"), ("after-write-data", "all"),
+    ("write-first-byte", "0"),
+    ("write-first-byte", "1"),
+    ("write-first-byte", "all"),
+    ("write-middle", "0"),
+    ("write-middle", "1"),
+    ("write-middle", "all"),
+    ("fsync-data", "0"),
+    ("fsync-data", "1"),
+    ("after-write-data", "1"),
+    ("after-write-data", "all"),
     ("before-manifest", "0"),
     ("between-manifest-and-metadata", "0"),
     ("before-rename", "0"),
@@ -47,8 +56,22 @@ def _load_latest(root) -> tuple[str, dict]:
 
 def _crash_and_check(tmp_path, point: str, victim: str, seed: int = 0) -> str:
     root, refdir = tmp_path / "ckpt", tmp_path
-    proc = torchrun("crash.py", 2, "--root", str(root), "--refdir", str(refdir), "--point", point,
-                    "--victim", victim, "--seed", str(seed), check=False, timeout=180)
+    proc = torchrun(
+        "crash.py",
+        2,
+        "--root",
+        str(root),
+        "--refdir",
+        str(refdir),
+        "--point",
+        point,
+        "--victim",
+        victim,
+        "--seed",
+        str(seed),
+        check=False,
+        timeout=180,
+    )
     visible = sorted(n for n in os.listdir(root) if not n.startswith("."))
     assert visible in (["step-1"], ["step-1", "step-2"]), (visible, proc.stderr[-3000:])
     latest, got = _load_latest(root)

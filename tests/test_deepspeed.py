@@ -22,8 +22,11 @@ pytestmark = [pytest.mark.multirank, pytest.mark.framework]
 
 ENV = {"DS_ACCELERATOR": "cpu"}
 SMOKE = [(0, False, "async"), (1, True, "decoupled"), (2, False, "sync"), (3, True, "async")]
-FULL = [c for c in itertools.product(range(4), (False, True), ("sync", "async", "decoupled"))
-        if c not in SMOKE]
+FULL = [
+    c
+    for c in itertools.product(range(4), (False, True), ("sync", "async", "decoupled"))
+    if c not in SMOKE
+]
 
 
 def roundtrip(tmp_path: Path, stage: int, bf16: bool, mode: str) -> list[dict]:
@@ -41,7 +44,9 @@ def check(results: list[dict], stage: int) -> None:
         assert r["client"] == {"note": "hi", "n": 3}
     files = results[0]["files"]
     assert "manifest.json" in files and ".metadata" in files
-    stub = "zero_pp_rank_0_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
+    stub = (
+        "zero_pp_rank_0_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
+    )
     assert stub in files  # DeepSpeed's loader globs for it
     if stage:
         assert any(f.endswith("optim_states.pt") for f in files)
@@ -62,8 +67,9 @@ def test_round_trip_full_matrix(tmp_path, stage, bf16, mode):
 
 def test_kill_during_async_save_leaves_latest_on_the_previous_tag(tmp_path):
     args = ["--out", str(tmp_path), "--stage", "2", "--mode", "async"]
-    proc = torchrun("ds_roundtrip.py", 2, *args, "--phase", "kill", timeout=240, env=ENV,
-                    check=False)
+    proc = torchrun(
+        "ds_roundtrip.py", 2, *args, "--phase", "kill", timeout=240, env=ENV, check=False
+    )
     assert proc.returncode != 0
     save_dir = tmp_path / "ckpt"
     assert (save_dir / "latest").read_text() == "global_step3"
@@ -77,8 +83,16 @@ def test_kill_during_async_save_leaves_latest_on_the_previous_tag(tmp_path):
 
 def test_example_trains_saves_and_resumes(tmp_path):
     def run(steps: int) -> str:
-        return run_example("deepspeed_train.py", "--save-dir", str(tmp_path / "run"),
-                           "--steps", str(steps), ranks=2, timeout=240, env=ENV)
+        return run_example(
+            "deepspeed_train.py",
+            "--save-dir",
+            str(tmp_path / "run"),
+            "--steps",
+            str(steps),
+            ranks=2,
+            timeout=240,
+            env=ENV,
+        )
 
     first = run(10)
     assert "latest = global_step10" in first and "step 0 loss" in first
@@ -91,17 +105,35 @@ def test_example_trains_saves_and_resumes(tmp_path):
 
 
 def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "dcp_tiered.cli", *args], capture_output=True,
-                          text=True, timeout=240, cwd=REPO, env={**os.environ, **ENV}, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dcp_tiered.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=REPO,
+        env={**os.environ, **ENV},
+        check=False,
+    )
     assert not check or proc.returncode == 0, proc.stderr[-4000:]
     return proc
 
 
 def load_converted(tmp_path: Path, root: Path, native: Path, nproc: int, live: bool) -> dict:
     out = tmp_path / f"converted-{nproc}.json"
-    torchrun("ds_converted.py", nproc, "--root", str(root), "--step", "global_step3",
-             "--native", str(native), "--out", str(out),
-             *(["--live", str(tmp_path / "live.pt")] if live else []), env=ENV)
+    torchrun(
+        "ds_converted.py",
+        nproc,
+        "--root",
+        str(root),
+        "--step",
+        "global_step3",
+        "--native",
+        str(native),
+        "--out",
+        str(out),
+        *(["--live", str(tmp_path / "live.pt")] if live else []),
+        env=ENV,
+    )
     return json.loads(out.read_text())
 
 
@@ -110,13 +142,31 @@ def check_converted(result: dict) -> None:
     assert result["adam_vs_live"] == []
     assert result["adam_keys"] == ["exp_avg", "exp_avg_sq", "step"]
     assert result["steps"] == [3.0]
-    assert result["groups"] == ["emb.weight", "l1.weight", "l1.bias", "norm.weight",
-                                "norm.bias", "l2.weight", "l2.bias"]
+    assert result["groups"] == [
+        "emb.weight",
+        "l1.weight",
+        "l1.bias",
+        "norm.weight",
+        "norm.bias",
+        "l2.weight",
+        "l2.bias",
+    ]
 
 
 def convert_native(tmp_path: Path, stage: int, bf16: bool) -> None:
-    torchrun("ds_roundtrip.py", 2, "--out", str(tmp_path), "--stage", str(stage), "--phase",
-             "native", *(["--bf16"] if bf16 else []), timeout=240, env=ENV)
+    torchrun(
+        "ds_roundtrip.py",
+        2,
+        "--out",
+        str(tmp_path),
+        "--stage",
+        str(stage),
+        "--phase",
+        "native",
+        *(["--bf16"] if bf16 else []),
+        timeout=240,
+        env=ENV,
+    )
     cli("convert", "deepspeed", str(tmp_path / "ckpt"), str(tmp_path / "dcp"))
     for nproc in (1, 2):  # plain PyTorch, then FSDP2
         check_converted(load_converted(tmp_path, tmp_path / "dcp", tmp_path / "ckpt", nproc, True))
@@ -135,9 +185,14 @@ def test_converter_full_matrix(tmp_path, stage, bf16):
 def test_deepspeed_tools_on_a_tiered_checkpoint(tmp_path):
     roundtrip(tmp_path, 2, False, "sync")
     ckpt = tmp_path / "ckpt"
-    z2f = subprocess.run([sys.executable, str(ckpt / "zero_to_fp32.py"), str(ckpt),
-                          str(tmp_path / "fp32")], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, **ENV}, check=False)
+    z2f = subprocess.run(
+        [sys.executable, str(ckpt / "zero_to_fp32.py"), str(ckpt), str(tmp_path / "fp32")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **ENV},
+        check=False,
+    )
     assert z2f.returncode != 0
     assert f"dcp-tiered convert deepspeed {ckpt / 'global_step3'} OUT" in z2f.stderr
     assert "--native" in z2f.stderr
@@ -179,30 +234,60 @@ def test_existing_tag_fails_on_every_rank_at_one_call_and_the_next_save_works(tm
     """Saving a tag that exists (stock DeepSpeed overwrites, e.g. tag='last') raises
     SaveFailedError on every rank at the same call, naming the overwrite option; nothing stale
     is left, so the following saves work on every rank (this used to deadlock in async mode)."""
-    torchrun("ds_roundtrip.py", 2, "--out", str(tmp_path), "--stage", "1", "--mode", mode,
-             "--phase", "existing-tag", timeout=240, env=ENV)
+    torchrun(
+        "ds_roundtrip.py",
+        2,
+        "--out",
+        str(tmp_path),
+        "--stage",
+        "1",
+        "--mode",
+        mode,
+        "--phase",
+        "existing-tag",
+        timeout=240,
+        env=ENV,
+    )
     results = [json.loads((tmp_path / f"existing-tag-{r}.json").read_text()) for r in range(2)]
     failing = 1 if mode == "sync" else 2  # async: raised by the next save, which waits for it
     for r in results:
         assert [c[1] for c in r["calls"]] == [
-            "SaveFailedError" if i == failing else None for i in range(4)], r["calls"]
+            "SaveFailedError" if i == failing else None for i in range(4)
+        ], r["calls"]
         message = r["calls"][failing][2]
-        assert "'last'" in message and "overwrite=True" in message and "CheckpointExistsError" in message
+        assert (
+            "'last'" in message
+            and "overwrite=True" in message
+            and "CheckpointExistsError" in message
+        )
         assert r["flush"] is None and r["latest"] == "global_step3"
     steps = sorted(n for n in os.listdir(tmp_path / "ckpt") if (tmp_path / "ckpt" / n).is_dir())
     # async: the call that raised (global_step2's) reported the earlier failure and saved nothing
     assert steps == (["global_step2"] if mode == "sync" else []) + ["global_step3", "last"]
-    assert cli("verify", str(tmp_path / "ckpt"), "last").returncode == 0  # the first 'last' is whole
+    assert (
+        cli("verify", str(tmp_path / "ckpt"), "last").returncode == 0
+    )  # the first 'last' is whole
 
 
-def test_fresh_node_restores_from_s3_through_deepspeeds_own_load_checkpoint(tmp_path, s3,
-                                                                           nccl_like):
+def test_fresh_node_restores_from_s3_through_deepspeeds_own_load_checkpoint(
+    tmp_path, s3, nccl_like
+):
     """flush() leaves the last step durable on S3; with the local directory gone, DeepSpeed's
     own engine.load_checkpoint(dir) restores it bit-exact and training resumes identically.
     Beside a default group that refuses our collectives (as an NCCL-only one would)."""
     url = s3.url()
-    args = ["--out", str(tmp_path), "--stage", "2", "--mode", "async", "--remote", url,
-            "--storage-options", json.dumps(s3.options())]
+    args = [
+        "--out",
+        str(tmp_path),
+        "--stage",
+        "2",
+        "--mode",
+        "async",
+        "--remote",
+        url,
+        "--storage-options",
+        json.dumps(s3.options()),
+    ]
     env = {**ENV, **nccl_like.env}
     torchrun("ds_roundtrip.py", 2, *args, "--phase", "remote-save", timeout=240, env=env)
     import shutil

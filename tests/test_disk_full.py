@@ -73,11 +73,21 @@ def test_cached_plan_that_no_longer_fits_is_refused_before_writing(tiny_disk):
     writer = TieredStorageWriter(root, free_space_margin_bytes=2 * 2**20)
     planner = DefaultSavePlanner(enable_plan_caching=True)
     for step in (1, 2):  # 8 MiB each of the 24: the third no longer fits
-        dcp.save(_state(8, float(step)), checkpoint_id=f"step-{step}", storage_writer=writer,
-                 planner=planner, no_dist=True)
+        dcp.save(
+            _state(8, float(step)),
+            checkpoint_id=f"step-{step}",
+            storage_writer=writer,
+            planner=planner,
+            no_dist=True,
+        )
     with pytest.raises(CheckpointException) as e:
-        dcp.save(_state(8, 3.0), checkpoint_id="step-3", storage_writer=writer,
-                 planner=planner, no_dist=True)
+        dcp.save(
+            _state(8, 3.0),
+            checkpoint_id="step-3",
+            storage_writer=writer,
+            planner=planner,
+            no_dist=True,
+        )
     err = _error(e.value)
     assert isinstance(err, InsufficientSpaceError), err
     assert "MiB is free" in str(err) and str(root) in str(err)

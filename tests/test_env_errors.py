@@ -125,8 +125,9 @@ def test_manager_skips_a_save_that_runs_out_of_inodes_like_a_full_disk(tmpfs):
     a warning and an event naming inodes, nothing raises, nothing is left; 'raise' raises
     SaveFailedError at the next save; once inodes are free, saves work again."""
     disk = tmpfs(64, inodes=64)
-    with CheckpointManager(local=disk, policy=EVERY_STEP, writer_options=NO_MARGIN,
-                           admission=LENIENT) as mgr:
+    with CheckpointManager(
+        local=disk, policy=EVERY_STEP, writer_options=NO_MARGIN, admission=LENIENT
+    ) as mgr:
         mgr.save(0, _state(0))
         mgr.wait()
         filler = tmpfs.fill_inodes(disk / "other-tenant", leave=2)
@@ -140,8 +141,9 @@ def test_manager_skips_a_save_that_runs_out_of_inodes_like_a_full_disk(tmpfs):
     assert [e["step"] for e in skipped] == [1] and "inodes" in skipped[0]["reason"]
     assert _entries(disk) == ["other-tenant", "step-0", "step-2"]
     strict = Admission(disk_margin_bytes=0, memory_margin_bytes=0, when_full="raise")
-    with CheckpointManager(local=disk, policy=EVERY_STEP, writer_options=NO_MARGIN,
-                           admission=strict) as mgr:
+    with CheckpointManager(
+        local=disk, policy=EVERY_STEP, writer_options=NO_MARGIN, admission=strict
+    ) as mgr:
         filler = tmpfs.fill_inodes(disk / "other-tenant", leave=2)
         mgr.save(3, _state(3))
         mgr.wait()
@@ -158,8 +160,9 @@ def test_manager_raises_for_a_read_only_root_and_recovers_once_writable(tmpfs):
     when_full='skip' the failed save is raised (SaveFailedError naming NotWritableError and
     the path) at the next save rather than every later save being skipped in silence."""
     disk = tmpfs(64)
-    with CheckpointManager(local=disk, policy=EVERY_STEP, writer_options=NO_MARGIN,
-                           admission=LENIENT) as mgr:
+    with CheckpointManager(
+        local=disk, policy=EVERY_STEP, writer_options=NO_MARGIN, admission=LENIENT
+    ) as mgr:
         mgr.save(0, _state(0))
         mgr.wait()
         tmpfs.remount(disk, read_only=True)
@@ -182,8 +185,13 @@ def test_manager_read_only_memory_tier_raises_and_recovers(tmpfs, tmp_path):
     shm = tmpfs(64, name="shm")
     tmpfs.remount(shm, read_only=True)
     policy = SavePolicy(memory=Every(steps=1), local=Every(steps=100), remote=None)
-    with CheckpointManager(memory=shm, local=tmp_path / "disk", policy=policy,
-                           writer_options=NO_MARGIN, admission=LENIENT) as mgr:
+    with CheckpointManager(
+        memory=shm,
+        local=tmp_path / "disk",
+        policy=policy,
+        writer_options=NO_MARGIN,
+        admission=LENIENT,
+    ) as mgr:
         assert mgr.save(1, _state(1)).memory
         mgr.wait()
         with pytest.raises(SaveFailedError, match=f"NotWritableError.*{shm}.*read-only"):
@@ -201,8 +209,13 @@ def test_manager_memory_tier_out_of_inodes_is_skipped(tmpfs, tmp_path):
     shm = tmpfs(64, name="shm", inodes=16)
     tmpfs.fill_inodes(shm / "other-tenant", leave=0)
     policy = SavePolicy(memory=Every(steps=1), local=Every(steps=100), remote=None)
-    with CheckpointManager(memory=shm, local=tmp_path / "disk", policy=policy,
-                           writer_options=NO_MARGIN, admission=LENIENT) as mgr:
+    with CheckpointManager(
+        memory=shm,
+        local=tmp_path / "disk",
+        policy=policy,
+        writer_options=NO_MARGIN,
+        admission=LENIENT,
+    ) as mgr:
         assert mgr.save(1, _state(1)).memory  # the copy fails: skipped, not raised
         mgr.wait()
         assert mgr.skipped_saves == 1

@@ -22,18 +22,30 @@ pytest.importorskip("accelerate")
 WORKER = "hf_resume.py"
 
 
-def run(tmp_path: Path, nproc: int, phase: str, *args: str, env: dict | None = None,
-        fails: bool = False) -> dict:
+def run(
+    tmp_path: Path, nproc: int, phase: str, *args: str, env: dict | None = None, fails: bool = False
+) -> dict:
     """Runs the worker; returns what rank 0 recorded (with ``fails``: what train() raised)."""
     argv = ["--out", str(tmp_path), "--phase", phase, *args]
     if nproc > 1:
-        proc = torchrun(WORKER, nproc, *argv, timeout=240, check=not fails,
-                        env={"DS_ACCELERATOR": "cpu", **(env or {})})
+        proc = torchrun(
+            WORKER,
+            nproc,
+            *argv,
+            timeout=240,
+            check=not fails,
+            env={"DS_ACCELERATOR": "cpu", **(env or {})},
+        )
     else:  # a plain process: Trainer without torch.distributed
-        proc = subprocess.run([sys.executable, str(REPO / "tests" / "workers" / WORKER), *argv],
-                              capture_output=True, text=True, timeout=240, cwd=REPO,
-                              env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-                              check=False)
+        proc = subprocess.run(
+            [sys.executable, str(REPO / "tests" / "workers" / WORKER), *argv],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            cwd=REPO,
+            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+            check=False,
+        )
     assert (proc.returncode != 0) == fails, proc.stderr[-4000:]
     return json.loads((tmp_path / f"{phase}{'-end-0' if fails else ''}.json").read_text())
 
@@ -71,8 +83,13 @@ def test_under_deepspeed_a_fresh_node_resumes_from_s3_alone(tmp_path, s3):
     full = run(tmp_path, 2, "full", "--zero", "2")
     assert full["left"] == ["checkpoint-6", "checkpoint-8"]  # save_total_limit=2, ours
     stopped = run(tmp_path, 2, "stop", "--zero", "2", *remote)
-    assert {"trainer_state.json", "latest", "global_step4", "rng_state_0.pth",
-            "rng_state_1.pth"} <= set(stopped["files"])
+    assert {
+        "trainer_state.json",
+        "latest",
+        "global_step4",
+        "rng_state_0.pth",
+        "rng_state_1.pth",
+    } <= set(stopped["files"])
     step = tmp_path / "run" / "checkpoint-4" / "global_step4"
     assert {"manifest.json", "mp_rank_00_model_states.pt"} <= set(os.listdir(step))
     import shutil
@@ -92,8 +109,15 @@ def test_rotation_never_deletes_a_step_that_is_not_durable(tmp_path, nproc, zero
     if zero:
         pytest.importorskip("deepspeed")
     (tmp_path / "not-a-dir").write_text("uploads under this path fail")
-    end = run(tmp_path, nproc, "full", "--remote", f"file://{tmp_path}/not-a-dir/remote",
-              *zero, fails=True)
+    end = run(
+        tmp_path,
+        nproc,
+        "full",
+        "--remote",
+        f"file://{tmp_path}/not-a-dir/remote",
+        *zero,
+        fails=True,
+    )
     # The end of train() says the steps are not durable, instead of returning as if they were.
     assert end["error"].startswith("SaveFailedError") and "not durable" in end["error"]
     # save_total_limit=2, but no step reached the remote tier: all four are the only copies.
@@ -115,10 +139,18 @@ def test_resume_on_a_fresh_node_from_s3(tmp_path, s3):
 
 def test_example_trains_and_resumes(tmp_path):
     def example(steps: int) -> str:
-        return run_example("hf_trainer.py", "--output-dir", str(tmp_path / "out"),
-                           "--max-steps", str(steps), timeout=240)
+        return run_example(
+            "hf_trainer.py",
+            "--output-dir",
+            str(tmp_path / "out"),
+            "--max-steps",
+            str(steps),
+            timeout=240,
+        )
 
     assert "resumed from: none" in example(6)
     assert "resumed from: checkpoint-6" in example(10)
     assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == [
-        "checkpoint-10", "checkpoint-8"]
+        "checkpoint-10",
+        "checkpoint-8",
+    ]

@@ -48,8 +48,11 @@ def _load(root, remote=None, **kw) -> TieredStorageReader:
 
 
 def _warnings(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING
-            and r.name.startswith("dcp_tiered")]
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno >= logging.WARNING and r.name.startswith("dcp_tiered")
+    ]
 
 
 def test_hydration_commits_a_complete_step_and_nothing_else(tmp_path, s3):
@@ -89,7 +92,8 @@ def test_hydration_fills_an_adopted_step_atomically(tmp_path, s3, tmpfs, monkeyp
 
 @pytest.mark.parametrize("when", ["checked before writing", "disk fills mid-write"])
 def test_hydration_into_a_full_disk_skips_with_one_warning_and_the_load_succeeds(
-        tmp_path, s3, tmpfs, monkeypatch, caplog, when):
+    tmp_path, s3, tmpfs, monkeypatch, caplog, when
+):
     remote = _remote(s3)
     _durable(tmp_path, remote)
     root = tmpfs(3) / "run"  # 4 MiB of data do not fit
@@ -137,9 +141,21 @@ def test_a_hydration_killed_midway_leaves_no_step_and_is_swept(tmp_path, s3):
     remote = _remote(s3)
     _durable(tmp_path, remote)
     root = tmp_path / "fresh"
-    proc = subprocess.run([sys.executable, "-c", _KILLED_MID_HYDRATION, str(root), remote.url,
-                           json.dumps(s3.options()), str(4 * 2**17)],
-                          capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _KILLED_MID_HYDRATION,
+            str(root),
+            remote.url,
+            json.dumps(s3.options()),
+            str(4 * 2**17),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     hidden = [n for n in os.listdir(root) if n.endswith(".dcp-tiered-tmp")]
     assert len(hidden) == 1 and "step-1" not in os.listdir(root)  # nothing looks committed

@@ -60,9 +60,21 @@ def black_hole():
 
 def run_job(root, url: str, options: dict, *args: str, timeout: float = 120):
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "workers" / "job_end.py"),
-                           str(root), url, json.dumps(options), *args], capture_output=True,
-                          text=True, timeout=timeout, cwd=REPO, check=False)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tests" / "workers" / "job_end.py"),
+            str(root),
+            url,
+            json.dumps(options),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        check=False,
+    )
     return proc, time.monotonic() - started
 
 
@@ -91,12 +103,14 @@ def test_close_against_a_silent_remote_raises_in_time_and_the_process_exits(tmp_
 
 
 def test_exit_without_close_warns_once_and_the_next_writer_resumes_the_upload(
-        tmp_path, s3, black_hole):
+    tmp_path, s3, black_hole
+):
     """The remote is silent while the job ends: one warning names the step, no retry noise, a
     prompt exit; the next writer on that root (remote back) makes the step durable."""
     url = s3.url()
-    proc, secs = run_job(tmp_path / "ckpt", url, s3fs_options(black_hole, read_timeout=30),
-                         "--no-close")
+    proc, secs = run_job(
+        tmp_path / "ckpt", url, s3fs_options(black_hole, read_timeout=30), "--no-close"
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert secs < 45, f"the process took {secs:.0f} s to exit"
     warnings = [line for line in proc.stderr.splitlines() if "not durable on" in line]
@@ -105,8 +119,12 @@ def test_exit_without_close_warns_once_and_the_next_writer_resumes_the_upload(
     writer = TieredStorageWriter(tmp_path / "ckpt", remote=url, storage_options=s3.options())
     writer.recover()  # the explicit step: finish what the last job left, uploads included
     writer.close(timeout_secs=120)  # waits for the resumed upload
-    assert TieredStorageWriter(tmp_path / "ckpt", remote=url, storage_options=s3.options()
-                               ).durability("step-1") == Durability.DURABLE_REMOTE
+    assert (
+        TieredStorageWriter(tmp_path / "ckpt", remote=url, storage_options=s3.options()).durability(
+            "step-1"
+        )
+        == Durability.DURABLE_REMOTE
+    )
 
 
 def test_writers_built_and_closed_in_a_loop_leave_no_threads_behind(tmp_path):
@@ -114,8 +132,12 @@ def test_writers_built_and_closed_in_a_loop_leave_no_threads_behind(tmp_path):
     baseline = {t.name for t in threading.enumerate()}
     for i in range(6):
         with TieredStorageWriter(tmp_path / "ckpt", remote=remote) as writer:
-            dcp.save({"w": torch.full((64,), float(i))}, checkpoint_id=f"step-{i}",
-                     storage_writer=writer, no_dist=True)
+            dcp.save(
+                {"w": torch.full((64,), float(i))},
+                checkpoint_id=f"step-{i}",
+                storage_writer=writer,
+                no_dist=True,
+            )
     left = [t.name for t in threading.enumerate() if t.name not in baseline]
     assert left == [], f"threads left after 6 writers were closed: {left}"
 
@@ -133,13 +155,20 @@ def test_managers_built_and_closed_in_a_loop_return_to_the_baseline(tmp_path, sh
         back = {"w": torch.zeros(1024)}
         with CheckpointManager(**tiers) as mgr:
             assert mgr.restore(back) == 5 * i + 5
-        dcp.load(back, checkpoint_id="latest", no_dist=True,
-                 storage_reader=TieredStorageReader(tiers["local"], remote=tiers["remote"]))
+        dcp.load(
+            back,
+            checkpoint_id="latest",
+            no_dist=True,
+            storage_reader=TieredStorageReader(tiers["local"], remote=tiers["remote"]),
+        )
 
     def footprint() -> tuple[list[str], int, list[str]]:
         gc.collect()
-        return (sorted(t.name for t in threading.enumerate()), len(os.listdir("/proc/self/fd")),
-                sorted(os.listdir("/dev/shm")))
+        return (
+            sorted(t.name for t in threading.enumerate()),
+            len(os.listdir("/proc/self/fd")),
+            sorted(os.listdir("/dev/shm")),
+        )
 
     lifecycle(0)  # what the first one builds for good (the event log's handler, ...)
     baseline = footprint()

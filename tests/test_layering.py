@@ -40,8 +40,10 @@ def imports_of(path: Path) -> set[str]:
             names = [a.name for a in node.names]
             for name in names:  # "from . import layout" imports the module layout
                 candidate = [*target, name]
-                if (PACKAGE.joinpath(*candidate).with_suffix(".py").exists()
-                        or PACKAGE.joinpath(*candidate).is_dir()):
+                if (
+                    PACKAGE.joinpath(*candidate).with_suffix(".py").exists()
+                    or PACKAGE.joinpath(*candidate).is_dir()
+                ):
                     found.add(".".join(candidate))
                 elif target:
                     found.add(".".join(target))
@@ -52,16 +54,19 @@ def imports_of(path: Path) -> set[str]:
     return {m for m in found if m}
 
 
-MODULES = {".".join(p.relative_to(PACKAGE).with_suffix("").parts): p
-           for p in PACKAGE.rglob("*.py")}
+MODULES = {".".join(p.relative_to(PACKAGE).with_suffix("").parts): p for p in PACKAGE.rglob("*.py")}
 
 
 def _layer(module: str) -> str:
     top = module.split(".")[0]
     if top in ("shims", "backends", "tiers", "policy"):
         return {"tiers": "tiers", "policy": "policy"}.get(top, top)
-    for name, members in (("policy", POLICY), ("dcp", DCP), ("lifecycle", LIFECYCLE),
-                          ("entry", ENTRY_POINTS)):
+    for name, members in (
+        ("policy", POLICY),
+        ("dcp", DCP),
+        ("lifecycle", LIFECYCLE),
+        ("entry", ENTRY_POINTS),
+    ):
         if module in members:
             return name
     return "other"
@@ -79,8 +84,9 @@ FORBIDDEN = {  # layer -> layers it must never import
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_imports_point_down_the_layers(module):
     layer = _layer(module)
-    wrong = sorted(m for m in imports_of(MODULES[module])
-                   if _layer(m) in FORBIDDEN.get(layer, set()))
+    wrong = sorted(
+        m for m in imports_of(MODULES[module]) if _layer(m) in FORBIDDEN.get(layer, set())
+    )
     assert wrong == [], f"{module} ({layer}) imports {wrong}, against the layering"
 
 
@@ -92,9 +98,14 @@ def test_only_the_cli_and_the_shims_import_a_shim(module):
 
 def test_the_checker_resolves_imports_and_would_catch_a_violation():
     assert imports_of(PACKAGE / "tiers" / "local.py") == {
-        "policy.layout", "policy.manifest", "backends.local", "errors"}
+        "policy.layout",
+        "policy.manifest",
+        "backends.local",
+        "errors",
+    }
     assert {"policy.integrity", "errors", "policy.layout"} <= imports_of(
-        PACKAGE / "backends" / "local.py")
+        PACKAGE / "backends" / "local.py"
+    )
     assert "backends" in FORBIDDEN[_layer("policy.layout")]
     assert _layer("backends.local") == "backends" and _layer("shims.deepspeed") == "shims"
     assert "lifecycle" in FORBIDDEN[_layer("writer")] and "entry" in FORBIDDEN["lifecycle"]

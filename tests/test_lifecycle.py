@@ -23,27 +23,65 @@ pytestmark = pytest.mark.framework
 DS_ENV = {"DS_ACCELERATOR": "cpu"}
 
 
-def run_to_the_end(adapter: str, out: Path, remote: list[str], env: dict) -> tuple[Path, list[dict]]:
+def run_to_the_end(
+    adapter: str, out: Path, remote: list[str], env: dict
+) -> tuple[Path, list[dict]]:
     """Trains through ``adapter``, saving, and ends the job its documented way; returns the
     step committed locally and what each rank's ending raised."""
     if adapter == "deepspeed":
-        torchrun("ds_roundtrip.py", 2, "--out", str(out), "--stage", "1", "--mode", "async",
-                 "--phase", "record-end", *remote, env={**DS_ENV, **env}, timeout=240)
+        torchrun(
+            "ds_roundtrip.py",
+            2,
+            "--out",
+            str(out),
+            "--stage",
+            "1",
+            "--mode",
+            "async",
+            "--phase",
+            "record-end",
+            *remote,
+            env={**DS_ENV, **env},
+            timeout=240,
+        )
         return out / "ckpt" / "global_step3", [read_json(out / f"end-{r}.json") for r in (0, 1)]
     if adapter == "megatron":
-        proc = torchrun("mcore.py", 2, "--out", str(out), "--phase", "facade", "--iters", "4",
-                        *remote, env=env, timeout=240, check=False)
+        proc = torchrun(
+            "mcore.py",
+            2,
+            "--out",
+            str(out),
+            "--phase",
+            "facade",
+            "--iters",
+            "4",
+            *remote,
+            env=env,
+            timeout=240,
+            check=False,
+        )
         assert proc.returncode != 0  # close() raised
         return out / "ckpt" / "iter_0000004", [read_json(out / f"end-{r}.json") for r in (0, 1)]
-    proc = torchrun("hf_resume.py", 2, "--out", str(out), "--phase", "stop", *remote,
-                    env={**DS_ENV, **env}, timeout=240, check=False)
+    proc = torchrun(
+        "hf_resume.py",
+        2,
+        "--out",
+        str(out),
+        "--phase",
+        "stop",
+        *remote,
+        env={**DS_ENV, **env},
+        timeout=240,
+        check=False,
+    )
     assert proc.returncode != 0  # train() raised
     return out / "run" / "checkpoint-4", [read_json(out / f"stop-end-{r}.json") for r in (0, 1)]
 
 
 @pytest.mark.parametrize("adapter", ["deepspeed", "megatron", "hf"])
 def test_a_remote_that_refuses_writes_fails_the_end_of_the_job_on_every_rank(
-        tmp_path, s3, fault_proxy, nccl_like, adapter):
+    tmp_path, s3, fault_proxy, nccl_like, adapter
+):
     """The remote answers every upload with 403 AccessDenied (a real S3 error through a proxy;
     listings still work). Ending the job the documented way (DeepSpeed: ``flush``; Megatron:
     ``close``; HF: ``train`` returning) must not report success: every rank raises
@@ -64,25 +102,48 @@ def test_a_remote_that_refuses_writes_fails_the_end_of_the_job_on_every_rank(
 
 @pytest.mark.parametrize("adapter", ["megatron", "hf"])
 def test_a_failed_save_raises_on_every_rank_at_one_call_and_the_next_save_works(
-        tmp_path, nccl_like, adapter):
+    tmp_path, nccl_like, adapter
+):
     """A user's own directory sits where a save goes (rank 0's node sees it). Every rank raises
     SaveFailedError at the same call, naming the cause and what to do; the directory is left
     untouched; once it is moved away, the next saves work on every rank and the tracker moves
     on. (DeepSpeed's case, an existing tag, is test_deepspeed's
     test_existing_tag_fails_on_every_rank_at_one_call_and_the_next_save_works.)"""
     if adapter == "megatron":
-        torchrun("mcore.py", 2, "--out", str(tmp_path), "--phase", "facade", "--iters", "12",
-                 "--foreign-at", "8", env=nccl_like.env, timeout=240)
+        torchrun(
+            "mcore.py",
+            2,
+            "--out",
+            str(tmp_path),
+            "--phase",
+            "facade",
+            "--iters",
+            "12",
+            "--foreign-at",
+            "8",
+            env=nccl_like.env,
+            timeout=240,
+        )
         seen = [read_json(tmp_path / f"failed-{r}.json") for r in (0, 1)]
         assert [s["iteration"] for s in seen] == [8, 8]  # the same call on both ranks
         ckpt = tmp_path / "ckpt"
         assert sorted(n for n in os.listdir(ckpt) if n.startswith("iter_")) == [
-            "iter_0000004", "iter_0000012"]
+            "iter_0000004",
+            "iter_0000012",
+        ]
         assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "12"
         moved, step = tmp_path / "moved", "iter_0000008"
     else:
-        torchrun("hf_resume.py", 2, "--out", str(tmp_path), "--phase", "foreign",
-                 env={**DS_ENV, **nccl_like.env}, timeout=240)
+        torchrun(
+            "hf_resume.py",
+            2,
+            "--out",
+            str(tmp_path),
+            "--phase",
+            "foreign",
+            env={**DS_ENV, **nccl_like.env},
+            timeout=240,
+        )
         seen = [read_json(tmp_path / f"foreign-{r}.json") for r in (0, 1)]
         assert seen[0]["at"] == seen[1]["at"]  # the same call on both ranks
         after = read_json(tmp_path / "foreign.json")  # trained again on the same Trainer
@@ -97,8 +158,9 @@ def test_a_failed_save_raises_on_every_rank_at_one_call_and_the_next_save_works(
     assert nccl_like.refused(processes=2) == []
 
 
-def test_a_fresh_node_restores_from_the_remote_alone_through_the_manager(tmp_path, s3, shm,
-                                                                           nccl_like):
+def test_a_fresh_node_restores_from_the_remote_alone_through_the_manager(
+    tmp_path, s3, shm, nccl_like
+):
     """CheckpointManager's side of the restore bullet (the shims': test_deepspeed's, test_hf's
     and test_megatron's fresh-node tests). A job saves to memory, disk and S3, and ends; the
     node is replaced (no memory, no disk); the restarted job restores the newest step on S3 on
@@ -106,10 +168,26 @@ def test_a_fresh_node_restores_from_the_remote_alone_through_the_manager(tmp_pat
     url = s3.url()
 
     def job(out: str) -> list[dict]:
-        torchrun("managed_train.py", 2, "--memory", str(shm), "--disk", str(tmp_path / "disk"),
-                 "--remote", url, "--steps", "10", "--disk-every", "steps:5",
-                 "--remote-every", "steps:5", "--out", str(tmp_path / out),
-                 env={"TEST_S3_ENDPOINT": s3.endpoint, **nccl_like.env}, timeout=240)
+        torchrun(
+            "managed_train.py",
+            2,
+            "--memory",
+            str(shm),
+            "--disk",
+            str(tmp_path / "disk"),
+            "--remote",
+            url,
+            "--steps",
+            "10",
+            "--disk-every",
+            "steps:5",
+            "--remote-every",
+            "steps:5",
+            "--out",
+            str(tmp_path / out),
+            env={"TEST_S3_ENDPOINT": s3.endpoint, **nccl_like.env},
+            timeout=240,
+        )
         return [read_json(tmp_path / f"{out}.rank{r}.json") for r in (0, 1)]
 
     first = job("first.pt")
@@ -135,23 +213,37 @@ def test_a_crash_mid_save_leaves_nothing_to_resume_from_and_is_swept(tmp_path, z
     zero_args = [] if zero is None else ["--zero", str(zero)]
 
     def run(phase: str, check: bool = True):
-        return torchrun("hf_resume.py", 2, "--out", str(tmp_path), "--phase", phase,
-                        *zero_args, env=DS_ENV, timeout=240, check=check)
+        return torchrun(
+            "hf_resume.py",
+            2,
+            "--out",
+            str(tmp_path),
+            "--phase",
+            phase,
+            *zero_args,
+            env=DS_ENV,
+            timeout=240,
+            check=check,
+        )
 
     run("full")
     assert run("kill", check=False).returncode != 0
     left = tmp_path / "run"
     if zero is None:
         assert sorted(n for n in os.listdir(left) if n.startswith("checkpoint-")) == [
-            "checkpoint-2"]
+            "checkpoint-2"
+        ]
     else:
         assert (left / "checkpoint-4" / ".dcp-tiered-pending.json").is_file()
         assert not (left / "checkpoint-4" / "global_step4" / "manifest.json").exists()
     run("resume")
     resumed = read_json(tmp_path / "resume.json")
     assert resumed["step"] == 8 and resumed["left"] == ["checkpoint-6", "checkpoint-8"]
-    leftovers = [p.name for p in left.rglob("*") if p.name.endswith(
-        (".dcp-tiered-tmp", ".dcp-tiered-pending.json", ".dcp-tiered-old"))]
+    leftovers = [
+        p.name
+        for p in left.rglob("*")
+        if p.name.endswith((".dcp-tiered-tmp", ".dcp-tiered-pending.json", ".dcp-tiered-old"))
+    ]
     assert leftovers == []  # swept
     full = torch.load(tmp_path / "params-full.pt", weights_only=True)
     assert mismatches(full, torch.load(tmp_path / "params-resume.pt", weights_only=True)) == []
@@ -165,14 +257,35 @@ def test_a_full_disk_fails_the_save_on_every_rank_with_what_to_do(tmp_path, tmpf
     under the framework's names. (Megatron's case: test_megatron's disk-full test.)"""
     out = tmpfs(2)
     if adapter == "deepspeed":
-        torchrun("ds_roundtrip.py", 2, "--out", str(out), "--stage", "1", "--mode", "async",
-                 "--phase", "record-end", env=DS_ENV, timeout=240)
+        torchrun(
+            "ds_roundtrip.py",
+            2,
+            "--out",
+            str(out),
+            "--stage",
+            "1",
+            "--mode",
+            "async",
+            "--phase",
+            "record-end",
+            env=DS_ENV,
+            timeout=240,
+        )
         ends = [read_json(out / f"end-{r}.json") for r in (0, 1)]
         names = os.listdir(out / "ckpt") if (out / "ckpt").exists() else []
         assert not [n for n in names if n.startswith("global_step")], names
     else:
-        proc = torchrun("hf_resume.py", 2, "--out", str(out), "--phase", "stop", env=DS_ENV,
-                        timeout=240, check=False)
+        proc = torchrun(
+            "hf_resume.py",
+            2,
+            "--out",
+            str(out),
+            "--phase",
+            "stop",
+            env=DS_ENV,
+            timeout=240,
+            check=False,
+        )
         assert proc.returncode != 0
         ends = [read_json(out / f"stop-end-{r}.json") for r in (0, 1)]
         assert not list((out / "run").glob("checkpoint-*"))

@@ -55,7 +55,9 @@ def _state(mib: float = 0.25, value: float = 0.0) -> dict:
 
 
 def _events(root) -> list[dict]:
-    return [json.loads(line) for line in (root / ".dcp-tiered-events.jsonl").read_text().splitlines()]
+    return [
+        json.loads(line) for line in (root / ".dcp-tiered-events.jsonl").read_text().splitlines()
+    ]
 
 
 # ---------------------------------------------------------------- cadence (pure)
@@ -94,15 +96,21 @@ def test_every_needs_a_period():
 
 def test_shortfall_names_the_tier_and_the_numbers():
     adm = Admission(memory_margin_bytes=0, disk_margin_bytes=10 * MIB)
-    h = Headroom(ranks_on_node=2, new_tier_bytes=40 * MIB, new_ram_bytes=0,
-                 ram_available=None, tier_free=85 * MIB)
+    h = Headroom(
+        ranks_on_node=2,
+        new_tier_bytes=40 * MIB,
+        new_ram_bytes=0,
+        ram_available=None,
+        tier_free=85 * MIB,
+    )
     why = shortfall(adm, h, "local")
     assert why is not None and "85 MiB free" in why and "80 MiB" in why and "10 MiB" in why
     assert shortfall(adm, Headroom(2, 40 * MIB, 0, None, 95 * MIB), "local") is None
     # Slots already allocated: nothing new to find room for, however full the tmpfs is.
     assert shortfall(adm, Headroom(2, 0, 0, 0, 0), "memory") is None
-    h = Headroom(1, new_tier_bytes=80 * MIB, new_ram_bytes=80 * MIB, ram_available=70 * MIB,
-                 tier_free=10**12)
+    h = Headroom(
+        1, new_tier_bytes=80 * MIB, new_ram_bytes=80 * MIB, ram_available=70 * MIB, tier_free=10**12
+    )
     assert "host RAM" in (shortfall(adm, h, "memory") or "")
 
 
@@ -111,23 +119,33 @@ def test_shortfall_names_the_tier_and_the_numbers():
 
 @pytest.fixture
 def tiers(tmp_path):
-    return {"memory": tmp_path / "shm", "local": tmp_path / "disk",
-            "remote": f"file://{tmp_path / 'remote'}"}
+    return {
+        "memory": tmp_path / "shm",
+        "local": tmp_path / "disk",
+        "remote": f"file://{tmp_path / 'remote'}",
+    }
 
 
 def test_saves_follow_the_cadence_and_retention_per_tier(tmp_path, tiers):
     mgr = CheckpointManager(
-        **tiers, writer_options={"sync_files": False},
+        **tiers,
+        writer_options={"sync_files": False},
         policy=SavePolicy(memory=Every(steps=1), local=Every(steps=3), remote=Every(steps=6)),
-        retention=Retention(local=RetentionPolicy(keep_latest=1, keep_every=6),
-                            remote=RetentionPolicy(keep_latest=1, pinned={"step-0"})),
+        retention=Retention(
+            local=RetentionPolicy(keep_latest=1, keep_every=6),
+            remote=RetentionPolicy(keep_latest=1, pinned={"step-0"}),
+        ),
     )
     for step in range(14):
         mgr.save(step, _state(value=step))
     mgr.close()
     assert _in_memory(tiers["memory"]) == ["step-11", "step-13"]  # its two slots
     assert sorted(os.listdir(tiers["memory"] / "rank-0")) == [
-        "slot-0.data", "slot-0.json", "slot-1.data", "slot-1.json"]  # reused, never more
+        "slot-0.data",
+        "slot-0.json",
+        "slot-1.data",
+        "slot-1.json",
+    ]  # reused, never more
     assert _steps(tiers["local"]) == ["step-0", "step-6", "step-12"]  # milestones + newest
     assert _steps(tmp_path / "remote") == ["step-0", "step-12"]  # pinned + newest
     assert not _hidden_dirs(tiers["local"])
@@ -161,8 +179,11 @@ def test_restore_falls_back_past_a_corrupt_step_and_says_why(tiers, caplog):
     with CheckpointManager(**tiers, policy=SavePolicy(local=Every(steps=4))) as mgr:
         for step in range(7):
             mgr.save(step, _state(value=step))
-    slot = next(p for p in (tiers["memory"] / "rank-0").glob("slot-*.json")
-                if json.loads(p.read_text())["step"] == "step-6")
+    slot = next(
+        p
+        for p in (tiers["memory"] / "rank-0").glob("slot-*.json")
+        if json.loads(p.read_text())["step"] == "step-6"
+    )
     data = slot.with_suffix(".data")
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 3] ^= 0xFF
@@ -171,8 +192,10 @@ def test_restore_falls_back_past_a_corrupt_step_and_says_why(tiers, caplog):
     with caplog.at_level(logging.WARNING), CheckpointManager(**tiers) as mgr:
         assert mgr.restore(target) == 6  # step-5, the memory tier's other slot
     assert torch.equal(target["w"], _state(value=5)["w"])
-    assert any("step-6" in r.message and "memory" in r.message and "older" in r.message
-               for r in caplog.records)
+    assert any(
+        "step-6" in r.message and "memory" in r.message and "older" in r.message
+        for r in caplog.records
+    )
 
 
 def test_restore_of_nothing_and_of_nothing_valid(tiers):
@@ -186,8 +209,9 @@ def test_restore_of_nothing_and_of_nothing_valid(tiers):
 
 
 @pytest.mark.parametrize("broken", ["unreachable", "no-such-bucket"])
-def test_restore_never_starts_from_scratch_when_the_remote_cannot_be_read(tmp_path, s3, broken,
-                                                                          caplog):
+def test_restore_never_starts_from_scratch_when_the_remote_cannot_be_read(
+    tmp_path, s3, broken, caplog
+):
     """A fresh node (no memory, no disk) whose remote cannot be read: restore raises
     TierUnavailableError naming the tier and the cause, never "nothing to restore" (which
     would start training from step 0 beside the real history). Opting in restores from what
@@ -202,8 +226,11 @@ def test_restore_never_starts_from_scratch_when_the_remote_cannot_be_read(tmp_pa
 
     endpoint = "http://127.0.0.1:9" if broken == "unreachable" else None  # nothing listens
     bucket = s3.bucket if broken == "unreachable" else "no-such-bucket-dcp-tiered"
-    remote = RemoteConfig(url=f"s3://{bucket}/run", storage_options=s3.options(endpoint),
-                          retry=RetryConfig(max_attempts=2, initial_backoff_secs=0.05))
+    remote = RemoteConfig(
+        url=f"s3://{bucket}/run",
+        storage_options=s3.options(endpoint),
+        retry=RetryConfig(max_attempts=2, initial_backoff_secs=0.05),
+    )
     tiers = {"memory": tmp_path / "shm", "local": tmp_path / "disk", "remote": remote}
     if broken == "no-such-bucket":  # permanent: refused when the manager starts, not later
         with pytest.raises(PermanentTierError) as e:
@@ -255,8 +282,9 @@ def test_a_save_that_stops_fitting_follows_the_admission_policy(tmp_path, tmpfs)
     policy = SavePolicy(local=Every(steps=1))
     options = {"free_space_margin_bytes": 0}
     lenient = Admission(disk_margin_bytes=0, memory_margin_bytes=0)
-    with CheckpointManager(local=disk, policy=policy, writer_options=options,
-                           admission=lenient) as mgr:
+    with CheckpointManager(
+        local=disk, policy=policy, writer_options=options, admission=lenient
+    ) as mgr:
         mgr.save(0, _state(1))  # 1 MiB: fits
         mgr.save(1, _state(8))  # 8 MiB: admitted on the 1 MiB estimate, then no room
         mgr.wait()
@@ -264,14 +292,17 @@ def test_a_save_that_stops_fitting_follows_the_admission_policy(tmp_path, tmpfs)
         assert mgr.save(2, _state(8)) == Decision()  # refused before writing: known size now
         assert mgr.skipped_saves == 2
     skipped = [e for e in _events(disk) if e["event"] == "skipped"]
-    assert [e["step"] for e in skipped] == [1, 2] and "InsufficientSpaceError" in skipped[0]["reason"]
+    assert [e["step"] for e in skipped] == [1, 2] and "InsufficientSpaceError" in skipped[0][
+        "reason"
+    ]
     assert sorted(p.name for p in disk.glob("step-*")) == ["step-0"]
     back = _state(1, value=7.0)
     with CheckpointManager(local=disk) as mgr:
         assert mgr.restore(back) == 1 and torch.equal(back["w"], _state(1)["w"])
     strict = Admission(disk_margin_bytes=0, memory_margin_bytes=0, when_full="raise")
-    with CheckpointManager(local=disk, policy=policy, writer_options=options,
-                           admission=strict) as mgr:
+    with CheckpointManager(
+        local=disk, policy=policy, writer_options=options, admission=strict
+    ) as mgr:
         mgr.save(3, _state(1))
         mgr.save(4, _state(8))
         mgr.wait()  # step 4's write has failed by now
@@ -282,13 +313,21 @@ def test_a_save_that_stops_fitting_follows_the_admission_policy(tmp_path, tmpfs)
 def test_in_flight_cap_skips_or_blocks(tiers):
     state = _state(64)
     every_step = SavePolicy(memory=None, local=Every(steps=1), remote=None)
-    with CheckpointManager(**tiers, policy=every_step, writer_options={"sync_files": False},
-                           admission=Admission(max_in_flight=1, when_busy="skip")) as mgr:
+    with CheckpointManager(
+        **tiers,
+        policy=every_step,
+        writer_options={"sync_files": False},
+        admission=Admission(max_in_flight=1, when_busy="skip"),
+    ) as mgr:
         mgr.save(0, state)
         assert mgr.save(1, state) == Decision()  # the first is still being written
         assert mgr.skipped_saves == 1
-    with CheckpointManager(**tiers, policy=every_step, writer_options={"sync_files": False},
-                           admission=Admission(max_in_flight=1, when_busy="block")) as mgr:
+    with CheckpointManager(
+        **tiers,
+        policy=every_step,
+        writer_options={"sync_files": False},
+        admission=Admission(max_in_flight=1, when_busy="block"),
+    ) as mgr:
         mgr.save(2, state)
         assert mgr.save(3, state).local  # waited for step 2 instead
         assert mgr.skipped_saves == 0
@@ -296,8 +335,9 @@ def test_in_flight_cap_skips_or_blocks(tiers):
 
 
 def test_every_save_emits_an_event_with_timings_and_durability(tmp_path, tiers):
-    with CheckpointManager(**tiers, policy=SavePolicy(local=Every(steps=2), remote=Every(steps=4))
-                           ) as mgr:
+    with CheckpointManager(
+        **tiers, policy=SavePolicy(local=Every(steps=2), remote=Every(steps=4))
+    ) as mgr:
         for step in range(5):
             mgr.save(step, _state(1))
     saved = {e["step"]: e for e in _events(tiers["local"]) if e["event"] == "saved"}
@@ -314,13 +354,16 @@ def test_every_save_emits_an_event_with_timings_and_durability(tmp_path, tiers):
 
 
 def test_status_shows_every_tier_and_its_durability(tmp_path, tiers, capsys):
-    with CheckpointManager(**tiers, policy=SavePolicy(local=Every(steps=2), remote=Every(steps=4))
-                           ) as mgr:
+    with CheckpointManager(
+        **tiers, policy=SavePolicy(local=Every(steps=2), remote=Every(steps=4))
+    ) as mgr:
         for step in range(4):
             mgr.save(step, _state())
     assert cli(["status", str(tiers["local"])]) == 0
     out = capsys.readouterr().out
-    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.startswith("step-")}
+    rows = {
+        line.split()[0]: line.split()[1:] for line in out.splitlines() if line.startswith("step-")
+    }
     assert rows["step-0"] == ["-", "yes", "yes", "durable-remote"]
     assert rows["step-2"] == ["-", "yes", "-", "committed-local"]
     assert rows["step-3"] == ["yes", "-", "-", "memory"]
@@ -329,8 +372,9 @@ def test_status_shows_every_tier_and_its_durability(tmp_path, tiers, capsys):
     assert data["memory"] == str(tiers["memory"]) and len(data["steps"]) == 4  # step-1 too
 
 
-def test_rank_state_round_trips_and_tolerates_a_step_saved_by_fewer_ranks(tiers, monkeypatch,
-                                                                          caplog):
+def test_rank_state_round_trips_and_tolerates_a_step_saved_by_fewer_ranks(
+    tiers, monkeypatch, caplog
+):
     sched_opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     sched = torch.optim.lr_scheduler.StepLR(sched_opt, step_size=1, gamma=0.5)
     sched_opt.step()
@@ -350,8 +394,10 @@ def test_rank_state_round_trips_and_tolerates_a_step_saved_by_fewer_ranks(tiers,
     with caplog.at_level(logging.WARNING), CheckpointManager(**tiers) as mgr:
         assert mgr.restore(app) == 1
     assert not app["rank"].restored
-    assert any("no rank state for rank" in r.message or "holds no rank" in r.message
-               for r in caplog.records)
+    assert any(
+        "no rank state for rank" in r.message or "holds no rank" in r.message
+        for r in caplog.records
+    )
 
 
 class Position:

@@ -31,9 +31,21 @@ STEPS = 30
 
 
 def _args(tmp: Path, shm: Path, out: str, *extra: str) -> list[str]:
-    return ["--memory", str(shm), "--disk", str(tmp / "disk"), "--remote",
-            f"file://{tmp / 'remote'}", "--steps", str(STEPS), "--out", str(tmp / out),
-            "--progress", str(tmp / "progress"), *extra]
+    return [
+        "--memory",
+        str(shm),
+        "--disk",
+        str(tmp / "disk"),
+        "--remote",
+        f"file://{tmp / 'remote'}",
+        "--steps",
+        str(STEPS),
+        "--out",
+        str(tmp / out),
+        "--progress",
+        str(tmp / "progress"),
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -52,12 +64,25 @@ def _kill_job_at(tmp: Path, shm: Path, step: int, delay: float, *extra: str) -> 
     """Start the job, wait until rank 0 reaches ``step``, wait ``delay`` s, SIGKILL every rank."""
     progress = tmp / "progress"
     progress.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "--max-restarts=0", str(WORKERS / "managed_train.py"),
-           *_args(tmp, shm, "killed.pt", *extra)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "--max-restarts=0",
+        str(WORKERS / "managed_train.py"),
+        *_args(tmp, shm, "killed.pt", *extra),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    job = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL, start_new_session=True)
+    job = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 120
     try:
         while time.monotonic() < deadline:
@@ -122,10 +147,25 @@ def test_a_permanent_upload_failure_on_one_rank_reaches_every_rank(tmp_path, shm
     # denies every write of them (403 AccessDenied, not retried).
     proxy = fault_proxy(0.0, deny="__1_")
     started = time.monotonic()
-    torchrun("managed_train.py", 2, "--memory", str(shm), "--disk", str(tmp_path / "disk"),
-             "--disk-per-rank", "--remote", s3.url(), "--remote-every", "steps:5",
-             "--steps", str(STEPS), "--out", str(tmp_path / "out.pt"),
-             env={"TEST_S3_ENDPOINT": proxy}, timeout=180)
+    torchrun(
+        "managed_train.py",
+        2,
+        "--memory",
+        str(shm),
+        "--disk",
+        str(tmp_path / "disk"),
+        "--disk-per-rank",
+        "--remote",
+        s3.url(),
+        "--remote-every",
+        "steps:5",
+        "--steps",
+        str(STEPS),
+        "--out",
+        str(tmp_path / "out.pt"),
+        env={"TEST_S3_ENDPOINT": proxy},
+        timeout=180,
+    )
     assert time.monotonic() - started < 150  # nobody waited for a durable timeout
     for rank in (0, 1):
         result = read_json(tmp_path / f"out.pt.rank{rank}.json")

@@ -41,16 +41,35 @@ def visible(directory: Path) -> list[str]:
     return sorted(n for n in os.listdir(directory) if not n.startswith(".dcp-tiered"))
 
 
-def facade(out: Path, *args: str, check: bool = True,
-           env: dict | None = None) -> subprocess.CompletedProcess:
-    return torchrun("mcore.py", 2, "--out", str(out), "--phase", "facade", *args,
-                    timeout=300, check=check, env=env)
+def facade(
+    out: Path, *args: str, check: bool = True, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    return torchrun(
+        "mcore.py",
+        2,
+        "--out",
+        str(out),
+        "--phase",
+        "facade",
+        *args,
+        timeout=300,
+        check=check,
+        env=env,
+    )
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_strategy_saves_through_the_tiers_and_stock_mcore_loads_it(tmp_path, mode):
-    torchrun("mcore.py", 2, "--out", str(tmp_path), "--phase", "strategy",
-             *(["--async"] if mode == "async" else []), timeout=300)
+    torchrun(
+        "mcore.py",
+        2,
+        "--out",
+        str(tmp_path),
+        "--phase",
+        "strategy",
+        *(["--async"] if mode == "async" else []),
+        timeout=300,
+    )
     for rank, r in enumerate(results(tmp_path)):
         for loader in ("stock", "tiered"):
             got = r[loader]
@@ -61,8 +80,13 @@ def test_strategy_saves_through_the_tiers_and_stock_mcore_loads_it(tmp_path, mod
             assert r["trained_while_in_flight"]
     files = results(tmp_path)[0]["files"]
     assert {"manifest.json", ".metadata", "common.pt", "metadata.json"} <= set(files)
-    verify = subprocess.run([sys.executable, "-m", "dcp_tiered.cli", "verify",
-                             str(tmp_path / "ckpt")], capture_output=True, text=True, cwd=REPO, check=False)
+    verify = subprocess.run(
+        [sys.executable, "-m", "dcp_tiered.cli", "verify", str(tmp_path / "ckpt")],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=False,
+    )
     assert verify.returncode == 0, verify.stdout + verify.stderr
 
 
@@ -100,8 +124,13 @@ def test_facade_resumes_after_sigkill_and_keeps_max_ckpt_num(tmp_path):
         assert f"({gone}: retention of the storage tier)" in text
     assert "restored iteration 7 from memory" in text
     # Nothing written outside the save directory, the memory directory and the log.
-    assert sorted(os.listdir(run)) == ["ckpt", "ckpt.log", "losses-0.jsonl", "losses-1.jsonl",
-                                       "shm"]
+    assert sorted(os.listdir(run)) == [
+        "ckpt",
+        "ckpt.log",
+        "losses-0.jsonl",
+        "losses-1.jsonl",
+        "shm",
+    ]
     assert sorted(os.listdir(run / "shm")) == ["rank-0", "rank-1"]
 
 
@@ -110,14 +139,17 @@ def test_facade_sweeps_the_directory_a_crashed_storage_save_left(tmp_path):
     iter_0000008/: the next start removes exactly what the save made, and the job then keeps
     max_ckpt_num committed iter_ directories and nothing else under Megatron's names."""
     run, log = tmp_path / "run", tmp_path / "run" / "ckpt.log"
-    killed = facade(run, "--iters", "8", "--kill-in-storage-save", "8", "--log-file", str(log),
-                    check=False)
+    killed = facade(
+        run, "--iters", "8", "--kill-in-storage-save", "8", "--log-file", str(log), check=False
+    )
     assert killed.returncode != 0
     half = run / "ckpt" / "iter_0000008"
     assert "common.pt" in os.listdir(half) and not (half / "manifest.json").exists()
     facade(run, "--iters", "10", "--attempt", "1", "--log-file", str(log))
     text = log.read_text()
-    assert f"deleting {half}/common.pt (left by a save of iter_0000008 that never committed)" in text
+    assert (
+        f"deleting {half}/common.pt (left by a save of iter_0000008 that never committed)" in text
+    )
     dirs = sorted(n for n in os.listdir(run / "ckpt") if n.startswith("iter_"))
     assert len(dirs) == 2 and all((run / "ckpt" / d / "manifest.json").exists() for d in dirs)
     assert not any("pending" in f for d in dirs for f in os.listdir(run / "ckpt" / d))
@@ -151,10 +183,14 @@ def test_facade_falls_back_past_corrupt_copies(tmp_path, nccl_like):
     text = log.read_text()
     assert "cannot restore iter_0000012 from storage" in text
     assert "IntegrityError: corrupt data in step 'iter_0000012'" in text
-    assert "rank0 dcp_tiered.lifecycle cannot restore iter_0000011 from memory, " \
+    assert (
+        "rank0 dcp_tiered.lifecycle cannot restore iter_0000011 from memory, "
         "trying an older step: rank 0: IntegrityError" in text
-    assert "rank1 dcp_tiered.lifecycle cannot restore iter_0000011 from memory, " \
+    )
+    assert (
+        "rank1 dcp_tiered.lifecycle cannot restore iter_0000011 from memory, "
         "trying an older step: failed on another rank" in text
+    )
     assert "restored iteration 10 from memory" in text
 
 
@@ -175,8 +211,12 @@ def test_facade_refuses_to_start_from_scratch_when_the_remote_cannot_be_read(tmp
     """A fresh node whose remote names a bucket that does not exist: every rank raises
     PermanentTierError when the facade starts, saying what to fix, instead of training from
     iteration 0."""
-    remote = ["--remote", "s3://no-such-bucket-dcp-tiered/run",
-              "--storage-options", json.dumps(s3.options())]
+    remote = [
+        "--remote",
+        "s3://no-such-bucket-dcp-tiered/run",
+        "--storage-options",
+        json.dumps(s3.options()),
+    ]
     proc = facade(tmp_path / "run", "--iters", "2", *remote, check=False)
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
@@ -194,7 +234,10 @@ def test_facade_keeps_every_step_the_remote_does_not_hold(tmp_path):
     assert proc.returncode != 0  # close() reports that the last checkpoint is not durable
     assert "UploadFailedError" in proc.stderr + proc.stdout
     assert sorted(p for p in os.listdir(run / "ckpt") if p.startswith("iter_")) == [
-        "iter_0000004", "iter_0000008", "iter_0000012"]
+        "iter_0000004",
+        "iter_0000008",
+        "iter_0000012",
+    ]
 
 
 def test_facade_disk_full_fails_the_save_and_keeps_the_last_checkpoint(tmp_path, tmpfs):
@@ -207,8 +250,13 @@ def test_facade_disk_full_fails_the_save_and_keeps_the_last_checkpoint(tmp_path,
     assert "InsufficientSpaceError" in out and "still names the previous checkpoint" in out
     assert (disk / "latest_checkpointed_iteration.txt").read_text() == "8"
     assert visible(disk) == ["iter_0000004", "iter_0000008", "latest_checkpointed_iteration.txt"]
-    verify = subprocess.run([sys.executable, "-m", "dcp_tiered.cli", "verify", str(disk)],
-                            capture_output=True, text=True, cwd=REPO, check=False)
+    verify = subprocess.run(
+        [sys.executable, "-m", "dcp_tiered.cli", "verify", str(disk)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=False,
+    )
     assert verify.returncode == 0, verify.stdout + verify.stderr
 
 
@@ -231,9 +279,22 @@ def test_converter_from_the_legacy_layout(tmp_path):
 
     def convert(*extra: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "dcp_tiered.cli", "convert", "megatron",
-             str(tmp_path / "legacy"), str(tmp_path / "converted"), *extra],
-            capture_output=True, text=True, cwd=REPO, timeout=120, check=False)
+            [
+                sys.executable,
+                "-m",
+                "dcp_tiered.cli",
+                "convert",
+                "megatron",
+                str(tmp_path / "legacy"),
+                str(tmp_path / "converted"),
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=120,
+            check=False,
+        )
 
     first = convert()
     assert first.returncode == 0, first.stderr
@@ -262,11 +323,27 @@ def test_converter_refuses_to_unpickle_code(tmp_path):
     (legacy / "latest_checkpointed_iteration.txt").write_text("2")
     payload = _Payload()
     payload.marker = tmp_path / "pwned"
-    torch.save({"iteration": 2, "model": {"w": torch.ones(2)}, "x": payload}, own,
-               pickle_protocol=pickle.HIGHEST_PROTOCOL)
-    proc = subprocess.run([sys.executable, "-m", "dcp_tiered.cli", "convert", "megatron",
-                           str(legacy), str(tmp_path / "out")],
-                          capture_output=True, text=True, cwd=REPO, timeout=120, check=False)
+    torch.save(
+        {"iteration": 2, "model": {"w": torch.ones(2)}, "x": payload},
+        own,
+        pickle_protocol=pickle.HIGHEST_PROTOCOL,
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dcp_tiered.cli",
+            "convert",
+            "megatron",
+            str(legacy),
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 2
     assert str(own) in proc.stderr and "--trust-source" in proc.stderr
     assert not payload.marker.exists()
@@ -274,11 +351,14 @@ def test_converter_refuses_to_unpickle_code(tmp_path):
 
 def test_example_trains_and_resumes(tmp_path):
     def example(iters: int) -> str:
-        return run_example("megatron_gpt.py", "--save", str(tmp_path / "run"),
-                           "--iters", str(iters), ranks=2)
+        return run_example(
+            "megatron_gpt.py", "--save", str(tmp_path / "run"), "--iters", str(iters), ranks=2
+        )
 
     assert "resumed from iteration 0" in example(7)
     assert "resumed from iteration 7" in example(12)
     # storage every 5, and iteration 7 (memory only when the first run ended) on restore
     assert sorted(p for p in os.listdir(tmp_path / "run") if p.startswith("iter_")) == [
-        "iter_0000007", "iter_0000010"]
+        "iter_0000007",
+        "iter_0000010",
+    ]

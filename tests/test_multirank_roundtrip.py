@@ -11,12 +11,35 @@ pytestmark = pytest.mark.multirank
 
 def _save_then_load(tmp_path, kind: str, mode: str, load_worlds=(1, 2, 3), extra=()):
     root, ref = tmp_path / "ckpt", tmp_path / "ref.pt"
-    torchrun("roundtrip.py", 2, "save", "--root", str(root), "--kind", kind, "--mode", mode,
-             "--ref", str(ref), *extra)
+    torchrun(
+        "roundtrip.py",
+        2,
+        "save",
+        "--root",
+        str(root),
+        "--kind",
+        kind,
+        "--mode",
+        mode,
+        "--ref",
+        str(ref),
+        *extra,
+    )
     for world in load_worlds:
         out = tmp_path / f"load{world}.json"
-        torchrun("roundtrip.py", world, "load", "--root", str(root), "--kind", kind,
-                 "--ref", str(ref), "--out", str(out))
+        torchrun(
+            "roundtrip.py",
+            world,
+            "load",
+            "--root",
+            str(root),
+            "--kind",
+            kind,
+            "--ref",
+            str(ref),
+            "--out",
+            str(out),
+        )
         result = read_json(out)
         assert result["world"] == world
         assert result["mismatches"] == [], f"load at {world} ranks differs: {result}"
@@ -47,8 +70,19 @@ def test_two_nodes_each_with_own_root_commit_atomically(tmp_path):
     import shutil
 
     root, ref = tmp_path / "ckpt", tmp_path / "ref.pt"
-    torchrun("roundtrip.py", 4, "save", "--root", str(root), "--nodes", "2", "--mode", "thread",
-             "--ref", str(ref))
+    torchrun(
+        "roundtrip.py",
+        4,
+        "save",
+        "--root",
+        str(root),
+        "--nodes",
+        "2",
+        "--mode",
+        "thread",
+        "--ref",
+        str(ref),
+    )
     node0, node1 = root / "node0" / "step-2", root / "node1" / "step-2"
     files0 = sorted(p.name for p in node0.iterdir())
     files1 = sorted(p.name for p in node1.iterdir())
@@ -65,8 +99,17 @@ def test_two_nodes_each_with_own_root_commit_atomically(tmp_path):
     for name in shards1:
         shutil.copy(node1 / name, node0 / name)
     out = tmp_path / "load.json"
-    torchrun("roundtrip.py", 2, "load", "--root", str(root / "node0"), "--ref", str(ref),
-             "--out", str(out))
+    torchrun(
+        "roundtrip.py",
+        2,
+        "load",
+        "--root",
+        str(root / "node0"),
+        "--ref",
+        str(ref),
+        "--out",
+        str(out),
+    )
     assert read_json(out)["mismatches"] == []
 
 
@@ -74,8 +117,9 @@ def test_two_nodes_each_with_own_root_commit_atomically(tmp_path):
 def test_back_to_back_async_saves_are_each_isolated(tmp_path, mode):
     """Four async saves without waiting: double buffering and ordering keep each one exact."""
     out = tmp_path / "out.json"
-    torchrun("back_to_back.py", 2, "--root", str(tmp_path / "ck"), "--mode", mode,
-             "--out", str(out))
+    torchrun(
+        "back_to_back.py", 2, "--root", str(tmp_path / "ck"), "--mode", mode, "--out", str(out)
+    )
     assert read_json(out)["bad"] == []
 
 
@@ -88,10 +132,34 @@ def test_two_nodes_upload_to_s3_and_a_lost_node_restores_from_it(tmp_path, s3):
 
     root, ref = tmp_path / "ckpt", tmp_path / "ref.pt"
     remote = ["--remote", s3.url(), "--storage-options", json.dumps(s3.options())]
-    torchrun("roundtrip.py", 4, "save", "--root", str(root), "--nodes", "2", "--mode", "thread",
-             "--ref", str(ref), *remote)
+    torchrun(
+        "roundtrip.py",
+        4,
+        "save",
+        "--root",
+        str(root),
+        "--nodes",
+        "2",
+        "--mode",
+        "thread",
+        "--ref",
+        str(ref),
+        *remote,
+    )
     shutil.rmtree(root / "node1")
     out = tmp_path / "load.json"
-    torchrun("roundtrip.py", 3, "load", "--root", str(root), "--nodes", "2", "--ref", str(ref),
-             "--out", str(out), *remote)
+    torchrun(
+        "roundtrip.py",
+        3,
+        "load",
+        "--root",
+        str(root),
+        "--nodes",
+        "2",
+        "--ref",
+        str(ref),
+        "--out",
+        str(out),
+        *remote,
+    )
     assert read_json(out)["mismatches"] == []

@@ -8,23 +8,32 @@ import sys
 
 import dcp_tiered
 
-_NO_TORCH = ("import sys; {body}; "
-             "heavy = sorted(m for m in ('torch', 'numpy', 'fsspec') if m in sys.modules); "
-             "print(heavy); sys.exit(1 if heavy else 0)")
+_NO_TORCH = (
+    "import sys; {body}; "
+    "heavy = sorted(m for m in ('torch', 'numpy', 'fsspec') if m in sys.modules); "
+    "print(heavy); sys.exit(1 if heavy else 0)"
+)
 
 
 def _run(body: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", _NO_TORCH.format(body=body), *args],
-                          check=False, capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-c", _NO_TORCH.format(body=body), *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_importing_the_package_and_cli_help_does_not_import_torch():
     """`dcp-tiered --help` took ~3 s, all of it importing torch it did not need."""
     assert (p := _run("import dcp_tiered, dcp_tiered.cli")).returncode == 0, p.stdout + p.stderr
     for args in (["--help"], ["--version"], ["ls"], ["no-such-command"], ["prune", "r"]):
-        body = ("from dcp_tiered.cli import main\n"
-                "try: code = main(sys.argv[1:])\n"
-                "except SystemExit as e: code = e.code")
+        body = (
+            "from dcp_tiered.cli import main\n"
+            "try: code = main(sys.argv[1:])\n"
+            "except SystemExit as e: code = e.code"
+        )
         p = _run(f"exec({body!r})", *args)
         assert p.returncode == 0, (args, p.stdout, p.stderr)
 
@@ -36,14 +45,20 @@ def test_every_public_name_and_old_module_path_resolves():
     exec("from dcp_tiered import *", ns)  # noqa: S102 (a star import is the case to test)
     assert set(dcp_tiered.__all__) <= set(ns)
     from dcp_tiered import CheckpointManager, TieredStorageWriter, manager, writer
+
     assert TieredStorageWriter is writer.TieredStorageWriter
     assert CheckpointManager is manager.CheckpointManager
-    for old, new in (("layout", "policy.layout"), ("tiering", "tiers.remote"),
-                     ("local_tier", "tiers.local"), ("manifest", "policy.manifest")):
+    for old, new in (
+        ("layout", "policy.layout"),
+        ("tiering", "tiers.remote"),
+        ("local_tier", "tiers.local"),
+        ("manifest", "policy.manifest"),
+    ):
         moved = importlib.import_module(f"dcp_tiered.{new}")
         assert importlib.import_module(f"dcp_tiered.{old}") is moved
         assert getattr(dcp_tiered, old) is moved
         assert moved.__spec__.name == f"dcp_tiered.{new}"  # importlib.reload still works
     from dcp_tiered.tiering import hydrate_step
+
     assert hydrate_step.__module__ == "dcp_tiered.tiers.remote"
     assert "TieredStorageReader" in dir(dcp_tiered)

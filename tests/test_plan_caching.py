@@ -10,15 +10,28 @@ from tests.conftest import read_json, torchrun
 pytestmark = pytest.mark.multirank
 
 
-@pytest.mark.parametrize("mode,nodes,remote", [
-    ("sync", 1, True),  # one root; step-2 kept local, the others promoted
-    ("thread", 2, True),  # two roots: the cross-node commit handshake on every save
-    ("process", 2, False),  # the writer is a fresh copy in DCP's subprocess every save
-])
+@pytest.mark.parametrize(
+    "mode,nodes,remote",
+    [
+        ("sync", 1, True),  # one root; step-2 kept local, the others promoted
+        ("thread", 2, True),  # two roots: the cross-node commit handshake on every save
+        ("process", 2, False),  # the writer is a fresh copy in DCP's subprocess every save
+    ],
+)
 def test_cached_plans_commit_every_step_exactly(tmp_path, mode, nodes, remote):
     out, log = tmp_path / "out.json", tmp_path / "plans"
-    args = ["--root", str(tmp_path / "ck"), "--nodes", str(nodes), "--mode", mode,
-            "--plan-log", str(log), "--out", str(out)]
+    args = [
+        "--root",
+        str(tmp_path / "ck"),
+        "--nodes",
+        str(nodes),
+        "--mode",
+        mode,
+        "--plan-log",
+        str(log),
+        "--out",
+        str(out),
+    ]
     if remote:
         args += ["--remote", (tmp_path / "remote").as_uri()]
     torchrun("plan_caching.py", 2, *args, timeout=300)
@@ -37,5 +50,9 @@ def test_cached_plans_commit_every_step_exactly(tmp_path, mode, nodes, remote):
     assert len({ids[f"{roots[0]}/{s}"] for s in committed}) == 4  # a new save id every save
     assert all(ids[f"{r}/{s}"] == ids[f"{roots[0]}/{s}"] for r in roots for s in committed)
     if remote:
-        assert res["durability"] == {"step-1": "durable-remote", "step-2": "committed-local",
-                                     "step-3": "durable-remote", "step-5": "durable-remote"}
+        assert res["durability"] == {
+            "step-1": "durable-remote",
+            "step-2": "committed-local",
+            "step-3": "durable-remote",
+            "step-5": "durable-remote",
+        }

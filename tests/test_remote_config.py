@@ -26,8 +26,9 @@ from dcp_tiered import (
 from tests.conftest import torchrun
 from tests.s3server import s3fs_options, start_moto
 
-ALLOW_S3 = json.dumps({"Version": "2012-10-17", "Statement": [
-    {"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]})
+ALLOW_S3 = json.dumps(
+    {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}
+)
 
 
 class AuthS3:
@@ -36,8 +37,12 @@ class AuthS3:
     def __init__(self, endpoint: str) -> None:
         self.endpoint, self.bucket = endpoint, f"auth-{uuid.uuid4().hex[:8]}"
         iam = botocore.session.get_session().create_client(
-            "iam", endpoint_url=endpoint, region_name="us-east-1",
-            aws_access_key_id="setup", aws_secret_access_key="setup")
+            "iam",
+            endpoint_url=endpoint,
+            region_name="us-east-1",
+            aws_access_key_id="setup",
+            aws_secret_access_key="setup",
+        )
         iam.create_user(UserName="trainer")  # moto's first 5 requests are not checked
         iam.put_user_policy(UserName="trainer", PolicyName="s3", PolicyDocument=ALLOW_S3)
         k = iam.create_access_key(UserName="trainer")["AccessKey"]
@@ -46,8 +51,12 @@ class AuthS3:
         k = iam.create_access_key(UserName="nobody")["AccessKey"]
         self.denied_key, self.denied_secret = k["AccessKeyId"], k["SecretAccessKey"]
         s3 = botocore.session.get_session().create_client(
-            "s3", endpoint_url=endpoint, region_name="us-east-1",
-            aws_access_key_id=self.key, aws_secret_access_key=self.secret)
+            "s3",
+            endpoint_url=endpoint,
+            region_name="us-east-1",
+            aws_access_key_id=self.key,
+            aws_secret_access_key=self.secret,
+        )
         s3.create_bucket(Bucket=self.bucket)
 
     def options(self, key: str | None = None, secret: str | None = None) -> dict:
@@ -67,15 +76,26 @@ def auth_s3():
 def _bad_configs(auth_s3) -> dict[str, tuple[RemoteConfig, list[str]]]:
     url = f"s3://{auth_s3.bucket}/run"
     return {
-        "wrong secret": (RemoteConfig(url=url, storage_options=auth_s3.options(secret="nope")),
-                         ["SignatureDoesNotMatch", "secret key"]),
-        "unknown key": (RemoteConfig(url=url, storage_options=auth_s3.options(key="AKIANOPE")),
-                        ["InvalidAccessKeyId", "access key"]),
-        "denied": (RemoteConfig(url=url, storage_options=auth_s3.options(
-            auth_s3.denied_key, auth_s3.denied_secret)), ["AccessDenied", "credentials"]),
-        "no such bucket": (RemoteConfig(url="s3://no-such-bucket-dcp-tiered/run",
-                                        storage_options=auth_s3.options()),
-                           ["NoSuchBucket", "create the bucket"]),
+        "wrong secret": (
+            RemoteConfig(url=url, storage_options=auth_s3.options(secret="nope")),
+            ["SignatureDoesNotMatch", "secret key"],
+        ),
+        "unknown key": (
+            RemoteConfig(url=url, storage_options=auth_s3.options(key="AKIANOPE")),
+            ["InvalidAccessKeyId", "access key"],
+        ),
+        "denied": (
+            RemoteConfig(
+                url=url, storage_options=auth_s3.options(auth_s3.denied_key, auth_s3.denied_secret)
+            ),
+            ["AccessDenied", "credentials"],
+        ),
+        "no such bucket": (
+            RemoteConfig(
+                url="s3://no-such-bucket-dcp-tiered/run", storage_options=auth_s3.options()
+            ),
+            ["NoSuchBucket", "create the bucket"],
+        ),
     }
 
 
@@ -91,16 +111,25 @@ def test_a_misconfigured_remote_is_refused_at_start_saying_what_to_fix(tmp_path,
         CheckpointManager(local=tmp_path / "m", remote=remote)
     assert all(s in str(e.value) for s in says), str(e.value)
     with pytest.raises(CheckpointException) as e:  # a reader: when it first needs the remote
-        dcp.load({"w": torch.zeros(4)}, checkpoint_id="latest", no_dist=True,
-                 storage_reader=TieredStorageReader(tmp_path / "r", remote=remote))
-    (err, *_), = [f if isinstance(f, tuple) else (f,) for f in e.value.failures.values()]
+        dcp.load(
+            {"w": torch.zeros(4)},
+            checkpoint_id="latest",
+            no_dist=True,
+            storage_reader=TieredStorageReader(tmp_path / "r", remote=remote),
+        )
+    ((err, *_),) = [f if isinstance(f, tuple) else (f,) for f in e.value.failures.values()]
     assert isinstance(err, PermanentTierError) and all(s in str(err) for s in says), str(err)
     assert time.monotonic() - started < 20  # no minute of upload retries
 
 
 def test_no_credentials_at_all_are_refused_at_start(tmp_path, auth_s3, monkeypatch):
-    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
-                "AWS_PROFILE", "AWS_DEFAULT_PROFILE"):
+    for var in (
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_PROFILE",
+        "AWS_DEFAULT_PROFILE",
+    ):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
@@ -117,19 +146,23 @@ def test_a_good_remote_passes_and_an_unreachable_one_only_warns(tmp_path, auth_s
     good = RemoteConfig(url=f"s3://{auth_s3.bucket}/run", storage_options=auth_s3.options())
     with TieredStorageWriter(tmp_path / "good", remote=good) as writer:
         writer.recover()
-        dcp.save({"w": torch.ones(4)}, checkpoint_id="step-1", storage_writer=writer,
-                 no_dist=True)
+        dcp.save({"w": torch.ones(4)}, checkpoint_id="step-1", storage_writer=writer, no_dist=True)
     # Nothing listens on port 9: the job starts (and saves locally), with one warning.
-    dead = RemoteConfig(url=f"s3://{auth_s3.bucket}/run", retry=RetryConfig(max_attempts=2),
-                        storage_options=s3fs_options("http://127.0.0.1:9", auth_s3.key,
-                                                     auth_s3.secret))
+    dead = RemoteConfig(
+        url=f"s3://{auth_s3.bucket}/run",
+        retry=RetryConfig(max_attempts=2),
+        storage_options=s3fs_options("http://127.0.0.1:9", auth_s3.key, auth_s3.secret),
+    )
     started = time.monotonic()
     writer = TieredStorageWriter(tmp_path / "dead", remote=dead)
     with caplog.at_level(logging.WARNING, logger="dcp_tiered"):
         writer.recover()
     assert time.monotonic() - started < 20
-    assert [r for r in caplog.records if "cannot be reached now" in r.getMessage()
-            and "retried later" in r.getMessage()], caplog.text
+    assert [
+        r
+        for r in caplog.records
+        if "cannot be reached now" in r.getMessage() and "retried later" in r.getMessage()
+    ], caplog.text
     writer.keep_local("step-1")  # no upload to retry against the dead endpoint
     dcp.save({"w": torch.ones(4)}, checkpoint_id="step-1", storage_writer=writer, no_dist=True)
     assert writer.local_tier.has_step("step-1")
@@ -140,9 +173,19 @@ def test_a_bad_remote_on_one_rank_fails_the_manager_start_on_every_rank(tmp_path
     """Rank 1 alone has a wrong secret: both ranks raise at the manager's start (rank 0
     naming rank 1's problem) instead of rank 0 waiting forever at the next collective."""
     options = {r: auth_s3.options(secret=None if r == 0 else "nope") for r in (0, 1)}
-    torchrun("remote_check.py", 2, "--url", f"s3://{auth_s3.bucket}/run", "--disk",
-             str(tmp_path / "disk"), "--options", json.dumps(options), "--out",
-             str(tmp_path / "out"), timeout=120)
+    torchrun(
+        "remote_check.py",
+        2,
+        "--url",
+        f"s3://{auth_s3.bucket}/run",
+        "--disk",
+        str(tmp_path / "disk"),
+        "--options",
+        json.dumps(options),
+        "--out",
+        str(tmp_path / "out"),
+        timeout=120,
+    )
     got = [json.loads((tmp_path / f"out.{r}").read_text()) for r in (0, 1)]
     assert got[1]["error"] == "PermanentTierError" and "SignatureDoesNotMatch" in got[1]["msg"]
     assert got[0]["error"] == "PermanentTierError", got[0]

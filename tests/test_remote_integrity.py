@@ -23,7 +23,7 @@ def config(s3, endpoint=None, **kw) -> RemoteConfig:
 def keys_under(s3, url: str) -> list[str]:
     fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3.options())
     base = url.removeprefix("s3://")
-    return sorted(k[len(base) + 1:] for k in fs.find(base))
+    return sorted(k[len(base) + 1 :] for k in fs.find(base))
 
 
 def test_an_upload_the_store_keeps_corrupt_is_caught_and_sent_again(tmp_path, s3, fault_proxy):
@@ -77,8 +77,9 @@ def test_two_jobs_saving_one_step_name_into_one_prefix_never_both_succeed(tmp_pa
     assert len(saves) == 1
 
 
-def test_objects_of_a_save_never_committed_are_removed_by_the_next_writer(tmp_path, s3,
-                                                                           fault_proxy):
+def test_objects_of_a_save_never_committed_are_removed_by_the_next_writer(
+    tmp_path, s3, fault_proxy
+):
     # The marker of step-2 is refused: its data is uploaded, its step never committed.
     cfg = config(s3, fault_proxy(0.0, deny="_COMMITTED"))
     writer = save(tmp_path / "a", cfg, "step-2", state(2))
@@ -91,8 +92,9 @@ def test_objects_of_a_save_never_committed_are_removed_by_the_next_writer(tmp_pa
     plain = RemoteConfig(url=cfg.url, storage_options=s3.options(), retry=FAST_RETRY)
     TieredStorageWriter(tmp_path / "b", remote=plain).recover()
     assert [k for k in keys_under(s3, cfg.url) if k.endswith(".distcp")] == left
-    young = RemoteConfig(url=cfg.url, storage_options=s3.options(), retry=FAST_RETRY,
-                         orphan_grace_secs=0)
+    young = RemoteConfig(
+        url=cfg.url, storage_options=s3.options(), retry=FAST_RETRY, orphan_grace_secs=0
+    )
     # The root that holds step-2 committed keeps its objects, and its upload resumes.
     keeper = TieredStorageWriter(tmp_path / "a", remote=young)
     keeper.recover()

@@ -31,18 +31,23 @@ FAST_RETRY = RetryConfig(max_attempts=12, initial_backoff_secs=0.05, max_backoff
 
 def state(v: float, mib: float = 1) -> dict:
     n = int(mib * 2**18)
-    return {"a": torch.arange(n, dtype=torch.float32) + v, "b": torch.full((64, 64), v),
-            "meta": {"v": v, "tag": f"s{v}"}}
+    return {
+        "a": torch.arange(n, dtype=torch.float32) + v,
+        "b": torch.full((64, 64), v),
+        "meta": {"v": v, "tag": f"s{v}"},
+    }
 
 
 def blank(mib: float = 1) -> dict:
-    return {"a": torch.zeros(int(mib * 2**18)), "b": torch.zeros(64, 64),
-            "meta": {"v": -1.0, "tag": ""}}
+    return {
+        "a": torch.zeros(int(mib * 2**18)),
+        "b": torch.zeros(64, 64),
+        "meta": {"v": -1.0, "tag": ""},
+    }
 
 
 def equal(x: dict, y: dict) -> bool:
-    return (torch.equal(x["a"], y["a"]) and torch.equal(x["b"], y["b"])
-            and x["meta"] == y["meta"])
+    return torch.equal(x["a"], y["a"]) and torch.equal(x["b"], y["b"]) and x["meta"] == y["meta"]
 
 
 @pytest.fixture(params=["s3", "file"])
@@ -58,8 +63,9 @@ def save(root, remote, step, sd, **kw) -> TieredStorageWriter:
     return writer
 
 
-def load(root, remote=None, step="latest", mib: float = 1,
-         **kw) -> tuple[dict, TieredStorageReader]:
+def load(
+    root, remote=None, step="latest", mib: float = 1, **kw
+) -> tuple[dict, TieredStorageReader]:
     sd = blank(mib)
     reader = TieredStorageReader(root, remote=remote, **kw)
     dcp.load(sd, checkpoint_id=step, storage_reader=reader, no_dist=True)
@@ -116,8 +122,9 @@ def test_hydrate_copies_fetched_files_into_the_local_tier(tmp_path, remote):
 
 
 def test_hash_prefix_strategy_spreads_data_and_restores(tmp_path, s3):
-    cfg = RemoteConfig(url=s3.url(), storage_options=s3.options(), prefix_strategy="hash",
-                       retry=FAST_RETRY)
+    cfg = RemoteConfig(
+        url=s3.url(), storage_options=s3.options(), prefix_strategy="hash", retry=FAST_RETRY
+    )
     root = tmp_path / "local"
     save(root, cfg, "step-1", state(1), thread_count=4).wait_durable(timeout_secs=60)
     fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3.options())
@@ -134,8 +141,9 @@ def test_hash_prefix_strategy_spreads_data_and_restores(tmp_path, s3):
 
 
 def test_permanent_error_fails_fast_with_what_to_fix(tmp_path, s3):
-    cfg = RemoteConfig(url="s3://no-such-bucket-dcp-tiered/run", storage_options=s3.options(),
-                       retry=FAST_RETRY)
+    cfg = RemoteConfig(
+        url="s3://no-such-bucket-dcp-tiered/run", storage_options=s3.options(), retry=FAST_RETRY
+    )
     writer = save(tmp_path / "local", cfg, "step-1", state(1))
     with pytest.raises(UploadFailedError) as e:
         writer.wait_durable("step-1", timeout_secs=60)
@@ -145,10 +153,13 @@ def test_permanent_error_fails_fast_with_what_to_fix(tmp_path, s3):
 
 def test_twenty_percent_faults_every_step_durable_and_never_partial(tmp_path, s3, fault_proxy):
     proxy = fault_proxy(rate=0.2, seed=7, stall_secs=4.0)
-    cfg = RemoteConfig(url=s3.url(), storage_options=s3.options(proxy, read_timeout=2),
-                       part_size_bytes=5 * 2**20, max_concurrency=4,
-                       retry=RetryConfig(max_attempts=30, initial_backoff_secs=0.05,
-                                         max_backoff_secs=0.5))
+    cfg = RemoteConfig(
+        url=s3.url(),
+        storage_options=s3.options(proxy, read_timeout=2),
+        part_size_bytes=5 * 2**20,
+        max_concurrency=4,
+        retry=RetryConfig(max_attempts=30, initial_backoff_secs=0.05, max_backoff_secs=0.5),
+    )
     direct = RemoteConfig(url=cfg.url, storage_options=s3.options(), retry=FAST_RETRY)
     seen_bad: list[str] = []
     observed: set[str] = set()
@@ -172,8 +183,9 @@ def test_twenty_percent_faults_every_step_durable_and_never_partial(tmp_path, s3
     watcher.start()
     try:
         for i in range(3):
-            dcp.save(state(i, mib=12), checkpoint_id=f"step-{i}", storage_writer=writer,
-                     no_dist=True)
+            dcp.save(
+                state(i, mib=12), checkpoint_id=f"step-{i}", storage_writer=writer, no_dist=True
+            )
         writer.wait_durable(timeout_secs=300)
     finally:
         stop.set()
@@ -183,8 +195,12 @@ def test_twenty_percent_faults_every_step_durable_and_never_partial(tmp_path, s3
     shutil.rmtree(root)
     for i in range(3):
         sd = {"a": torch.zeros(12 * 2**18), "b": torch.zeros(64, 64), "meta": {"v": -1, "tag": ""}}
-        dcp.load(sd, checkpoint_id=f"step-{i}", no_dist=True,
-                 storage_reader=TieredStorageReader(root, remote=cfg))  # reads through faults too
+        dcp.load(
+            sd,
+            checkpoint_id=f"step-{i}",
+            no_dist=True,
+            storage_reader=TieredStorageReader(root, remote=cfg),
+        )  # reads through faults too
         assert equal(sd, state(i, mib=12))
     faults = injected_faults(proxy)
     assert sum(v for k, v in faults.items() if k != "ok") >= 0.1 * sum(faults.values()), faults
@@ -218,8 +234,9 @@ dcp.save(sd, checkpoint_id="step-1", storage_writer=w, no_dist=True)
 w.wait_durable(timeout_secs=120)
 print("NOT KILLED")
 """)
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=180)
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=180
+    )
     assert proc.returncode == -9, proc.stdout + proc.stderr
     cfg = RemoteConfig(url=url, storage_options=s3.options(), retry=FAST_RETRY)
     writer = TieredStorageWriter(tmp_path / "other", remote=cfg)
@@ -248,8 +265,9 @@ def test_remote_writer_and_reader_pickle(tmp_path, s3):
     w._remote.committed_steps()  # creates a client, which must not travel
     clone = pickle.loads(pickle.dumps(w))
     assert clone._remote._fs is None and clone._remote.config == cfg
-    assert isinstance(pickle.loads(pickle.dumps(TieredStorageReader(tmp_path, remote=cfg))),
-                      TieredStorageReader)
+    assert isinstance(
+        pickle.loads(pickle.dumps(TieredStorageReader(tmp_path, remote=cfg))), TieredStorageReader
+    )
 
 
 def test_local_overwrite_never_touches_a_committed_remote_step(tmp_path, remote):
@@ -265,8 +283,11 @@ def test_local_overwrite_never_touches_a_committed_remote_step(tmp_path, remote)
 def test_unreachable_remote_still_restores_the_local_copy(tmp_path, s3, caplog):
     root = tmp_path / "local"
     save(root, None, "step-1", state(1))
-    dead = RemoteConfig(url=f"s3://{s3.bucket}/run", retry=RetryConfig(max_attempts=2),
-                        storage_options=s3.options("http://127.0.0.1:9"))  # nothing listens
+    dead = RemoteConfig(
+        url=f"s3://{s3.bucket}/run",
+        retry=RetryConfig(max_attempts=2),
+        storage_options=s3.options("http://127.0.0.1:9"),
+    )  # nothing listens
     got, reader = load(root, dead)
     assert equal(got, state(1)) and "unavailable" in caplog.text
 
@@ -278,11 +299,14 @@ def test_unreachable_remote_and_nothing_local_is_not_called_an_empty_run(tmp_pat
 
     from dcp_tiered import TierUnavailableError
 
-    dead = RemoteConfig(url=f"s3://{s3.bucket}/run", retry=RetryConfig(max_attempts=2),
-                        storage_options=s3.options("http://127.0.0.1:9"))  # nothing listens
+    dead = RemoteConfig(
+        url=f"s3://{s3.bucket}/run",
+        retry=RetryConfig(max_attempts=2),
+        storage_options=s3.options("http://127.0.0.1:9"),
+    )  # nothing listens
     with pytest.raises(CheckpointException) as e:
         load(tmp_path / "fresh", dead)
-    (err, *_), = [f if isinstance(f, tuple) else (f,) for f in e.value.failures.values()]
+    ((err, *_),) = [f if isinstance(f, tuple) else (f,) for f in e.value.failures.values()]
     assert isinstance(err, TierUnavailableError) and f"s3://{s3.bucket}/run" in str(err)
 
 
@@ -293,11 +317,12 @@ def test_missing_bucket_is_reported_not_mistaken_for_an_empty_run(tmp_path, s3):
 
     root = tmp_path / "local"
     save(root, None, "step-1", state(1))
-    typo = RemoteConfig(url="s3://no-such-bucket-dcp-tiered/run", storage_options=s3.options(),
-                        retry=FAST_RETRY)
+    typo = RemoteConfig(
+        url="s3://no-such-bucket-dcp-tiered/run", storage_options=s3.options(), retry=FAST_RETRY
+    )
     with pytest.raises(CheckpointException) as e:
         load(root, typo)
-    (err, *_), = [f if isinstance(f, tuple) else (f,) for f in e.value.failures.values()]
+    ((err, *_),) = [f if isinstance(f, tuple) else (f,) for f in e.value.failures.values()]
     assert isinstance(err, PermanentTierError) and "NoSuchBucket" in str(err), err
     assert "create the bucket" in str(err)
     got, _ = load(root, None)

@@ -97,8 +97,10 @@ class Tiers(RuleBasedStateMachine):
     @rule(tier=st.sampled_from(["memory", "local", "remote"]))
     def retention(self, tier: str) -> None:
         before = dict(self.tiers[tier])
-        states = [StepState(n, t, awaiting_lower_tier=n in self.awaiting and tier == "local")
-                  for n, t in before.items()]
+        states = [
+            StepState(n, t, awaiting_lower_tier=n in self.awaiting and tier == "local")
+            for n, t in before.items()
+        ]
         doomed = evictions(states, self.policy)
         assert set(doomed) <= set(before), "evicted a step the tier does not hold"
         if self.in_flight is not None:
@@ -111,17 +113,21 @@ class Tiers(RuleBasedStateMachine):
             assert newest in self.tiers[tier], f"evicted the newest step {newest} of {tier}"
         for name in before:
             num = layout.step_number(name)
-            protected = (name in self.policy.pinned
-                         or (self.policy.keep_every and num % self.policy.keep_every == 0)
-                         or (tier == "local" and name in self.awaiting))
+            protected = (
+                name in self.policy.pinned
+                or (self.policy.keep_every and num % self.policy.keep_every == 0)
+                or (tier == "local" and name in self.awaiting)
+            )
             if protected:
                 assert name in self.tiers[tier], f"evicted protected {name}"
         # It did its job: besides protected steps, at most keep_latest remain.
-        unprotected = [n for n in self.tiers[tier]
-                       if n not in self.policy.pinned
-                       and not (self.policy.keep_every
-                                and layout.step_number(n) % self.policy.keep_every == 0)
-                       and not (tier == "local" and n in self.awaiting)]
+        unprotected = [
+            n
+            for n in self.tiers[tier]
+            if n not in self.policy.pinned
+            and not (self.policy.keep_every and layout.step_number(n) % self.policy.keep_every == 0)
+            and not (tier == "local" and n in self.awaiting)
+        ]
         assert len(unprotected) <= self.policy.keep_latest
 
     @invariant()
@@ -134,8 +140,9 @@ class Tiers(RuleBasedStateMachine):
 
 
 TestRetentionStateMachine = Tiers.TestCase
-TestRetentionStateMachine.settings = settings(max_examples=300, stateful_step_count=40,
-                                              deadline=None)
+TestRetentionStateMachine.settings = settings(
+    max_examples=300, stateful_step_count=40, deadline=None
+)
 
 
 @pytest.mark.parametrize("keep_latest", [1, 2])
@@ -157,21 +164,29 @@ def test_keep_latest_zero_is_refused():
 def _save(writer: TieredStorageWriter, step: int, promote: bool) -> None:
     if not promote:
         writer.keep_local(f"step-{step}")
-    dcp.save({"w": torch.full((64,), float(step))}, checkpoint_id=f"step-{step}",
-             storage_writer=writer, no_dist=True)
+    dcp.save(
+        {"w": torch.full((64,), float(step))},
+        checkpoint_id=f"step-{step}",
+        storage_writer=writer,
+        no_dist=True,
+    )
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(ops=st.lists(st.tuples(st.booleans(), st.booleans()), min_size=2, max_size=7),
-       policy=POLICIES)
+@settings(
+    max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    ops=st.lists(st.tuples(st.booleans(), st.booleans()), min_size=2, max_size=7), policy=POLICIES
+)
 def test_prune_local_on_real_directories(tmp_path_factory, ops, policy):
     """Saves that are promoted or not, uploads that succeed or not (a remote we break):
     the real prune never deletes a step whose upload did not finish, nor the newest."""
     tmp = tmp_path_factory.mktemp("prune")
     remote_dir = tmp / "remote"
     remote_dir.mkdir()
-    remote = RemoteConfig(url=f"file://{remote_dir}",
-                          retry=RetryConfig(max_attempts=1, initial_backoff_secs=0.01))
+    remote = RemoteConfig(
+        url=f"file://{remote_dir}", retry=RetryConfig(max_attempts=1, initial_backoff_secs=0.01)
+    )
     writer = TieredStorageWriter(tmp / "local", remote=remote, sync_files=False)
     awaiting = set()
     for step, (promote, upload_ok) in enumerate(ops):
@@ -185,8 +200,9 @@ def test_prune_local_on_real_directories(tmp_path_factory, ops, policy):
                 awaiting.add(f"step-{step}")
         assert (f"step-{step}" in awaiting) == (promote and not upload_ok)
     before = {s.name for s in writer.local_tier.steps()}
-    deleted = housekeeping.prune_local(writer.local_tier, policy, writer.remote_backend,
-                                       label="local")
+    deleted = housekeeping.prune_local(
+        writer.local_tier, policy, writer.remote_backend, label="local"
+    )
     after = {s.name for s in writer.local_tier.steps()}
     assert after == before - set(deleted)
     assert not set(deleted) & awaiting

@@ -12,8 +12,10 @@ from dcp_tiered.backends.remote import translate
 
 
 def client_error(code: str, status: int) -> ClientError:
-    return ClientError({"Error": {"Code": code, "Message": "m"},
-                        "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
+    return ClientError(
+        {"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}},
+        "PutObject",
+    )
 
 
 def wrapped(code: str, status: int) -> OSError:
@@ -22,15 +24,22 @@ def wrapped(code: str, status: int) -> OSError:
     return err
 
 
-@pytest.mark.parametrize("code,status", [("SlowDown", 503), ("InternalError", 500),
-                                         ("RequestTimeout", 400), ("Whatever", 502)])
+@pytest.mark.parametrize(
+    "code,status",
+    [("SlowDown", 503), ("InternalError", 500), ("RequestTimeout", 400), ("Whatever", 502)],
+)
 def test_throttling_and_server_errors_are_transient(code, status):
     assert isinstance(translate(wrapped(code, status), "upload", "s3://b/k"), TransientTierError)
 
 
-@pytest.mark.parametrize("code,hint", [("AccessDenied", "permissions"),
-                                       ("NoSuchBucket", "create the bucket"),
-                                       ("InvalidAccessKeyId", "access key")])
+@pytest.mark.parametrize(
+    "code,hint",
+    [
+        ("AccessDenied", "permissions"),
+        ("NoSuchBucket", "create the bucket"),
+        ("InvalidAccessKeyId", "access key"),
+    ],
+)
 def test_permanent_errors_say_what_to_fix(code, hint):
     err = translate(wrapped(code, 403), "upload", "s3://b/k")
     assert isinstance(err, PermanentTierError) and hint in str(err) and "s3://b/k" in str(err)
@@ -38,8 +47,7 @@ def test_permanent_errors_say_what_to_fix(code, hint):
 
 def test_missing_key_and_failed_precondition_keep_their_meaning():
     assert isinstance(translate(wrapped("NoSuchKey", 404), "get", "k"), FileNotFoundError)
-    assert isinstance(translate(wrapped("PreconditionFailed", 412), "create", "k"),
-                      FileExistsError)
+    assert isinstance(translate(wrapped("PreconditionFailed", 412), "create", "k"), FileExistsError)
     assert isinstance(translate(ConnectionResetError(), "get", "k"), TransientTierError)
 
 
@@ -53,8 +61,10 @@ def test_retries_transient_errors_with_backoff_and_logs_each(caplog):
             raise TransientTierError("503 SlowDown")
         return "ok"
 
-    policy = _retry.retrying(RetryConfig(max_attempts=5, initial_backoff_secs=0.1,
-                                         max_backoff_secs=1.0), sleep=sleeps.append)
+    policy = _retry.retrying(
+        RetryConfig(max_attempts=5, initial_backoff_secs=0.1, max_backoff_secs=1.0),
+        sleep=sleeps.append,
+    )
     with caplog.at_level(logging.WARNING, logger="dcp_tiered.retry"):
         assert policy(flaky) == "ok"
     assert calls["n"] == 4 and len(sleeps) == 3 and all(0 <= s <= 1.0 for s in sleeps)
@@ -82,8 +92,13 @@ def test_missing_credentials_are_permanent_and_say_what_to_set():
 
 
 def test_a_bare_403_names_the_credential_problem():
-    e = ClientError({"Error": {"Code": "403", "Message": "Forbidden"},
-                     "ResponseMetadata": {"HTTPStatusCode": 403}}, "HeadObject")
+    e = ClientError(
+        {
+            "Error": {"Code": "403", "Message": "Forbidden"},
+            "ResponseMetadata": {"HTTPStatusCode": 403},
+        },
+        "HeadObject",
+    )
     err = translate(e, "head", "s3://b/k")
     assert isinstance(err, PermanentTierError) and "credentials" in str(err)
     assert "S3 documentation" not in str(err)
@@ -93,9 +108,11 @@ def test_a_bare_403_names_the_credential_problem():
 def test_a_relative_remote_without_a_scheme_is_refused(url):
     from dcp_tiered import ConfigError, RemoteConfig, TieredStorageReader, TieredStorageWriter
 
-    for build in (lambda: RemoteConfig(url=url),
-                  lambda: TieredStorageWriter("/tmp/unused-root", remote=url),
-                  lambda: TieredStorageReader("/tmp/unused-root", remote=url)):
+    for build in (
+        lambda: RemoteConfig(url=url),
+        lambda: TieredStorageWriter("/tmp/unused-root", remote=url),
+        lambda: TieredStorageReader("/tmp/unused-root", remote=url),
+    ):
         with pytest.raises(ConfigError) as e:
             build()
         assert f"remote {url!r} has no scheme: did you mean s3://{url}?" in str(e.value)

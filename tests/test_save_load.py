@@ -81,8 +81,9 @@ def test_async_thread_save_is_isolated_from_later_mutation(tmp_path):
     sd = state(3)
     futs = []
     for step in range(4):  # more saves than buffers: reuse must never corrupt one in flight
-        futs.append(dcp.async_save(sd, checkpoint_id=f"step-{step}", storage_writer=writer,
-                                   no_dist=True))
+        futs.append(
+            dcp.async_save(sd, checkpoint_id=f"step-{step}", storage_writer=writer, no_dist=True)
+        )
         sd["w"].add_(1)
         sd["nested"]["n"] += 1
     for f in futs:
@@ -113,8 +114,9 @@ def test_writer_pickles_without_buffers(tmp_path):
     assert_state_equal(load(tmp_path), state(5))
 
 
-@pytest.mark.parametrize("bad", ["/abs", "../up", "a/b", "..", ".hidden", "", "latest", 7,
-                                 "step-1\n", "step\n1", True])
+@pytest.mark.parametrize(
+    "bad", ["/abs", "../up", "a/b", "..", ".hidden", "", "latest", 7, "step-1\n", "step\n1", True]
+)
 def test_unsafe_step_names_are_refused(tmp_path, bad):
     with pytest.raises(BaseException) as e:
         save(tmp_path / "r", bad, state())
@@ -260,8 +262,12 @@ def big_state() -> dict:
 
 def assert_big_state_load_fails_on(root, fqn: str) -> None:
     with pytest.raises(CheckpointException) as e:
-        dcp.load({k: torch.zeros_like(v) for k, v in big_state().items()},
-                 checkpoint_id="step-1", storage_reader=TieredStorageReader(root), no_dist=True)
+        dcp.load(
+            {k: torch.zeros_like(v) for k, v in big_state().items()},
+            checkpoint_id="step-1",
+            storage_reader=TieredStorageReader(root),
+            no_dist=True,
+        )
     assert isinstance(failure(e), IntegrityError) and fqn in str(failure(e))
 
 
@@ -295,8 +301,9 @@ def test_targets_that_cannot_take_the_bytes_directly_still_load_exactly(tmp_path
     out = {k: torch.zeros_like(v) for k, v in src.items()}
     out["f32"] = torch.zeros(70, 300).t()  # same shape, not contiguous
     out["i64"] = torch.zeros(5000, dtype=torch.float64)  # another dtype: converted by copy_
-    dcp.load(out, checkpoint_id="step-1", storage_reader=TieredStorageReader(tmp_path),
-             no_dist=True)
+    dcp.load(
+        out, checkpoint_id="step-1", storage_reader=TieredStorageReader(tmp_path), no_dist=True
+    )
     assert torch.equal(out["f32"], src["f32"]) and torch.equal(out["bf16"], src["bf16"])
     assert torch.equal(out["i64"], src["i64"].double())
 
@@ -334,8 +341,13 @@ def test_plan_caching_replays_the_plan_and_each_save_is_its_own(tmp_path):
     planner = CachingPlanner()
     writer = TieredStorageWriter(tmp_path)
     for v in (1, 2, 3):
-        dcp.save(state(v), checkpoint_id=f"step-{v}", storage_writer=writer, planner=planner,
-                 no_dist=True)
+        dcp.save(
+            state(v),
+            checkpoint_id=f"step-{v}",
+            storage_writer=writer,
+            planner=planner,
+            no_dist=True,
+        )
     assert planner.sent == [True, False, False]  # saves 2 and 3 replayed DCP's cached plan
     ids = set()
     for v in (1, 2, 3):
@@ -352,16 +364,21 @@ def test_plan_caching_replays_the_plan_and_each_save_is_its_own(tmp_path):
 def test_plan_cached_for_another_root_is_refused_then_planned_afresh(tmp_path):
     _torch_compat.forget_save_plans()
     planner = CachingPlanner()
-    dcp.save(state(1), checkpoint_id="step-1", storage_writer=TieredStorageWriter(tmp_path / "a"),
-             planner=planner, no_dist=True)
+    dcp.save(
+        state(1),
+        checkpoint_id="step-1",
+        storage_writer=TieredStorageWriter(tmp_path / "a"),
+        planner=planner,
+        no_dist=True,
+    )
     other = TieredStorageWriter(tmp_path / "b")
     with pytest.raises(CheckpointException) as e:
-        dcp.save(state(2), checkpoint_id="step-2", storage_writer=other, planner=planner,
-                 no_dist=True)
+        dcp.save(
+            state(2), checkpoint_id="step-2", storage_writer=other, planner=planner, no_dist=True
+        )
     assert isinstance(failure(e), ConfigError) and str(tmp_path / "a") in str(failure(e))
     assert not list((tmp_path / "b").glob("*step-2*"))  # nothing written
-    dcp.save(state(2), checkpoint_id="step-2", storage_writer=other, planner=planner,
-             no_dist=True)
+    dcp.save(state(2), checkpoint_id="step-2", storage_writer=other, planner=planner, no_dist=True)
     assert planner.sent == [True, False, True]
     assert_state_equal(load(tmp_path / "b", "step-2"), state(2))
 
@@ -457,8 +474,9 @@ def test_import_emits_no_warnings_and_has_no_side_effects(tmp_path):
     import sys
 
     code = "import logging, dcp_tiered; assert not logging.getLogger('dcp_tiered').handlers"
-    proc = subprocess.run([sys.executable, "-W", "error", "-c", code], cwd=tmp_path,
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-W", "error", "-c", code], cwd=tmp_path, capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr
 
 
@@ -497,8 +515,9 @@ def _resign(body: dict) -> str:
     return json.dumps(body)
 
 
-@pytest.mark.parametrize("edit", ["negative-offset", "huge-length", "negative-size", "deep-json",
-                                  "huge-int", "infinity"])
+@pytest.mark.parametrize(
+    "edit", ["negative-offset", "huge-length", "negative-size", "deep-json", "huge-int", "infinity"]
+)
 def test_crafted_numbers_are_refused_before_any_read(tmp_path, edit):
     save(tmp_path, "step-1", state())
     path = tmp_path / "step-1" / "manifest.json"
@@ -532,9 +551,11 @@ def test_bad_entries_in_other_steps_neither_block_nor_hang_a_good_load(tmp_path)
     works at once; asking for a bad one gives a typed error; nothing outside is read."""
     save(tmp_path / "root", "step-1", state(1))
     root = tmp_path / "root"
-    for step, make in (("step-7", lambda p: os.mkfifo(p)),
-                       ("step-8", lambda p: os.symlink("/dev/zero", p)),
-                       ("step-9", lambda p: p.write_text("[" * 200_000))):
+    for step, make in (
+        ("step-7", lambda p: os.mkfifo(p)),
+        ("step-8", lambda p: os.symlink("/dev/zero", p)),
+        ("step-9", lambda p: p.write_text("[" * 200_000)),
+    ):
         (root / step).mkdir()
         make(root / step / "manifest.json")
     save(tmp_path / "elsewhere", "step-20", state(20))
@@ -575,8 +596,13 @@ def test_a_step_another_job_commits_meanwhile_is_never_replaced(tmp_path):
             return super().finish_plan(new_plan)
 
     with pytest.raises(BaseException) as e:
-        dcp.save(state(1.0), checkpoint_id="step-5", storage_writer=TieredStorageWriter(root),
-                 planner=OtherJobCommitsMidway(), no_dist=True)
+        dcp.save(
+            state(1.0),
+            checkpoint_id="step-5",
+            storage_writer=TieredStorageWriter(root),
+            planner=OtherJobCommitsMidway(),
+            no_dist=True,
+        )
     err = failure(e)
     assert isinstance(err, CheckpointExistsError) and "another job" in str(err)
     assert_state_equal(load(root, "step-5"), state(2.0))

@@ -26,8 +26,13 @@ def test_split_and_join_keep_structure_types_and_tensors():
     state = OrderedDict(
         [(0, {"exp_avg": torch.arange(5.0), "step": torch.tensor(3)}), (1, {"exp_avg": None})]
     )
-    original = {"state": state, "groups": [(1, torch.ones(2, dtype=torch.bfloat16))], "n": 7,
-                "stage": Stage.TWO, "scaler": Scaler()}
+    original = {
+        "state": state,
+        "groups": [(1, torch.ones(2, dtype=torch.bfloat16))],
+        "n": 7,
+        "stage": Stage.TWO,
+        "scaler": Scaler(),
+    }
     parts = skeleton.split(original)
     assert isinstance(parts["skeleton"], bytes)
     assert sorted(k for k in parts if k != "skeleton") == ["t0", "t1", "t2"]

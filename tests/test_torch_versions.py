@@ -21,8 +21,13 @@ from tests.conftest import REPO, read_json, torchrun
 
 
 def _torch_of(python: Path) -> str | None:
-    proc = subprocess.run([str(python), "-c", "import torch, dcp_tiered; print(torch.__version__)"],
-                          capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        [str(python), "-c", "import torch, dcp_tiered; print(torch.__version__)"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     return proc.stdout.strip() if proc.returncode == 0 else None
 
 
@@ -46,23 +51,46 @@ def test_checkpoint_loads_under_another_torch(tmp_path, direction):
     """FSDP2 + Adam + extras saved at 2 ranks under one torch load bit-exact, resharded to 1
     and 2 ranks, under every other torch found; then the other way round."""
     if not _other_torches():
-        pytest.skip("no venv with another torch beside this one: run `scripts/test --torch "
-                    "2.14.1` (it finds .venv) to check both directions")
+        pytest.skip(
+            "no venv with another torch beside this one: run `scripts/test --torch "
+            "2.14.1` (it finds .venv) to check both directions"
+        )
     here = sys.executable
     for version, there in _other_torches():
         save_py, load_py = (here, str(there)) if direction == "saved-here" else (str(there), here)
         root, ref = tmp_path / version / "ckpt", tmp_path / version / "ref.pt"
-        torchrun("roundtrip.py", 2, "save", "--root", str(root), "--mode", "thread",
-                 "--ref", str(ref), python=save_py)
+        torchrun(
+            "roundtrip.py",
+            2,
+            "save",
+            "--root",
+            str(root),
+            "--mode",
+            "thread",
+            "--ref",
+            str(ref),
+            python=save_py,
+        )
         for world in (1, 2):
             out = tmp_path / version / f"load{world}.json"
-            torchrun("roundtrip.py", world, "load", "--root", str(root), "--ref", str(ref),
-                     "--out", str(out), python=load_py)
+            torchrun(
+                "roundtrip.py",
+                world,
+                "load",
+                "--root",
+                str(root),
+                "--ref",
+                str(ref),
+                "--out",
+                str(out),
+                python=load_py,
+            )
             result = read_json(out)
             assert result["world"] == world
             assert result["mismatches"] == [], (
                 f"saved under {_torch_of(Path(save_py))}, loaded under {_torch_of(Path(load_py))} "
-                f"at {world} ranks: {result}")
+                f"at {world} ranks: {result}"
+            )
 
 
 def test_compat_layer_finds_every_private_symbol_on_this_torch():
@@ -79,8 +107,9 @@ def test_compat_layer_finds_every_private_symbol_on_this_torch():
 
 def test_load_keys_reads_one_key_without_a_template(tmp_path):
     state = {"a": torch.arange(6.0).view(2, 3), "b": {"x": torch.ones(2), "n": 3}}
-    dcp.save(state, checkpoint_id="step-1", storage_writer=TieredStorageWriter(tmp_path),
-             no_dist=True)
+    dcp.save(
+        state, checkpoint_id="step-1", storage_writer=TieredStorageWriter(tmp_path), no_dist=True
+    )
     reader = TieredStorageReader(tmp_path)
     reader.reset("step-1")
     out: dict = {}

@@ -34,9 +34,12 @@ def test_lifecycle_refuses_before_writing_and_the_next_save_works(tmp_path):
     life = Lifecycle(Conventions("Test"))
     try:
         with pytest.raises(ConfigError, match=r"'opt.sched.obj' \(Position\)") as e:
-            life.save(str(tmp_path), "step-1", {"w": torch.ones(2),
-                                                "opt": {"sched": {"obj": Position(b"x")}}},
-                      sync=True)
+            life.save(
+                str(tmp_path),
+                "step-1",
+                {"w": torch.ones(2), "opt": {"sched": {"obj": Position(b"x")}}},
+                sync=True,
+            )
         assert TRUST_HINT in str(e.value) and "step-1" in str(e.value)
         assert not any(tmp_path.iterdir())  # nothing written, not even a temporary directory
         life.save(str(tmp_path), "step-2", {"w": torch.ones(2)}, sync=True)
@@ -94,8 +97,13 @@ def test_deepspeed_engine_refuses_an_unrestorable_state_unless_trusted(tmp_path,
         assert TRUST_HINT in msg and "DeepSpeed" in msg
         assert not (tmp_path / "global_step1").exists() and not (tmp_path / "latest").exists()
         # The engine goes on: the next save of a plain state works and loads back.
-        path = _ds_save(ds_shim, engine, tmp_path, "global_step2",
-                        {"module": {"w": torch.arange(4.0)}, "client": {"pos": 17}})
+        path = _ds_save(
+            ds_shim,
+            engine,
+            tmp_path,
+            "global_step2",
+            {"module": {"w": torch.arange(4.0)}, "client": {"pos": 17}},
+        )
         assert engine.load(path)["client"] == {"pos": 17}
     finally:
         engine.flush()
@@ -116,8 +124,9 @@ def test_deepspeed_engine_refuses_an_unrestorable_state_unless_trusted(tmp_path,
     finally:
         plain.flush()
     # trusted_classes: the class allowed by name, weights_only loading kept.
-    named = ds_shim.TieredCheckpointEngine(ds_shim.Options(mode="sync",
-                                                           trusted_classes=(Position,)))
+    named = ds_shim.TieredCheckpointEngine(
+        ds_shim.Options(mode="sync", trusted_classes=(Position,))
+    )
     try:
         path = _ds_save(ds_shim, named, tmp_path, "global_step4", state)
         assert named.load(path)["client"]["pos"].text == b"batch 17"
@@ -160,8 +169,9 @@ def test_hf_wrap_refuses_an_unrestorable_scheduler_state_unless_trusted(tmp_path
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         sched = Sched(opt, lambda _: 1.0)
         sched.pos = Position(pos)
-        args = TrainingArguments(output_dir=str(out), report_to=[], use_cpu=True,
-                                 save_strategy="no", max_steps=1)
+        args = TrainingArguments(
+            output_dir=str(out), report_to=[], use_cpu=True, save_strategy="no", max_steps=1
+        )
         tr = Trainer(model=model, args=args, optimizers=(opt, sched))
         tr.create_optimizer_and_scheduler(num_training_steps=1)
         return wrap(tr, mode="sync", allow_pickle=allow_pickle)

@@ -44,8 +44,12 @@ class _OldPropertiesWriter(FileSystemWriter):
             if isinstance(md, TensorStorageMetadata):
                 p = md.properties
                 md.properties = old_metadata.TensorProperties(
-                    dtype=p.dtype, layout=p.layout, requires_grad=p.requires_grad,
-                    memory_format=p.memory_format, pin_memory=p.pin_memory)
+                    dtype=p.dtype,
+                    layout=p.layout,
+                    requires_grad=p.requires_grad,
+                    memory_format=p.memory_format,
+                    pin_memory=p.pin_memory,
+                )
         super().finish(metadata, results)
 
 
@@ -162,8 +166,9 @@ def test_zstandard_checkpoint_without_the_package_says_what_to_install(tmp_path)
             return "stream.zstd/1"
 
     path = tmp_path / "step-8"
-    dcp.save(state(8), storage_writer=FileSystemWriter(path, _extensions=[LabelledZstd()]),
-             no_dist=True)
+    dcp.save(
+        state(8), storage_writer=FileSystemWriter(path, _extensions=[LabelledZstd()]), no_dist=True
+    )
     with pytest.raises(CheckpointException) as e:
         tiered_load(path)
     err = failure(e)

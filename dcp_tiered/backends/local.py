@@ -48,33 +48,53 @@ def typed_write_error(e: OSError, path: Path, doing: str, where: Path) -> OSErro
     if isinstance(e, DcpTieredError) or e.errno not in (errno.ENOSPC, errno.EDQUOT, *_NOT_WRITABLE):
         return e
     if e.errno == errno.EROFS:
-        return NotWritableError(e.errno, (
-            f"cannot {doing} {path}: the filesystem of {where} is read-only. Remount it "
-            "read-write (mount -o remount,rw) or point the tier at a writable directory; "
-            "nothing was written and earlier steps are intact"))
+        return NotWritableError(
+            e.errno,
+            (
+                f"cannot {doing} {path}: the filesystem of {where} is read-only. Remount it "
+                "read-write (mount -o remount,rw) or point the tier at a writable directory; "
+                "nothing was written and earlier steps are intact"
+            ),
+        )
     if e.errno in (errno.EACCES, errno.EPERM):
-        return NotWritableError(e.errno, (
-            f"cannot {doing} {path}: {e.strerror} (uid {os.geteuid()}). Give this process "
-            f"write access to {where} (owner, mode, ACL) or point the tier at a writable "
-            "directory; nothing was written and earlier steps are intact"))
+        return NotWritableError(
+            e.errno,
+            (
+                f"cannot {doing} {path}: {e.strerror} (uid {os.geteuid()}). Give this process "
+                f"write access to {where} (owner, mode, ACL) or point the tier at a writable "
+                "directory; nothing was written and earlier steps are intact"
+            ),
+        )
     if e.errno == errno.EDQUOT:
-        return InsufficientSpaceError(e.errno, (
-            f"disk quota exceeded while trying to {doing} {path}: raise the quota (bytes or "
-            f"files) for {where}, or keep fewer steps; earlier steps are untouched"))
+        return InsufficientSpaceError(
+            e.errno,
+            (
+                f"disk quota exceeded while trying to {doing} {path}: raise the quota (bytes or "
+                f"files) for {where}, or keep fewer steps; earlier steps are untouched"
+            ),
+        )
     try:
         st = os.statvfs(_nearest_existing(where))
     except OSError:
         st = None
     free = f"{st.f_bavail * st.f_frsize / 2**20:.1f} MiB" if st else "unknown"
     if st is not None and st.f_files and st.f_favail == 0:
-        return InsufficientSpaceError(e.errno, (
-            f"no free inodes while trying to {doing} {path}: the filesystem of {where} has "
-            f"{free} free but every one of its {st.f_files} inodes is used (each file and "
-            "directory takes one). Delete files there (old steps, other small files) or use "
-            "a filesystem with more inodes; earlier steps are untouched"))
-    return InsufficientSpaceError(e.errno, (
-        f"local disk full while trying to {doing} {path} ({free} free on the filesystem of "
-        f"{where}): free space there or keep fewer steps; earlier steps are untouched"))
+        return InsufficientSpaceError(
+            e.errno,
+            (
+                f"no free inodes while trying to {doing} {path}: the filesystem of {where} has "
+                f"{free} free but every one of its {st.f_files} inodes is used (each file and "
+                "directory takes one). Delete files there (old steps, other small files) or use "
+                "a filesystem with more inodes; earlier steps are untouched"
+            ),
+        )
+    return InsufficientSpaceError(
+        e.errno,
+        (
+            f"local disk full while trying to {doing} {path} ({free} free on the filesystem of "
+            f"{where}): free space there or keep fewer steps; earlier steps are untouched"
+        ),
+    )
 
 
 def _renameat2(a: Path, b: Path, flags: int) -> bool:
@@ -203,13 +223,13 @@ class LocalBackend:
         where = _nearest_existing(self.root)
         if os.statvfs(where).f_flag & os.ST_RDONLY:
             code = errno.EROFS
-        elif not os.access(where, os.W_OK | os.X_OK,
-                           effective_ids=os.access in os.supports_effective_ids):
+        elif not os.access(
+            where, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids
+        ):
             code = errno.EACCES
         else:
             return
-        raise typed_write_error(OSError(code, os.strerror(code)), self.root, "write to",
-                                self.root)
+        raise typed_write_error(OSError(code, os.strerror(code)), self.root, "write to", self.root)
 
     # ------------------------------------------------------------ writing
 
@@ -263,7 +283,8 @@ class LocalBackend:
             path.unlink(missing_ok=True)
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise InsufficientSpaceError(
-                    e.errno, f"cannot reserve {nbytes / 2**20:.1f} MiB for {path}: the "
+                    e.errno,
+                    f"cannot reserve {nbytes / 2**20:.1f} MiB for {path}: the "
                     f"filesystem of {self.root} is full; free space or make the tmpfs larger",
                 ) from e
             raise typed_write_error(e, path, "reserve space for", self.root) from e
@@ -291,8 +312,9 @@ class LocalBackend:
     def sync_dir(self, name: str | None = None) -> None:
         fsync_dir(self._child(name) if name else self.root)
 
-    def publish(self, tmp_name: str, final_name: str, old_name: str, *,
-                replace: bool = True) -> bool:
+    def publish(
+        self, tmp_name: str, final_name: str, old_name: str, *, replace: bool = True
+    ) -> bool:
         """Atomically give ``tmp_name`` the name ``final_name``; fsync the root.
 
         If ``final_name`` exists it is swapped out atomically (renameat2 RENAME_EXCHANGE) to
@@ -354,14 +376,21 @@ class LocalBackend:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as e:
             if e.errno == errno.ELOOP:
-                raise OSError(errno.ELOOP, "a symbolic link: dcp_tiered never reads through "
-                              "links (they can lead out of the root); replace it with the file "
-                              "itself", str(path)) from None
+                raise OSError(
+                    errno.ELOOP,
+                    "a symbolic link: dcp_tiered never reads through "
+                    "links (they can lead out of the root); replace it with the file "
+                    "itself",
+                    str(path),
+                ) from None
             raise
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise OSError(errno.EINVAL, "not a regular file (a FIFO, device or directory): "
-                              "refused before reading", str(path))
+                raise OSError(
+                    errno.EINVAL,
+                    "not a regular file (a FIFO, device or directory): refused before reading",
+                    str(path),
+                )
             os.set_blocking(fd, True)
             return os.fdopen(fd, "rb")
         except BaseException:
@@ -445,8 +474,9 @@ class LocalBackend:
     def is_locked(self, directory: str) -> bool:
         """True if some live process holds ``directory``'s lock."""
         try:
-            fd = self._lock(self._child(directory, LOCK_FILE), fcntl.LOCK_EX | fcntl.LOCK_NB,
-                            create=False)
+            fd = self._lock(
+                self._child(directory, LOCK_FILE), fcntl.LOCK_EX | fcntl.LOCK_NB, create=False
+            )
         except FileNotFoundError:
             return False
         except BlockingIOError:
@@ -460,9 +490,5 @@ class LocalBackend:
             self._child(name).rmdir()
 
     def remove_file(self, *names: str) -> None:
-        with self._writing("delete", self._child(*names)), \
-                contextlib.suppress(FileNotFoundError):
+        with self._writing("delete", self._child(*names)), contextlib.suppress(FileNotFoundError):
             self._child(*names).unlink()
-
-
-

@@ -24,9 +24,22 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _TRANSIENT_CODES = {
-    "SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "InternalError",
-    "ServiceUnavailable", "RequestTimeout", "RequestTimeTooSkewed", "OperationAborted",
-    "InternalServerError", "BadGateway", "GatewayTimeout", "500", "502", "503", "504",
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "RequestLimitExceeded",
+    "InternalError",
+    "ServiceUnavailable",
+    "RequestTimeout",
+    "RequestTimeTooSkewed",
+    "OperationAborted",
+    "InternalServerError",
+    "BadGateway",
+    "GatewayTimeout",
+    "500",
+    "502",
+    "503",
+    "504",
 }
 _PERMANENT_HINTS = {
     "AccessDenied": "check the credentials' permissions on this bucket/prefix",
@@ -37,13 +50,17 @@ _PERMANENT_HINTS = {
     "ExpiredToken": "refresh the session token",
     "InvalidToken": "refresh the session token",
     "403": "the store refused the credentials (HTTP 403): check the access key, secret and "
-           "their permissions on this bucket/prefix",
+    "their permissions on this bucket/prefix",
     "401": "the store wants credentials (HTTP 401): set storage_options['key'/'secret'] or "
-           "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY",
+    "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY",
 }
 # botocore's own errors for credentials it cannot find or use: no retry makes them work.
-_CREDENTIAL_ERRORS = {"NoCredentialsError", "PartialCredentialsError",
-                      "CredentialRetrievalError", "NoAuthTokenError"}
+_CREDENTIAL_ERRORS = {
+    "NoCredentialsError",
+    "PartialCredentialsError",
+    "CredentialRetrievalError",
+    "NoAuthTokenError",
+}
 _OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "adl"}
 
 
@@ -75,8 +92,10 @@ def translate(exc: BaseException, op: str, where: str) -> BaseException:
     if _caused_by(exc, "FlexibleChecksumError"):
         # botocore checked the body against the checksum the store recorded with it at
         # upload: the object is corrupt in the store, and reading it again will not help.
-        return IntegrityError(f"{op} {where}: the stored object fails the checksum recorded at "
-                              f"its upload ({exc}); it is corrupt in the store")
+        return IntegrityError(
+            f"{op} {where}: the stored object fails the checksum recorded at "
+            f"its upload ({exc}); it is corrupt in the store"
+        )
     ce = _client_error(exc)
     if ce is not None:
         err = ce.response.get("Error", {})
@@ -88,14 +107,18 @@ def translate(exc: BaseException, op: str, where: str) -> BaseException:
             return FileExistsError(f"{where}: already exists")
         if code in _TRANSIENT_CODES or status >= 500 or status == 429:
             return TransientTierError(f"{op} {where}: {code or status} (transient, retrying)")
-        hint = _PERMANENT_HINTS.get(code) or _PERMANENT_HINTS.get(str(status)) or (
-            "see the error code in the S3 documentation")
+        hint = (
+            _PERMANENT_HINTS.get(code)
+            or _PERMANENT_HINTS.get(str(status))
+            or ("see the error code in the S3 documentation")
+        )
         return PermanentTierError(f"{op} {where} failed: {code} {err.get('Message', '')}; {hint}")
     if type(exc).__name__ in _CREDENTIAL_ERRORS:
         return PermanentTierError(
             f"{op} {where}: no usable credentials ({type(exc).__name__}: {exc}); set "
             "storage_options['key'] and ['secret'] (or AWS_ACCESS_KEY_ID and "
-            "AWS_SECRET_ACCESS_KEY, or a profile)")
+            "AWS_SECRET_ACCESS_KEY, or a profile)"
+        )
     if isinstance(exc, PermissionError):
         return PermanentTierError(f"{op} {where}: permission denied ({exc}); check credentials")
     if isinstance(exc, (FileNotFoundError, FileExistsError)):
@@ -149,8 +172,7 @@ class RemoteBackend:
     def url(self, key: str) -> str:
         return f"{self.protocol}://{self.path(key)}"
 
-    def _call(self, op: str, key: str, fn: Callable[[], T],
-              retry: RetryConfig | None = None) -> T:
+    def _call(self, op: str, key: str, fn: Callable[[], T], retry: RetryConfig | None = None) -> T:
         where = self.url(key) if key else self.config.url
 
         def attempt() -> T:
@@ -171,13 +193,20 @@ class RemoteBackend:
         minute. One attempt is already a short bounded retry: botocore retries 5xx and s3fs
         connection errors (about two seconds). S3: a one-key listing of the prefix (a HEAD
         carries no error code; a listing names it)."""
-        retry = RetryConfig(max_attempts=attempts, initial_backoff_secs=0.2,
-                            max_backoff_secs=1.0)
+        retry = RetryConfig(max_attempts=attempts, initial_backoff_secs=0.2, max_backoff_secs=1.0)
         if self.protocol in ("s3", "s3a"):
             bucket, _, prefix = self.base.partition("/")
-            self._call("check", "", lambda: self.fs.call_s3(
-                "list_objects_v2", Bucket=bucket, Prefix=f"{prefix}/" if prefix else "",
-                MaxKeys=1), retry=retry)
+            self._call(
+                "check",
+                "",
+                lambda: self.fs.call_s3(
+                    "list_objects_v2",
+                    Bucket=bucket,
+                    Prefix=f"{prefix}/" if prefix else "",
+                    MaxKeys=1,
+                ),
+                retry=retry,
+            )
         else:  # a directory that does not exist yet is fine: uploads create it
             self._call("check", "", lambda: self.fs.exists(self.base), retry=retry)
 
@@ -227,8 +256,9 @@ class RemoteBackend:
             return
         path = self.path(prefix)
         try:
-            found = self._call("list", prefix, lambda: self.fs.find(path, withdirs=True,
-                                                                    detail=True))
+            found = self._call(
+                "list", prefix, lambda: self.fs.find(path, withdirs=True, detail=True)
+            )
         except FileNotFoundError:
             return
         dirs = [p for p, info in found.items() if info.get("type") == "directory"]
@@ -244,15 +274,24 @@ class RemoteBackend:
         if self.protocol not in ("s3", "s3a"):
             return 0
         bucket, _, key_prefix = self.path(prefix).partition("/")
-        resp = self._call("list uploads", prefix, lambda: self.fs.call_s3(
-            "list_multipart_uploads", Bucket=bucket, Prefix=key_prefix))
+        resp = self._call(
+            "list uploads",
+            prefix,
+            lambda: self.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key_prefix),
+        )
         wanted = None if only is None else {self.path(k).partition("/")[2] for k in only}
         uploads = [u for u in resp.get("Uploads", []) if wanted is None or u["Key"] in wanted]
         for up in uploads:
-            logger.info("aborting incomplete upload s3://%s/%s (%s)", bucket, up["Key"],
-                        up["UploadId"])
-            self._call("abort upload", prefix, lambda up=up: self.fs.call_s3(
-                "abort_multipart_upload", Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"]))
+            logger.info(
+                "aborting incomplete upload s3://%s/%s (%s)", bucket, up["Key"], up["UploadId"]
+            )
+            self._call(
+                "abort upload",
+                prefix,
+                lambda up=up: self.fs.call_s3(
+                    "abort_multipart_upload", Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"]
+                ),
+            )
         return len(uploads)
 
     # ------------------------------------------------------------ reads
@@ -262,7 +301,9 @@ class RemoteBackend:
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of ``key`` with one ranged GET."""
-        data = self._call("get", key, lambda: self.fs.cat_file(self.path(key), start=start, end=end))
+        data = self._call(
+            "get", key, lambda: self.fs.cat_file(self.path(key), start=start, end=end)
+        )
         if len(data) != end - start:
             raise TransientTierError(
                 f"short read of {self.url(key)}: {len(data)} of {end - start} bytes"
@@ -276,8 +317,9 @@ class RemoteBackend:
         try:
             if self.protocol in ("s3", "s3a"):  # one HEAD gives both
                 bucket, _, obj = path.partition("/")
-                head = self._call("stat", key, lambda: self.fs.call_s3(
-                    "head_object", Bucket=bucket, Key=obj))
+                head = self._call(
+                    "stat", key, lambda: self.fs.call_s3("head_object", Bucket=bucket, Key=obj)
+                )
                 return int(head["ContentLength"]), head.get("Metadata", {}).get("crc32c")
             info = self._call("stat", key, lambda: self.fs.info(path))
         except FileNotFoundError:

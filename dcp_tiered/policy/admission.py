@@ -59,11 +59,15 @@ def shortfall(adm: Admission, h: Headroom, tier: str) -> str | None:
     need = h.new_tier_bytes * h.ranks_on_node
     margin = adm.memory_margin_bytes if tier == "memory" else adm.disk_margin_bytes
     if need and h.tier_free < need + margin:
-        return (f"the {tier} tier has {h.tier_free / _MIB:.0f} MiB free; this node's save needs "
-                f"{need / _MIB:.0f} MiB more plus a {margin / _MIB:.0f} MiB margin")
+        return (
+            f"the {tier} tier has {h.tier_free / _MIB:.0f} MiB free; this node's save needs "
+            f"{need / _MIB:.0f} MiB more plus a {margin / _MIB:.0f} MiB margin"
+        )
     ram = h.new_ram_bytes * h.ranks_on_node
     if h.ram_available is not None and ram and h.ram_available < ram + adm.memory_margin_bytes:
         what = "the memory tier's slots" if tier == "memory" else "staging buffers"
-        return (f"host RAM has {h.ram_available / _MIB:.0f} MiB available; {what} need "
-                f"{ram / _MIB:.0f} MiB more plus a {adm.memory_margin_bytes / _MIB:.0f} MiB margin")
+        return (
+            f"host RAM has {h.ram_available / _MIB:.0f} MiB available; {what} need "
+            f"{ram / _MIB:.0f} MiB more plus a {adm.memory_margin_bytes / _MIB:.0f} MiB margin"
+        )
     return None

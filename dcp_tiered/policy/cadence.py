@@ -56,13 +56,22 @@ class Decision:
         return self.memory or self.local
 
 
-def decide(policy: SavePolicy, step: int, now: float, last: dict[str, float], *,
-           force: bool = False, has_memory: bool = True, has_remote: bool = True) -> Decision:
+def decide(
+    policy: SavePolicy,
+    step: int,
+    now: float,
+    last: dict[str, float],
+    *,
+    force: bool = False,
+    has_memory: bool = True,
+    has_remote: bool = True,
+) -> Decision:
     """The tiers due at ``step``. ``last`` maps a tier to the time of its last save.
 
     A step written to disk is not also written to memory: restore takes the newest step of
     any tier, so one copy per step is enough. ``force`` saves to disk (and remote) now.
     """
+
     def due(tier: str, every: Every | None) -> bool:
         return every is not None and every.due(step, now, last.get(tier, 0.0))
 

@@ -61,9 +61,11 @@ def validate_step_name(name: object) -> str:
     if name == LATEST:
         raise ConfigError(f"'{LATEST}' is reserved for loading; save under a real step name.")
     if name == HASHED_DATA:
-        raise ConfigError(f"'{HASHED_DATA}' is reserved: it is the remote tier's prefix for "
-                          "hashed data keys (prefix_strategy='hash'), and a step of that name "
-                          "would shadow or delete other steps' objects. Use another name.")
+        raise ConfigError(
+            f"'{HASHED_DATA}' is reserved: it is the remote tier's prefix for "
+            "hashed data keys (prefix_strategy='hash'), and a step of that name "
+            "would shadow or delete other steps' objects. Use another name."
+        )
     if not _STEP_RE.fullmatch(name) or ".." in name:
         raise ConfigError(
             f"unsafe checkpoint_id {name!r}: use one name made of letters, digits, '.', '_' "
@@ -73,8 +75,7 @@ def validate_step_name(name: object) -> str:
 
 
 def is_step_name(name: str) -> bool:
-    return bool(_STEP_RE.fullmatch(name)) and ".." not in name and name not in (LATEST,
-                                                                                HASHED_DATA)
+    return bool(_STEP_RE.fullmatch(name)) and ".." not in name and name not in (LATEST, HASHED_DATA)
 
 
 def tmp_dir_name(step: str, save_id: str) -> str:
@@ -183,17 +184,25 @@ class RemoteKeys:
         those are the files directly under the step's prefixes and its node records."""
         for prefix in self.prefixes():
             if key.startswith(prefix):
-                rest = key[len(prefix):]
+                rest = key[len(prefix) :]
                 if self.save_id:
                     return True
-                return rest != REMOTE_MARKER and ("/" not in rest
-                                                  or rest.startswith(f"{NODE_RECORDS}/"))
+                return rest != REMOTE_MARKER and (
+                    "/" not in rest or rest.startswith(f"{NODE_RECORDS}/")
+                )
         return False
 
 
-def marker_body(step: str, save_id: str, committed_at_ns: int, prefix_strategy: str) -> dict[str, Any]:
-    return {"step": step, "save_id": save_id, "committed_at_ns": committed_at_ns,
-            "prefix_strategy": prefix_strategy, "layout": REMOTE_LAYOUT}
+def marker_body(
+    step: str, save_id: str, committed_at_ns: int, prefix_strategy: str
+) -> dict[str, Any]:
+    return {
+        "step": step,
+        "save_id": save_id,
+        "committed_at_ns": committed_at_ns,
+        "prefix_strategy": prefix_strategy,
+        "layout": REMOTE_LAYOUT,
+    }
 
 
 def keys_of_marker(step: str, marker: Mapping[str, Any]) -> RemoteKeys:
@@ -205,8 +214,10 @@ def keys_of_marker(step: str, marker: Mapping[str, Any]) -> RemoteKeys:
     if marker.get("layout", 1) == 1:
         return RemoteKeys(step, None, strategy)
     if marker.get("layout") != REMOTE_LAYOUT or not is_save_id(marker.get("save_id")):
-        raise ValueError(f"unsupported marker (layout {marker.get('layout')!r}, save id "
-                         f"{marker.get('save_id')!r})")
+        raise ValueError(
+            f"unsupported marker (layout {marker.get('layout')!r}, save id "
+            f"{marker.get('save_id')!r})"
+        )
     return RemoteKeys(step, str(marker["save_id"]), strategy)
 
 
@@ -223,6 +234,6 @@ def save_id_of_key(step: str, key: str) -> str | None:
     """The save id whose layout-2 prefix holds ``key`` of ``step``, or None."""
     for prefix in remote_step_prefixes(step):
         if key.startswith(prefix):
-            head = key[len(prefix):].split("/", 1)
+            head = key[len(prefix) :].split("/", 1)
             return head[0] if len(head) == 2 and is_save_id(head[0]) else None
     return None

@@ -202,8 +202,7 @@ def parse(data: bytes, *, where: str) -> Manifest:
     try:
         body = json.loads(data)
     except (ValueError, RecursionError) as e:  # bad JSON, 5,000-digit numbers, deep nesting
-        raise ManifestError(f"{where}: manifest is not valid JSON ({str(e)[:200]}); "
-                            f"{hint}") from e
+        raise ManifestError(f"{where}: manifest is not valid JSON ({str(e)[:200]}); {hint}") from e
     if not isinstance(body, dict) or body.get("format") != FORMAT:
         raise ManifestError(f"{where}: not a dcp_tiered manifest; {hint}")
     if body.get("version") != VERSION:
@@ -279,4 +278,3 @@ def _decode(body: dict[str, Any]) -> Manifest:
         locations=locations,
         promote=bool(body.get("promote", True)),
     )
-

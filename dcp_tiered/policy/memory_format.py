@@ -85,7 +85,7 @@ def view(buffer: torch.Tensor, r: Region) -> torch.Tensor:
     dtype = _DTYPES.get(r.dtype)
     if dtype is None:
         raise ManifestError(f"unknown dtype {r.dtype!r} for {r.key}")
-    return buffer[r.offset: r.offset + r.nbytes].view(dtype).view(r.shape)
+    return buffer[r.offset : r.offset + r.nbytes].view(dtype).view(r.shape)
 
 
 def encode_objects(objects: dict[str, Any]) -> bytes:
@@ -135,25 +135,49 @@ def first_refused(state: Any, trusted: Iterable[type] = ()) -> str | None:
             path, value = pending.pop()
             if isinstance(value, dict):
                 pending += [(f"{path}.{k}", v) for k, v in value.items()]
-            elif isinstance(value, list) or (isinstance(value, tuple)
-                                             and not hasattr(value, "_fields")):
+            elif isinstance(value, list) or (
+                isinstance(value, tuple) and not hasattr(value, "_fields")
+            ):
                 pending += [(f"{path}[{i}]", v) for i, v in enumerate(value)]
             elif not isinstance(value, (torch.Tensor, int, float, str, bool, type(None))):
                 # A namedtuple is a leaf: its class must load too.
                 why = refused_by_weights_only(value)
                 if why is not None:
-                    return (f"the value at {path!r} ({type(value).__name__}) would not load back "
-                            f"with weights_only ({why})")
+                    return (
+                        f"the value at {path!r} ({type(value).__name__}) would not load back "
+                        f"with weights_only ({why})"
+                    )
     return None
 
 
-def encode_header(*, step: str, rank: int, committed_at_ns: int, data_size: int,
-                  regions: list[Region], checksums: list[str], objects: bytes) -> bytes:
+def encode_header(
+    *,
+    step: str,
+    rank: int,
+    committed_at_ns: int,
+    data_size: int,
+    regions: list[Region],
+    checksums: list[str],
+    objects: bytes,
+) -> bytes:
     body = {
-        "format": FORMAT, "version": VERSION, "step": step, "rank": rank,
-        "committed_at_ns": committed_at_ns, "data_size": data_size,
-        "tensors": [{"key": r.key, "dtype": r.dtype, "shape": r.shape, "offset": r.offset,
-                     "nbytes": r.nbytes, "checksum": c} for r, c in zip(regions, checksums)],
+        "format": FORMAT,
+        "version": VERSION,
+        "step": step,
+        "rank": rank,
+        "committed_at_ns": committed_at_ns,
+        "data_size": data_size,
+        "tensors": [
+            {
+                "key": r.key,
+                "dtype": r.dtype,
+                "shape": r.shape,
+                "offset": r.offset,
+                "nbytes": r.nbytes,
+                "checksum": c,
+            }
+            for r, c in zip(regions, checksums)
+        ],
         "objects": base64.b64encode(objects).decode(),
     }
     body["header_checksum"] = _checksum(body)
@@ -179,14 +203,28 @@ def decode_header(data: bytes, *, where: str) -> Header:
             raise ManifestError(f"{where}: not a version-{VERSION} memory-tier header")
         if expected != _checksum(body):
             raise ManifestError(f"{where}: header checksum mismatch (modified or torn)")
-        regions = [Region(str(t["key"]), str(t["dtype"]), [int(s) for s in t["shape"]],
-                          int(t["offset"]), int(t["nbytes"])) for t in body["tensors"]]
+        regions = [
+            Region(
+                str(t["key"]),
+                str(t["dtype"]),
+                [int(s) for s in t["shape"]],
+                int(t["offset"]),
+                int(t["nbytes"]),
+            )
+            for t in body["tensors"]
+        ]
         size = int(body["data_size"])
         if any(r.offset % ALIGN or r.offset + r.nbytes > size for r in regions):
             raise ManifestError(f"{where}: a tensor lies outside the {size}-byte buffer")
-        return Header(str(body["step"]), int(body["rank"]), int(body["committed_at_ns"]), size,
-                      regions, [str(t["checksum"]) for t in body["tensors"]],
-                      base64.b64decode(body["objects"]))
+        return Header(
+            str(body["step"]),
+            int(body["rank"]),
+            int(body["committed_at_ns"]),
+            size,
+            regions,
+            [str(t["checksum"]) for t in body["tensors"]],
+            base64.b64decode(body["objects"]),
+        )
     except ManifestError:
         raise
     except (ValueError, KeyError, TypeError) as e:
@@ -199,12 +237,17 @@ def _checksum(body: dict[str, Any]) -> str:
 
 
 def region_checksum(buffer: torch.Tensor, r: Region) -> str:
-    data = buffer[r.offset: r.offset + r.nbytes].numpy()
+    data = buffer[r.offset : r.offset + r.nbytes].numpy()
     return integrity.format_checksum(integrity.checksum(memoryview(data)))
 
 
-def fill(template: Any, tensors: dict[str, torch.Tensor], objects: dict[str, Any],
-         where: str, path: Path = ()) -> Any:
+def fill(
+    template: Any,
+    tensors: dict[str, torch.Tensor],
+    objects: dict[str, Any],
+    where: str,
+    path: Path = (),
+) -> Any:
     """``template`` with every tensor copied in place from ``tensors`` and every other value
     taken from ``objects``; raises IntegrityError naming the first path that does not fit."""
     if isinstance(template, dict):

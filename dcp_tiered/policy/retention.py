@@ -61,11 +61,13 @@ def order_key(s: StepState) -> tuple[int, int, str]:
 def evictions(steps: Iterable[StepState], policy: RetentionPolicy) -> list[str]:
     """Names of the steps to delete from this tier, oldest first."""
     ordered: Sequence[StepState] = sorted(steps, key=order_key)
-    latest = {s.name for s in ordered[-policy.keep_latest:]}
+    latest = {s.name for s in ordered[-policy.keep_latest :]}
     doomed = []
     for s in ordered:
         num = layout.step_number(s.name)
-        milestone = policy.keep_every is not None and num is not None and num % policy.keep_every == 0
+        milestone = (
+            policy.keep_every is not None and num is not None and num % policy.keep_every == 0
+        )
         if s.name in latest or s.name in policy.pinned or milestone or s.awaiting_lower_tier:
             continue
         doomed.append(s.name)

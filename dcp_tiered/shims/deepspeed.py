@@ -99,8 +99,10 @@ class Options:
 
 CONVENTIONS = Conventions(
     "DeepSpeed",
-    overwrite_hint=("pass overwrite=True to ds_tiers.install()/attach() to replace an existing "
-                    "tag atomically, as stock DeepSpeed does"),
+    overwrite_hint=(
+        "pass overwrite=True to ds_tiers.install()/attach() to replace an existing "
+        "tag atomically, as stock DeepSpeed does"
+    ),
     kept="'latest' still names the previous checkpoint",
 )
 
@@ -119,7 +121,8 @@ class TieredCheckpointEngine(CheckpointEngine):
         self.name = "dcp_tiered"
         self.options = options or Options()
         self.lifecycle = Lifecycle(
-            CONVENTIONS, remote=self.options.remote,
+            CONVENTIONS,
+            remote=self.options.remote,
             storage_options=self.options.storage_options,
             writer_options=self.options.writer_options,
             # async: 'latest' moves once the step is committed; decoupled: when DeepSpeed
@@ -128,7 +131,8 @@ class TieredCheckpointEngine(CheckpointEngine):
             # A save must load back as read_file loads it: weights_only, DeepSpeed's classes
             # and the caller's trusted ones allowed (or full pickle, with allow_pickle).
             allow_pickle=self.options.allow_pickle,
-            trusted_classes=(*deepspeed_classes(), *self.options.trusted_classes))
+            trusted_classes=(*deepspeed_classes(), *self.options.trusted_classes),
+        )
         self._files: dict[str, dict[str, Any]] = {}  # DeepSpeed file name -> split state
         # DeepSpeed file name -> the state as DeepSpeed gave it, checked before the write
         # (the split state holds it serialised); dropped once the write starts.
@@ -156,8 +160,9 @@ class TieredCheckpointEngine(CheckpointEngine):
             raise ConfigError("save() called outside save_checkpoint (no create() first)")
         name = os.path.relpath(path, self._tag_dir(self._info))
         if name.startswith(os.pardir) or os.path.isabs(name):
-            raise ConfigError(f"DeepSpeed asked to save {path!r} outside "
-                              f"{self._tag_dir(self._info)}")
+            raise ConfigError(
+                f"DeepSpeed asked to save {path!r} outside {self._tag_dir(self._info)}"
+            )
         self._files[name] = skeleton.split(state_dict)
         self._originals[name] = state_dict
 
@@ -189,13 +194,19 @@ class TieredCheckpointEngine(CheckpointEngine):
         save_dir, tag = os.path.dirname(tag_dir), os.path.basename(tag_dir)
         if os.path.exists(path) and not _is_stub(path):
             return self._load_native(path)
-        state = read_file(save_dir, tag, os.path.basename(path), remote=self.options.remote,
-                          storage_options=self.options.storage_options,
-                          trusted_classes=self.options.trusted_classes,
-                          allow_pickle=self.options.allow_pickle)
+        state = read_file(
+            save_dir,
+            tag,
+            os.path.basename(path),
+            remote=self.options.remote,
+            storage_options=self.options.storage_options,
+            trusted_classes=self.options.trusted_classes,
+            allow_pickle=self.options.allow_pickle,
+        )
         if map_location is not None and not callable(map_location):
             state = skeleton.map_leaves(
-                state, lambda v: v.to(map_location) if isinstance(v, torch.Tensor) else v)
+                state, lambda v: v.to(map_location) if isinstance(v, torch.Tensor) else v
+            )
         return state
 
     # -------------------------------------------------------------- ours
@@ -206,6 +217,7 @@ class TieredCheckpointEngine(CheckpointEngine):
         on this node's disk (a fresh or replaced node) is adopted from the remote, with its
         stubs and, if none is there, ``latest``, so that DeepSpeed finds it. Its data is read
         from the remote, verified, when DeepSpeed loads the files. Collective."""
+
         def prepare() -> None:
             # DeepSpeed looks for the tag directory itself: a step whose overwrite a crash
             # interrupted gets its name back first.
@@ -213,8 +225,9 @@ class TieredCheckpointEngine(CheckpointEngine):
             if self.options.remote is not None:
                 adopt(load_dir, tag, self.options.remote, self.options.storage_options)
 
-        self.lifecycle.agree.by_node_leaders(prepare, f"preparing {load_dir} for loading",
-                                             error=CheckpointNotFoundError)
+        self.lifecycle.agree.by_node_leaders(
+            prepare, f"preparing {load_dir} for loading", error=CheckpointNotFoundError
+        )
 
     def launch_decoupled(self) -> None:
         """Starts the write of the checkpoint just saved (decoupled mode)."""
@@ -245,8 +258,9 @@ class TieredCheckpointEngine(CheckpointEngine):
         finally:
             self._holding = False
 
-    def release(self, sidecars: Mapping[str, bytes],
-                on_commit: Callable[[], Any] | None = None) -> bool:
+    def release(
+        self, sidecars: Mapping[str, bytes], on_commit: Callable[[], Any] | None = None
+    ) -> bool:
         """Starts the write held by :meth:`holding`, with ``sidecars`` (file name: bytes, this
         rank's) inside the step (:func:`write_sidecars` writes them back from any tier);
         ``on_commit`` runs on rank 0 once committed. False: nothing was held."""
@@ -255,9 +269,14 @@ class TieredCheckpointEngine(CheckpointEngine):
             self._launch(*held, sidecars=sidecars, then=on_commit)
         return held is not None
 
-    def _launch(self, info: CheckpointCommitInfo, sync: bool, *,
-                sidecars: Mapping[str, bytes] | None = None,
-                then: Callable[[], Any] | None = None) -> None:
+    def _launch(
+        self,
+        info: CheckpointCommitInfo,
+        sync: bool,
+        *,
+        sidecars: Mapping[str, bytes] | None = None,
+        then: Callable[[], Any] | None = None,
+    ) -> None:
         if self._holding:
             self._held = (info, sync)
             return
@@ -272,8 +291,9 @@ class TieredCheckpointEngine(CheckpointEngine):
             if then is not None:
                 then()
 
-        self.lifecycle.save(info.save_dir, info.tag, state, sync=sync, on_commit=publication,
-                            values=originals)
+        self.lifecycle.save(
+            info.save_dir, info.tag, state, sync=sync, on_commit=publication, values=originals
+        )
 
     @staticmethod
     def _tag_dir(info: CheckpointCommitInfo) -> str:
@@ -305,28 +325,38 @@ def read_file(
     Only that file's keys are read, from the nearest tier holding a valid copy.
     ``allow_pickle``: rebuild its structure with full pickle (checkpoints you trust only).
     """
-    reader = TieredStorageReader(save_dir, remote=remote, storage_options=storage_options,
-                                 allow_pickle=allow_pickle)
+    reader = TieredStorageReader(
+        save_dir, remote=remote, storage_options=storage_options, allow_pickle=allow_pickle
+    )
     reader.reset(tag)
     out: dict[str, Any] = {}
     _torch_compat.load_keys(out, {name}, reader)
     if name not in out:
         raise FileNotFoundError(f"step {tag!r} in {save_dir} holds no DeepSpeed file {name!r}")
-    return skeleton.join(out[name], where=f"{os.path.join(save_dir, tag, name)} (step {tag!r})",
-                         trusted=[*deepspeed_classes(), *trusted_classes],
-                         allow_pickle=allow_pickle)
+    return skeleton.join(
+        out[name],
+        where=f"{os.path.join(save_dir, tag, name)} (step {tag!r})",
+        trusted=[*deepspeed_classes(), *trusted_classes],
+        allow_pickle=allow_pickle,
+    )
 
 
 def file_names(save_dir: str, tag: str) -> list[str]:
     """The DeepSpeed files a committed step holds, from its verified manifest."""
     planner_data = LocalTier(LocalBackend(save_dir)).read_manifest(tag).metadata.planner_data
-    return sorted({str(path[0]) for path in (planner_data or {}).values()
-                   if path and path[0] != SIDECARS})
+    return sorted(
+        {str(path[0]) for path in (planner_data or {}).values() if path and path[0] != SIDECARS}
+    )
 
 
-def write_sidecars(save_dir: str, tag: str, directory: str, *,
-                   remote: str | RemoteConfig | None = None,
-                   storage_options: Mapping[str, Any] | None = None) -> list[str]:
+def write_sidecars(
+    save_dir: str,
+    tag: str,
+    directory: str,
+    *,
+    remote: str | RemoteConfig | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> list[str]:
     """Writes the files that travel inside step ``tag`` (see
     :meth:`TieredCheckpointEngine.release`) into ``directory``, from the nearest tier holding a
     valid copy; returns their names. Not collective."""
@@ -338,15 +368,21 @@ def write_sidecars(save_dir: str, tag: str, directory: str, *,
     backend = LocalBackend(directory)
     for name in files:
         if not is_step_name(name):  # a plain file name: nothing that climbs out of directory
-            raise ManifestError(f"step {tag!r} in {save_dir} carries a file named {name!r}, "
-                                "which is not a plain file name; nothing was written")
+            raise ManifestError(
+                f"step {tag!r} in {save_dir} carries a file named {name!r}, "
+                "which is not a plain file name; nothing was written"
+            )
     for name, data in files.items():
         backend.replace_root_file(name, data.numpy().tobytes())
     return sorted(files)
 
 
-def adopt(save_dir: str, tag: str | None, remote: str | RemoteConfig,
-          storage_options: Mapping[str, Any] | None = None) -> str | None:
+def adopt(
+    save_dir: str,
+    tag: str | None,
+    remote: str | RemoteConfig,
+    storage_options: Mapping[str, Any] | None = None,
+) -> str | None:
     """Make step ``tag`` (default: what ``latest`` names, else the newest step on either tier)
     loadable by DeepSpeed from ``save_dir``, adopting it from the remote if this disk lacks it.
     Returns the tag, or None when neither tier holds a step (a fresh start)."""
@@ -445,8 +481,9 @@ def install(
     """
     import deepspeed.runtime.engine as ds_engine
 
-    options = Options(mode, remote, storage_options, tuple(trusted_classes), writer_options,
-                      allow_pickle)
+    options = Options(
+        mode, remote, storage_options, tuple(trusted_classes), writer_options, allow_pickle
+    )
     _patch_save_checkpoint(ds_engine.DeepSpeedEngine)
     _patch_load_checkpoint(ds_engine.DeepSpeedEngine)
     ds_engine.create_checkpoint_engine = functools.partial(_factory, options)
@@ -465,8 +502,14 @@ def attach(engine: Any, **kwargs: Any) -> TieredCheckpointEngine:
     :func:`install`). Call on every rank."""
     trusted = tuple(kwargs.pop("trusted_classes", ()))
     allow_pickle = bool(kwargs.pop("allow_pickle", False))
-    options = Options(kwargs.pop("mode", "async"), kwargs.pop("remote", None),
-                      kwargs.pop("storage_options", None), trusted, kwargs, allow_pickle)
+    options = Options(
+        kwargs.pop("mode", "async"),
+        kwargs.pop("remote", None),
+        kwargs.pop("storage_options", None),
+        trusted,
+        kwargs,
+        allow_pickle,
+    )
     _patch_save_checkpoint(type(engine))
     _patch_load_checkpoint(type(engine))
     engine.checkpoint_engine = TieredCheckpointEngine(options)
@@ -491,8 +534,9 @@ def _patch_load_checkpoint(cls: type) -> None:
         return
 
     @functools.wraps(original)
-    def load_checkpoint(self: Any, load_dir: str, tag: Any = None, *args: Any,
-                        **kwargs: Any) -> Any:
+    def load_checkpoint(
+        self: Any, load_dir: str, tag: Any = None, *args: Any, **kwargs: Any
+    ) -> Any:
         engine = getattr(self, "checkpoint_engine", None)
         if isinstance(engine, TieredCheckpointEngine):
             engine.prepare_load(load_dir, tag)
@@ -508,8 +552,14 @@ def _patch_save_checkpoint(cls: type) -> None:
         return
 
     @functools.wraps(original)
-    def save_checkpoint(self: Any, save_dir: str, tag: Any = None, client_state: Any = None,
-                        save_latest: bool = True, **kwargs: Any) -> Any:
+    def save_checkpoint(
+        self: Any,
+        save_dir: str,
+        tag: Any = None,
+        client_state: Any = None,
+        save_latest: bool = True,
+        **kwargs: Any,
+    ) -> Any:
         engine = getattr(self, "checkpoint_engine", None)
         if not isinstance(engine, TieredCheckpointEngine):
             return original(self, save_dir, tag, client_state or {}, save_latest, **kwargs)

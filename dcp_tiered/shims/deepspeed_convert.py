@@ -51,9 +51,16 @@ logger = logging.getLogger(__name__)
 UNIVERSAL_PARAM = "param"  # ds_to_universal's key for a merged tensor (stages 1/2)
 
 
-def convert(src: str, dst: str, *, tag: str | None = None, native: bool = False,
-            trust_source: bool = False, overwrite: bool = False,
-            work_dir: str | None = None) -> str:
+def convert(
+    src: str,
+    dst: str,
+    *,
+    tag: str | None = None,
+    native: bool = False,
+    trust_source: bool = False,
+    overwrite: bool = False,
+    work_dir: str | None = None,
+) -> str:
     """Converts checkpoint ``tag`` (default: the one ``latest`` names) of ``src`` into ``dst``.
 
     ``src`` is DeepSpeed's save directory or one tag directory in it. The result is written as
@@ -62,11 +69,16 @@ def convert(src: str, dst: str, *, tag: str | None = None, native: bool = False,
     """
     save_dir, tag = _locate(src, tag)
     tag_dir = os.path.join(save_dir, tag)
-    taken = (os.path.exists(os.path.join(dst, tag)) if native
-             else LocalTier(LocalBackend(dst)).has_step(tag))
+    taken = (
+        os.path.exists(os.path.join(dst, tag))
+        if native
+        else LocalTier(LocalBackend(dst)).has_step(tag)
+    )
     if taken and not overwrite:
-        raise CheckpointExistsError(f"{os.path.join(dst, tag)} already exists; choose another "
-                                    "destination or pass --overwrite")
+        raise CheckpointExistsError(
+            f"{os.path.join(dst, tag)} already exists; choose another "
+            "destination or pass --overwrite"
+        )
     with tempfile.TemporaryDirectory(prefix="dcp-tiered-convert-", dir=work_dir) as tmp:
         if os.path.exists(os.path.join(tag_dir, MANIFEST_NAME)):
             if native:
@@ -80,8 +92,12 @@ def convert(src: str, dst: str, *, tag: str | None = None, native: bool = False,
         state = _to_state(_universal(tag_dir, os.path.join(tmp, "universal", tag)), tag)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled")  # one process: yes
-        dcp.save(state, checkpoint_id=tag, no_dist=True,
-                 storage_writer=TieredStorageWriter(dst, overwrite=overwrite))
+        dcp.save(
+            state,
+            checkpoint_id=tag,
+            no_dist=True,
+            storage_writer=TieredStorageWriter(dst, overwrite=overwrite),
+        )
     logger.info("converted DeepSpeed checkpoint %s into DCP step %s of %s", tag_dir, tag, dst)
     return os.path.join(dst, tag)
 
@@ -95,7 +111,8 @@ def _locate(src: str, tag: str | None) -> tuple[str, str]:
             return os.path.dirname(src), os.path.basename(src)  # a tag directory
         raise CheckpointNotFoundError(
             f"{src} has no 'latest' file and no *model_states.pt: pass a DeepSpeed save "
-            "directory, one of its tag directories, or --tag")
+            "directory, one of its tag directories, or --tag"
+        )
     if tag is None:
         with open(os.path.join(src, ds_shim.LATEST_NAME)) as f:
             tag = f.read().strip()
@@ -136,10 +153,15 @@ def _universal(tag_dir: str, out: str) -> str:
         raise ConfigError(
             f"{tag_dir} is a ZeRO stage 0 checkpoint (no *optim_states.pt): its model states "
             "file already holds whole parameters ('module') and the optimizer's state dict "
-            "('optimizer'). The converter handles ZeRO stages 1-3.")
+            "('optimizer'). The converter handles ZeRO stages 1-3."
+        )
     args = argparse.Namespace(
-        input_folder=tag_dir, output_folder=out, num_extract_workers=1, num_merge_workers=1,
-        keep_temp_folder=False, strict=True,
+        input_folder=tag_dir,
+        output_folder=out,
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
         inject_missing_state=True,  # ZeRO-1/2 outside Megatron-DeepSpeed lack this info
     )
     log = io.StringIO()
@@ -147,8 +169,9 @@ def _universal(tag_dir: str, out: str) -> str:
         with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
             ds_to_universal.main(args)
     except Exception as e:
-        raise ConfigError(f"DeepSpeed's ds_to_universal failed on {tag_dir}: {e!r}\n"
-                          f"{log.getvalue()[-2000:]}") from e
+        raise ConfigError(
+            f"DeepSpeed's ds_to_universal failed on {tag_dir}: {e!r}\n{log.getvalue()[-2000:]}"
+        ) from e
     return out
 
 
@@ -157,8 +180,9 @@ def _to_state(universal: str, tag: str) -> dict[str, Any]:
 
     def load(*parts: str) -> Any:
         with torch.serialization.safe_globals(trusted):
-            return torch.load(os.path.join(universal, *parts), map_location="cpu",
-                              weights_only=True)
+            return torch.load(
+                os.path.join(universal, *parts), map_location="cpu", weights_only=True
+            )
 
     model_file = min(glob.glob(os.path.join(universal, "*model_states.pt")))
     model_states = load(os.path.basename(model_file))
@@ -177,10 +201,14 @@ def _to_state(universal: str, tag: str) -> dict[str, Any]:
     for index, group in enumerate(groups):
         for name, shape in group:
             model[name] = tensor(name, "fp32", shape)
-            kinds = sorted(os.path.splitext(f)[0] for f in os.listdir(
-                os.path.join(universal, "zero", name)) if f != "fp32.pt")
-            optim_state[name] = {k: tensor(name, k, torch.Size([]) if k == "step" else shape)
-                                 for k in kinds}
+            kinds = sorted(
+                os.path.splitext(f)[0]
+                for f in os.listdir(os.path.join(universal, "zero", name))
+                if f != "fp32.pt"
+            )
+            optim_state[name] = {
+                k: tensor(name, k, torch.Size([]) if k == "step" else shape) for k in kinds
+            }
             if "step" not in optim_state[name]:  # ZeRO-3 keeps one step per group
                 optim_state[name]["step"] = common["optimizer_state_dict"]["state"][index]["step"]
         hyper = {k: v for k, v in common["param_groups"][index].items() if k != "params"}
@@ -193,6 +221,10 @@ def _to_state(universal: str, tag: str) -> dict[str, Any]:
     return {
         "model": model,
         "optim": {"state": optim_state, "param_groups": param_groups},
-        "deepspeed": {"tag": tag, "global_steps": int(model_states.get("global_steps", 0)),
-                      "zero_stage": zero_stage, "ds_version": str(model_states.get("ds_version"))},
+        "deepspeed": {
+            "tag": tag,
+            "global_steps": int(model_states.get("global_steps", 0)),
+            "zero_stage": zero_stage,
+            "ds_version": str(model_states.get("ds_version")),
+        },
     }

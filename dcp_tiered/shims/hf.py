@@ -103,14 +103,22 @@ def wrap(
     if trainer.is_deepspeed_enabled:
         from .hf_deepspeed import wrap_deepspeed
 
-        return wrap_deepspeed(trainer, mode=mode, remote=remote,
-                              storage_options=storage_options, writer_options=writer_options,
-                              allow_pickle=allow_pickle)
+        return wrap_deepspeed(
+            trainer,
+            mode=mode,
+            remote=remote,
+            storage_options=storage_options,
+            writer_options=writer_options,
+            allow_pickle=allow_pickle,
+        )
     if trainer.args.load_best_model_at_end:
-        raise ConfigError("load_best_model_at_end is not supported by dcp_tiered.shims.hf yet: "
-                          "load the best step with TieredStorageReader after training instead")
-    tiers = TrainerTiers(trainer, remote, storage_options, mode, writer_options,
-                         allow_pickle=allow_pickle)
+        raise ConfigError(
+            "load_best_model_at_end is not supported by dcp_tiered.shims.hf yet: "
+            "load the best step with TieredStorageReader after training instead"
+        )
+    tiers = TrainerTiers(
+        trainer, remote, storage_options, mode, writer_options, allow_pickle=allow_pickle
+    )
     trainer._save_checkpoint = tiers.save_checkpoint  # type: ignore[method-assign]
     trainer._load_from_checkpoint = tiers.load_model  # type: ignore[method-assign]
     trainer._load_optimizer_and_scheduler = tiers.load_optimizer_and_scheduler  # type: ignore
@@ -129,8 +137,10 @@ class TieredTrainer(Trainer):
 
 
 CONVENTIONS = Conventions(
-    "HF Trainer", overwrite_hint="pass overwrite=True to wrap() to replace a step atomically",
-    kept="the earlier checkpoint-N steps are intact")
+    "HF Trainer",
+    overwrite_hint="pass overwrite=True to wrap() to replace a step atomically",
+    kept="the earlier checkpoint-N steps are intact",
+)
 
 
 class TrainerTiers:
@@ -138,16 +148,28 @@ class TrainerTiers:
     flight, failures on every rank, ``trainer_state.json`` and ``save_total_limit`` once
     committed, durability at the end) is :class:`~dcp_tiered.lifecycle.Lifecycle`'s."""
 
-    def __init__(self, trainer: Trainer, remote: str | RemoteConfig | None,
-                 storage_options: Mapping[str, Any] | None, mode: str,
-                 writer_options: dict[str, Any], *, allow_pickle: bool = False) -> None:
+    def __init__(
+        self,
+        trainer: Trainer,
+        remote: str | RemoteConfig | None,
+        storage_options: Mapping[str, Any] | None,
+        mode: str,
+        writer_options: dict[str, Any],
+        *,
+        allow_pickle: bool = False,
+    ) -> None:
         self.trainer = trainer
         self.remote, self.storage_options = remote, storage_options
         self.mode = mode
         self.allow_pickle = allow_pickle
         self._train = trainer.train
-        self.lifecycle = Lifecycle(CONVENTIONS, remote=remote, storage_options=storage_options,
-                                   writer_options=writer_options, allow_pickle=allow_pickle)
+        self.lifecycle = Lifecycle(
+            CONVENTIONS,
+            remote=remote,
+            storage_options=storage_options,
+            writer_options=writer_options,
+            allow_pickle=allow_pickle,
+        )
 
     @property
     def root(self) -> str:
@@ -165,16 +187,25 @@ class TrainerTiers:
         self.wait()  # one save in flight; its failure surfaces here
         best = tr.state.best_global_step
         if best and LocalTier(LocalBackend(run_dir)).has_step(f"{PREFIX_CHECKPOINT_DIR}-{best}"):
-            tr.state.best_model_checkpoint = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best}")
+            tr.state.best_model_checkpoint = os.path.join(
+                run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best}"
+            )
         _export_callback_state(tr)
         state = self._state()
         limit, best_dir = tr.args.save_total_limit, tr.state.best_model_checkpoint
         pinned = frozenset({os.path.basename(best_dir)} if best_dir else ())
-        self.lifecycle.retention = (RetentionPolicy(keep_latest=limit, pinned=pinned)
-                                    if limit else None)
-        self.lifecycle.save(run_dir, step, state, sync=self.mode == "sync",
-                            on_commit=functools.partial(_write_trainer_state, run_dir, step,
-                                                        state["trainer_state"]))
+        self.lifecycle.retention = (
+            RetentionPolicy(keep_latest=limit, pinned=pinned) if limit else None
+        )
+        self.lifecycle.save(
+            run_dir,
+            step,
+            state,
+            sync=self.mode == "sync",
+            on_commit=functools.partial(
+                _write_trainer_state, run_dir, step, state["trainer_state"]
+            ),
+        )
 
     def _state(self) -> dict[str, Any]:
         tr, args = self.trainer, self.trainer.args
@@ -184,7 +215,9 @@ class TrainerTiers:
             if tr.lr_scheduler is not None:
                 state["scheduler"] = copy.deepcopy(tr.lr_scheduler.state_dict())
             state[_rng_key(args.process_index)] = capture_rng()
-        state["trainer_state"] = json.dumps(dataclasses.asdict(tr.state), indent=2, sort_keys=True) + "\n"
+        state["trainer_state"] = (
+            json.dumps(dataclasses.asdict(tr.state), indent=2, sort_keys=True) + "\n"
+        )
         return state
 
     def wait(self) -> None:
@@ -198,8 +231,9 @@ class TrainerTiers:
 
     # ------------------------------------------------------------ resuming
 
-    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any,
-              **kwargs: Any) -> Any:
+    def train(
+        self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any
+    ) -> Any:
         """``Trainer.train``; ``resume_from_checkpoint=True`` picks the newest committed step
         on any tier, a path or step name picks that step. Returns once the last step is
         committed and, with a remote tier, durable there (at most the remote's
@@ -247,12 +281,14 @@ class TrainerTiers:
             if not steps:
                 raise CheckpointNotFoundError(
                     f"no committed {PREFIX_CHECKPOINT_DIR}-N step in {where}: nothing to resume "
-                    "from. Train without resume_from_checkpoint, or check output_dir/remote.")
+                    "from. Train without resume_from_checkpoint, or check output_dir/remote."
+                )
             return steps[-1]
         name = os.path.basename(os.path.normpath(str(wanted)))
         if name not in steps:
             raise CheckpointNotFoundError(
-                f"no committed step {name!r} in {where}. Committed: {', '.join(steps) or 'none'}.")
+                f"no committed step {name!r} in {where}. Committed: {', '.join(steps) or 'none'}."
+            )
         return name
 
     def load_model(self, path: str, model: Any = None) -> None:
@@ -282,24 +318,35 @@ class TrainerTiers:
         key = _rng_key(self.trainer.args.process_index)
         state = self._load(os.path.basename(path), {key: capture_rng()}, partial=True)
         if state.get(key) is None:
-            logger.info("no RNG state for process %s in %s: resuming with different randomness "
-                        "(was the world size different?)", self.trainer.args.process_index, path)
+            logger.info(
+                "no RNG state for process %s in %s: resuming with different randomness "
+                "(was the world size different?)",
+                self.trainer.args.process_index,
+                path,
+            )
             return
         restore_rng(state[key])
 
     def _load(self, step: str, wanted: dict[str, Any], *, partial: bool = False) -> dict[str, Any]:
         """Reads ``wanted``'s keys of ``step`` on this rank alone, from the nearest valid tier."""
-        reader = TieredStorageReader(self.root, remote=self.remote,
-                                     storage_options=self.storage_options,
-                                     allow_pickle=self.allow_pickle)
+        reader = TieredStorageReader(
+            self.root,
+            remote=self.remote,
+            storage_options=self.storage_options,
+            allow_pickle=self.allow_pickle,
+        )
         if partial:
             reader.reset(step)
             present = reader.read_metadata().state_dict_metadata
-            wanted = {k: v for k, v in wanted.items()
-                      if any(f.split(".")[0] == k for f in present)}
+            wanted = {k: v for k, v in wanted.items() if any(f.split(".")[0] == k for f in present)}
         with quiet_single_process():
-            dcp.load(wanted, checkpoint_id=step, storage_reader=reader, no_dist=True,
-                     planner=DefaultLoadPlanner(allow_partial_load=partial))
+            dcp.load(
+                wanted,
+                checkpoint_id=step,
+                storage_reader=reader,
+                no_dist=True,
+                planner=DefaultLoadPlanner(allow_partial_load=partial),
+            )
         return wanted
 
 
@@ -329,5 +376,6 @@ def _rng_key(process_index: int) -> str:
 
 def _write_trainer_state(run_dir: str, step: str, trainer_state: str) -> None:
     """Once committed: the plain ``trainer_state.json`` beside the data, for tools."""
-    LocalTier(LocalBackend(run_dir)).backend.write_atomically(step, TRAINER_STATE_NAME,
-                                                              trainer_state.encode())
+    LocalTier(LocalBackend(run_dir)).backend.write_atomically(
+        step, TRAINER_STATE_NAME, trainer_state.encode()
+    )

@@ -44,16 +44,29 @@ logger = logging.getLogger(__name__)
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 _TAG = re.compile(r"^global_step(\d+)$")
 _RNG = re.compile(r"^rng_state(_\d+)?\.pth$")
-_WEIGHTS = re.compile(r"^(model|pytorch_model|adapter_model)(-\d+-of-\d+)?\.(safetensors|bin)"
-                      r"(\.index\.json)?$")
+_WEIGHTS = re.compile(
+    r"^(model|pytorch_model|adapter_model)(-\d+-of-\d+)?\.(safetensors|bin)"
+    r"(\.index\.json)?$"
+)
 
 
-def wrap_deepspeed(trainer: Any, *, mode: str, remote: str | RemoteConfig | None,
-                   storage_options: Mapping[str, Any] | None,
-                   writer_options: dict[str, Any], allow_pickle: bool = False) -> Any:
+def wrap_deepspeed(
+    trainer: Any,
+    *,
+    mode: str,
+    remote: str | RemoteConfig | None,
+    storage_options: Mapping[str, Any] | None,
+    writer_options: dict[str, Any],
+    allow_pickle: bool = False,
+) -> Any:
     """What :func:`dcp_tiered.shims.hf.wrap` does for a Trainer with DeepSpeed enabled."""
-    ds_shim.install(mode=mode, remote=remote, storage_options=storage_options,
-                    allow_pickle=allow_pickle, **writer_options)
+    ds_shim.install(
+        mode=mode,
+        remote=remote,
+        storage_options=storage_options,
+        allow_pickle=allow_pickle,
+        **writer_options,
+    )
     save, train = trainer._save_checkpoint, trainer.train
 
     @functools.wraps(save)
@@ -76,8 +89,10 @@ def wrap_deepspeed(trainer: Any, *, mode: str, remote: str | RemoteConfig | None
         finally:
             args.save_total_limit = limit
         settle = functools.partial(tier.settle_pending, name)
-        launched = engine.release(_own_files(os.path.join(run_dir, name), args.process_index),
-                                  on_commit=settle if claimed else None)
+        launched = engine.release(
+            _own_files(os.path.join(run_dir, name), args.process_index),
+            on_commit=settle if claimed else None,
+        )
         if claimed and not launched:  # no DeepSpeed step (save_only_model): Trainer's alone
             settle()
         if args.should_save and limit:
@@ -89,14 +104,20 @@ def wrap_deepspeed(trainer: Any, *, mode: str, remote: str | RemoteConfig | None
         if is_node_leader() and os.path.isdir(run_dir):  # what a crashed save left
             LocalTier(LocalBackend(run_dir)).sweep_pending()
         if resume_from_checkpoint:  # Trainer's own pick could be a crashed save's directory
-            resume_from_checkpoint = prepare_resume(run_dir, resume_from_checkpoint, remote,
-                                                    storage_options)
+            resume_from_checkpoint = prepare_resume(
+                run_dir, resume_from_checkpoint, remote, storage_options
+            )
         out = train(resume_from_checkpoint, *a, **kw)
         ds_shim.flush(trainer.model_wrapped)  # committed, published and durable
         args = trainer.args
         if args.should_save and args.save_total_limit:  # now that every step is durable
-            rotate(run_dir, args.save_total_limit, trainer.state.best_model_checkpoint, remote,
-                   storage_options)
+            rotate(
+                run_dir,
+                args.save_total_limit,
+                trainer.state.best_model_checkpoint,
+                remote,
+                storage_options,
+            )
         return out
 
     trainer._save_checkpoint = save_checkpoint
@@ -108,8 +129,9 @@ def _own_files(step_dir: str, process_index: int) -> dict[str, bytes]:
     """The files of ``step_dir`` this rank carries into the step: its own RNG state and, on
     process 0, the rest of Trainer's files (weights and ``latest`` left out)."""
     backend = LocalBackend(step_dir)
-    own_rng = {f"rng_state_{process_index}.pth"} | ({"rng_state.pth"} if process_index == 0
-                                                    else set())
+    own_rng = {f"rng_state_{process_index}.pth"} | (
+        {"rng_state.pth"} if process_index == 0 else set()
+    )
     files = {}
     for name in backend.list_names():
         if not is_step_name(name):  # hidden files (our pending marker): not Trainer's
@@ -117,15 +139,18 @@ def _own_files(step_dir: str, process_index: int) -> dict[str, bytes]:
         if _RNG.match(name):
             wanted = name in own_rng
         else:
-            wanted = process_index == 0 and not _WEIGHTS.match(name) and \
-                name != ds_shim.LATEST_NAME
+            wanted = process_index == 0 and not _WEIGHTS.match(name) and name != ds_shim.LATEST_NAME
         if wanted and backend.is_regular_file(name):
             files[name] = backend.read_file(name)
     return files
 
 
-def prepare_resume(run_dir: str, wanted: Any, remote: str | RemoteConfig | None,
-                   storage_options: Mapping[str, Any] | None) -> str:
+def prepare_resume(
+    run_dir: str,
+    wanted: Any,
+    remote: str | RemoteConfig | None,
+    storage_options: Mapping[str, Any] | None,
+) -> str:
     """Collective: the ``checkpoint-N`` directory Trainer resumes from, rebuilt from the remote
     tier (by one process a node) when this node lacks it. ``wanted`` is True (the newest
     committed step on either tier; never a directory a crash left mid-save) or a checkpoint
@@ -138,7 +163,8 @@ def prepare_resume(run_dir: str, wanted: Any, remote: str | RemoteConfig | None,
                 f"no committed checkpoint-N in {run_dir}"
                 + (f" and no global_stepN on {remote}" if remote is not None else "")
                 + ": nothing to resume from. Train without resume_from_checkpoint, or check "
-                "the paths.")
+                "the paths."
+            )
     else:
         match = _CHECKPOINT.match(os.path.basename(os.path.normpath(str(wanted))))
         if match is None:
@@ -147,30 +173,43 @@ def prepare_resume(run_dir: str, wanted: Any, remote: str | RemoteConfig | None,
     step_dir = os.path.join(run_dir, f"checkpoint-{number}")
     agree.by_node_leaders(
         lambda: _rebuild(step_dir, f"global_step{number}", remote, storage_options),
-        f"rebuilding {step_dir}")
+        f"rebuilding {step_dir}",
+    )
     return step_dir
 
 
-def _newest(run_dir: str, remote: str | RemoteConfig | None,
-            storage_options: Mapping[str, Any] | None) -> int | None:
+def _newest(
+    run_dir: str, remote: str | RemoteConfig | None, storage_options: Mapping[str, Any] | None
+) -> int | None:
     """The newest N whose step is committed here or on the remote tier. A ``checkpoint-N``
     without its committed step is what a crash left mid-save: Trainer would pick it."""
-    local = [int(m.group(1)) for n in (os.listdir(run_dir) if os.path.isdir(run_dir) else [])
-             if (m := _CHECKPOINT.match(n))
-             and LocalTier(LocalBackend(os.path.join(run_dir, n))).has_step(f"global_step{m[1]}")]
+    local = [
+        int(m.group(1))
+        for n in (os.listdir(run_dir) if os.path.isdir(run_dir) else [])
+        if (m := _CHECKPOINT.match(n))
+        and LocalTier(LocalBackend(os.path.join(run_dir, n))).has_step(f"global_step{m[1]}")
+    ]
     backend = remote_backend(remote, storage_options)
     try:
-        on_remote = [int(m.group(1)) for n in (backend.committed_steps() if backend else [])
-                     if (m := _TAG.match(n))]
+        on_remote = [
+            int(m.group(1))
+            for n in (backend.committed_steps() if backend else [])
+            if (m := _TAG.match(n))
+        ]
     except DcpTieredError as e:
         raise TierUnavailableError(
             f"cannot list {backend.config.url if backend else remote}: {e}. Which steps exist "
-            "there is unknown, so nothing was resumed; fix the remote and train again") from e
+            "there is unknown, so nothing was resumed; fix the remote and train again"
+        ) from e
     return max(local + on_remote, default=None)
 
 
-def _rebuild(step_dir: str, tag: str, remote: str | RemoteConfig | None,
-             storage_options: Mapping[str, Any] | None) -> None:
+def _rebuild(
+    step_dir: str,
+    tag: str,
+    remote: str | RemoteConfig | None,
+    storage_options: Mapping[str, Any] | None,
+) -> None:
     """``step_dir`` as Trainer wrote it: the step (adopted from the remote if missing), its
     stubs and ``latest``, and Trainer's files from inside the step."""
     adopted = not LocalTier(LocalBackend(step_dir)).has_step(tag)
@@ -178,24 +217,35 @@ def _rebuild(step_dir: str, tag: str, remote: str | RemoteConfig | None,
         if remote is None:
             raise CheckpointNotFoundError(
                 f"{step_dir} holds no committed {tag} (a save that did not finish?) and there is "
-                "no remote tier to take it from; resume from another checkpoint")
+                "no remote tier to take it from; resume from another checkpoint"
+            )
         ds_shim.adopt(step_dir, tag, remote, storage_options)
     if adopted or not os.path.isfile(os.path.join(step_dir, "trainer_state.json")):
-        names = ds_shim.write_sidecars(step_dir, tag, step_dir, remote=remote,
-                                       storage_options=storage_options)
+        names = ds_shim.write_sidecars(
+            step_dir, tag, step_dir, remote=remote, storage_options=storage_options
+        )
         logger.info("rebuilt %s: %s", step_dir, ", ".join(names) or "no files")
 
 
-def rotate(run_dir: str, limit: int, best: str | None, remote: str | RemoteConfig | None,
-           storage_options: Mapping[str, Any] | None) -> list[str]:
+def rotate(
+    run_dir: str,
+    limit: int,
+    best: str | None,
+    remote: str | RemoteConfig | None,
+    storage_options: Mapping[str, Any] | None,
+) -> list[str]:
     """``save_total_limit`` over ``checkpoint-N`` directories: the newest ``limit`` and the
     best are kept, and a directory whose step is not durable on the remote tier (while it
     cannot tell) is never deleted. Every delete is logged."""
     backend = LocalBackend(run_dir)
-    states = [StepState(n, int(m.group(1))) for n in backend.list_names()
-              if (m := _CHECKPOINT.match(n)) and backend.is_dir(n) and not backend.is_link(n)]
-    policy = RetentionPolicy(keep_latest=limit,
-                             pinned=frozenset({os.path.basename(best)} if best else ()))
+    states = [
+        StepState(n, int(m.group(1)))
+        for n in backend.list_names()
+        if (m := _CHECKPOINT.match(n)) and backend.is_dir(n) and not backend.is_link(n)
+    ]
+    policy = RetentionPolicy(
+        keep_latest=limit, pinned=frozenset({os.path.basename(best)} if best else ())
+    )
     remote_tier = remote_backend(remote, storage_options)
     deleted = []
     for name in evictions(states, policy):

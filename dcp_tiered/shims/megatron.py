@@ -82,9 +82,11 @@ logger = logging.getLogger(__name__)
 TRACKER = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0
 CONVENTIONS = Conventions(
-    "Megatron", overwrite_hint="save under another iteration or directory",
+    "Megatron",
+    overwrite_hint="save under another iteration or directory",
     kept=f"{TRACKER} still names the previous checkpoint, which is intact",
-    local_tier="storage")
+    local_tier="storage",
+)
 
 
 def iteration_dir(iteration: int) -> str:
@@ -97,15 +99,28 @@ class EasyCkpt:
     lifecycle around each save and restore is :class:`~dcp_tiered.lifecycle.Lifecycle`'s;
     this class translates Megatron's state and names."""
 
-    def __init__(self, save_mem_interval: int | None, save_storage_interval: int | None,
-                 max_ckpt_num: int, log_file_path: str | os.PathLike[str] | None = None, *,
-                 save: str | os.PathLike[str], load: str | os.PathLike[str] | None = None,
-                 memory: str | os.PathLike[str] | None = None, remote: Any = None,
-                 storage_options: dict[str, Any] | None = None, async_save: bool = True,
-                 keep_every: int | None = None, remote_max_ckpt_num: int | None = None,
-                 allow_pickle: bool = False, **writer_options: Any) -> None:
-        for name, value in (("save_mem_interval", save_mem_interval),
-                            ("save_storage_interval", save_storage_interval)):
+    def __init__(
+        self,
+        save_mem_interval: int | None,
+        save_storage_interval: int | None,
+        max_ckpt_num: int,
+        log_file_path: str | os.PathLike[str] | None = None,
+        *,
+        save: str | os.PathLike[str],
+        load: str | os.PathLike[str] | None = None,
+        memory: str | os.PathLike[str] | None = None,
+        remote: Any = None,
+        storage_options: dict[str, Any] | None = None,
+        async_save: bool = True,
+        keep_every: int | None = None,
+        remote_max_ckpt_num: int | None = None,
+        allow_pickle: bool = False,
+        **writer_options: Any,
+    ) -> None:
+        for name, value in (
+            ("save_mem_interval", save_mem_interval),
+            ("save_storage_interval", save_storage_interval),
+        ):
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise ConfigError(f"{name} must be a non-negative int or None, got {value!r}")
         self.mem_every, self.storage_every = save_mem_interval or 0, save_storage_interval or 0
@@ -120,14 +135,20 @@ class EasyCkpt:
         os.makedirs(self.save_dir, exist_ok=True)
         self.log_handler = _log_to(log_file_path, self.rank) if log_file_path else None
         self.lifecycle = Lifecycle(
-            CONVENTIONS, remote=remote, storage_options=storage_options,
+            CONVENTIONS,
+            remote=remote,
+            storage_options=storage_options,
             retention=RetentionPolicy(keep_latest=max_ckpt_num, keep_every=keep_every),
             # As everywhere: the remote keeps every checkpoint unless told otherwise.
-            remote_retention=(None if remote_max_ckpt_num is None else
-                              RetentionPolicy(keep_latest=remote_max_ckpt_num,
-                                              keep_every=keep_every)),
-            publish_early=False, writer_options={"overwrite": True, **writer_options},
-            allow_pickle=allow_pickle)
+            remote_retention=(
+                None
+                if remote_max_ckpt_num is None
+                else RetentionPolicy(keep_latest=remote_max_ckpt_num, keep_every=keep_every)
+            ),
+            publish_early=False,
+            writer_options={"overwrite": True, **writer_options},
+            allow_pickle=allow_pickle,
+        )
         # Recovery, explicitly: what a crash left in the save directory is finished or swept
         # (mcore's pending directories too), and uploads a previous job left are resumed.
         self.lifecycle.start(self.save_dir)
@@ -140,18 +161,27 @@ class EasyCkpt:
             self.memory = MemoryTier(root, self.rank, allow_pickle=allow_pickle)
         # Storage saves are checked for restorability by the strategy, memory saves by the
         # lifecycle (save_memory).
-        self.strategy = TieredSaveShardedStrategy(remote=remote, storage_options=storage_options,
-                                                  writers=self.lifecycle.writers,
-                                                  allow_pickle=allow_pickle)
-        logger.info("easyckpt: memory every %s (%s), storage every %s in %s (remote %s), "
-                    "keeping %d", self.mem_every or "never",
-                    self.memory.root if self.memory else "-", self.storage_every or "never",
-                    self.save_dir, remote, max_ckpt_num)
+        self.strategy = TieredSaveShardedStrategy(
+            remote=remote,
+            storage_options=storage_options,
+            writers=self.lifecycle.writers,
+            allow_pickle=allow_pickle,
+        )
+        logger.info(
+            "easyckpt: memory every %s (%s), storage every %s in %s (remote %s), keeping %d",
+            self.mem_every or "never",
+            self.memory.root if self.memory else "-",
+            self.storage_every or "never",
+            self.save_dir,
+            remote,
+            max_ckpt_num,
+        )
 
     # ------------------------------------------------------------ saving
 
-    def save_checkpoint_if_needed(self, iteration: int, model: Any, optimizer: Any,
-                                  opt_param_scheduler: Any) -> str | None:
+    def save_checkpoint_if_needed(
+        self, iteration: int, model: Any, optimizer: Any, opt_param_scheduler: Any
+    ) -> str | None:
         """Saves ``iteration`` to the tier due; returns ``"storage"``, ``"memory"`` or None.
 
         Returns once the state is copied (storage saves write in the background). A storage
@@ -166,8 +196,9 @@ class EasyCkpt:
             return "memory"
         return None
 
-    def save_storage(self, iteration: int, model: Any, optimizer: Any,
-                     opt_param_scheduler: Any) -> None:
+    def save_storage(
+        self, iteration: int, model: Any, optimizer: Any, opt_param_scheduler: Any
+    ) -> None:
         self.lifecycle.finish()  # one storage save in flight
         step = iteration_dir(iteration)
         step_dir = os.path.join(self.save_dir, step)
@@ -182,8 +213,12 @@ class EasyCkpt:
         else:
             state = state_dict(iteration, model, optimizer, opt_param_scheduler)
             try:
-                request = dist_checkpointing.save(state, step_dir, sharded_strategy=self.strategy,
-                                                  async_sharded_save=self.async_save)
+                request = dist_checkpointing.save(
+                    state,
+                    step_dir,
+                    sharded_strategy=self.strategy,
+                    async_sharded_save=self.async_save,
+                )
                 future = self.strategy.in_flight if request is not None else settled()
             except ConfigError:  # refused on every rank (a state that could not be restored)
                 self._discard(step)
@@ -191,19 +226,30 @@ class EasyCkpt:
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - raised everywhere
                 future = settled(error=e)
         self.lifecycle.track(
-            self.save_dir, step, future,
+            self.save_dir,
+            step,
+            future,
             finalize=(lambda: [fn() for fn in request.finalize_fns]) if request else None,
             on_commit=lambda: self._committed(iteration),
-            on_failure=lambda: self._discard(step))
-        logger.info("easyckpt: saving iteration %d to %s%s", iteration, step_dir,
-                    " (in the background)" if request else "")
+            on_failure=lambda: self._discard(step),
+        )
+        logger.info(
+            "easyckpt: saving iteration %d to %s%s",
+            iteration,
+            step_dir,
+            " (in the background)" if request else "",
+        )
         if request is None:
             self.lifecycle.finish()
 
     def _committed(self, iteration: int) -> None:
         replace_file(os.path.join(self.save_dir, TRACKER), str(iteration).encode())
-        logger.info("easyckpt: iteration %d committed in %s; %s now names it", iteration,
-                    self.save_dir, TRACKER)
+        logger.info(
+            "easyckpt: iteration %d committed in %s; %s now names it",
+            iteration,
+            self.save_dir,
+            TRACKER,
+        )
 
     def _discard(self, step: str) -> None:
         """After a failed save: the directory made for mcore's common.pt goes."""
@@ -211,29 +257,37 @@ class EasyCkpt:
         if self.rank == 0 and not tier.has_step(step):
             remove_sidecars(self.save_dir, step)
 
-    def save_memory(self, iteration: int, model: Any, optimizer: Any,
-                    opt_param_scheduler: Any) -> None:
+    def save_memory(
+        self, iteration: int, model: Any, optimizer: Any, opt_param_scheduler: Any
+    ) -> None:
         """Each rank's own snapshot; a failure on any rank raises SaveFailedError on every
         rank (the previous snapshot is intact, and the next save works)."""
         assert self.memory is not None
         sharded, common = save_preprocess(
             state_dict(iteration, model, optimizer, opt_param_scheduler),
-            validate_access_integrity=False)
+            validate_access_integrity=False,
+        )
         tensors, objects = _local_parts(sharded)
         if not self._memory_checked:  # as the manager: at the first save (every iteration)
-            self.lifecycle.require_restorable(iteration_dir(iteration),
-                                              {"objects": objects, "common": common})
+            self.lifecycle.require_restorable(
+                iteration_dir(iteration), {"objects": objects, "common": common}
+            )
             self._memory_checked = True
-        _, problem = attempt(lambda: self.memory.save(  # type: ignore[union-attr]
-            iteration_dir(iteration), {"tensors": tensors, "objects": objects,
-                                       "common": common}).result())
+        _, problem = attempt(
+            lambda: self.memory.save(  # type: ignore[union-attr]
+                iteration_dir(iteration), {"tensors": tensors, "objects": objects, "common": common}
+            ).result()
+        )
         if self.lifecycle.agree.any(problem is not None):
-            raise_failures(self.lifecycle.agree,
-                           [failure(self.rank, iteration_dir(iteration), "memory",
-                                    self.memory.root, problem)] if problem else [],
-                           f"iteration {iteration} was not saved to memory",
-                           "the previous snapshot is intact; fix the cause (room in "
-                           f"{self.memory.root}?) and training can go on")
+            raise_failures(
+                self.lifecycle.agree,
+                [failure(self.rank, iteration_dir(iteration), "memory", self.memory.root, problem)]
+                if problem
+                else [],
+                f"iteration {iteration} was not saved to memory",
+                "the previous snapshot is intact; fix the cause (room in "
+                f"{self.memory.root}?) and training can go on",
+            )
         logger.info("easyckpt: saved iteration %d to memory (%s)", iteration, self.memory.root)
 
     def poll(self) -> None:
@@ -247,9 +301,16 @@ class EasyCkpt:
 
     # ------------------------------------------------------------ loading
 
-    def load_checkpoint(self, model: Any, optimizer: Any, opt_param_scheduler: Any,
-                        load_arg: str = "load", strict: bool = True, concat: bool = False,
-                        on_unreadable_tier: str = "raise") -> int:
+    def load_checkpoint(
+        self,
+        model: Any,
+        optimizer: Any,
+        opt_param_scheduler: Any,
+        load_arg: str = "load",
+        strict: bool = True,
+        concat: bool = False,
+        on_unreadable_tier: str = "raise",
+    ) -> int:
         """Restores the newest iteration that verifies; returns it (0: every tier was read and
         holds none). A remote tier that cannot be read raises TierUnavailableError on every rank
         (``on_unreadable_tier="skip"``: restore from the other tiers, with an ERROR log)."""
@@ -263,22 +324,34 @@ class EasyCkpt:
         def load(candidate: tuple[int, str]) -> str | None:
             iteration, tier = candidate
             if tier == "memory":
-                state, problem = attempt(self._load_memory, iteration, model, optimizer,
-                                         opt_param_scheduler)
+                state, problem = attempt(
+                    self._load_memory, iteration, model, optimizer, opt_param_scheduler
+                )
             else:
-                state, problem = self._load_storage(root, iteration, model, optimizer,
-                                                    opt_param_scheduler)
+                state, problem = self._load_storage(
+                    root, iteration, model, optimizer, opt_param_scheduler
+                )
             loaded[candidate] = state
             return problem
 
         chosen = self.lifecycle.restore(
-            lambda with_remote: self._candidates(root, with_remote), load,
-            on_unreadable_tier=on_unreadable_tier, retry="load_checkpoint",
+            lambda with_remote: self._candidates(root, with_remote),
+            load,
+            on_unreadable_tier=on_unreadable_tier,
+            retry="load_checkpoint",
             name=lambda c: f"{iteration_dir(c[0])} from {c[1]}",
             abandon=lambda skipped, chosen: self.lifecycle.quarantine(
-                root, sorted({iteration_dir(i) for i, t in skipped
-                              if t == "storage" and i > chosen[0] and root == self.save_dir}),
-                reason=f"a restore fell back past it to {iteration_dir(chosen[0])}"))
+                root,
+                sorted(
+                    {
+                        iteration_dir(i)
+                        for i, t in skipped
+                        if t == "storage" and i > chosen[0] and root == self.save_dir
+                    }
+                ),
+                reason=f"a restore fell back past it to {iteration_dir(chosen[0])}",
+            ),
+        )
         if chosen is None:
             logger.info("easyckpt: nothing to restore in %s", root)
             return 0
@@ -293,8 +366,9 @@ class EasyCkpt:
         """(iteration, tier): newest first, memory before storage for the same iteration."""
         found = set()
         if self.memory is not None:
-            found |= {(n, "memory") for n in map(layout.step_number, self.memory.steps())
-                      if n is not None}
+            found |= {
+                (n, "memory") for n in map(layout.step_number, self.memory.steps()) if n is not None
+            }
         # Listing only: a writer on the load directory would sweep it and resume its uploads.
         remote = remote_backend(self.remote, self.storage_options) if with_remote else None
         for s in list_steps(LocalTier(LocalBackend(root)), remote, strict=True):
@@ -302,15 +376,20 @@ class EasyCkpt:
                 found.add((n, "storage"))
         return sorted(found, key=lambda c: (-c[0], c[1] != "memory"))
 
-    def _load_memory(self, iteration: int, model: Any, optimizer: Any,
-                     scheduler: Any) -> dict[str, Any]:
+    def _load_memory(
+        self, iteration: int, model: Any, optimizer: Any, scheduler: Any
+    ) -> dict[str, Any]:
         assert self.memory is not None
         sharded, nonpersistent, factories = load_preprocess(
-            state_dict(iteration, model, optimizer, scheduler, is_loading=True))
+            state_dict(iteration, model, optimizer, scheduler, is_loading=True)
+        )
         sharded, common = extract_sharded_base(sharded)
         tensors, objects = _local_parts(sharded)
-        template = {"tensors": {k: t.clone() for k, t in tensors.items()},
-                    "objects": dict(objects), "common": common}
+        template = {
+            "tensors": {k: t.clone() for k, t in tensors.items()},
+            "objects": dict(objects),
+            "common": common,
+        }
         self.memory.load(iteration_dir(iteration), template)
 
         def value(sh: Any) -> Any:
@@ -325,27 +404,38 @@ class EasyCkpt:
         merge(template["common"], sharded)
         return apply_factory_merges(template["common"], factories)
 
-    def _load_storage(self, root: str, iteration: int, model: Any, optimizer: Any,
-                      scheduler: Any) -> tuple[Any, str | None]:
+    def _load_storage(
+        self, root: str, iteration: int, model: Any, optimizer: Any, scheduler: Any
+    ) -> tuple[Any, str | None]:
         """Collective. mcore's loader reads ``metadata.json`` and ``common.pt`` from the
         directory: they are written from the step's verified data first, one writer a node."""
         step = iteration_dir(iteration)
         agree = self.lifecycle.agree
         leader = is_node_leader()
-        _, problem = (attempt(write_sidecars, root, step, remote=self.remote,
-                              storage_options=self.storage_options,
-                              allow_pickle=self.allow_pickle)
-                      if leader else (None, None))
+        _, problem = (
+            attempt(
+                write_sidecars,
+                root,
+                step,
+                remote=self.remote,
+                storage_options=self.storage_options,
+                allow_pickle=self.allow_pickle,
+            )
+            if leader
+            else (None, None)
+        )
         if not agree.all(problem is None):
             return None, problem or "failed on another rank"
-        strategy = TieredLoadShardedStrategy(remote=self.remote,
-                                             storage_options=self.storage_options,
-                                             allow_pickle=self.allow_pickle)
+        strategy = TieredLoadShardedStrategy(
+            remote=self.remote, storage_options=self.storage_options, allow_pickle=self.allow_pickle
+        )
         loaded, problem = attempt(
             dist_checkpointing.load,
             state_dict(iteration, model, optimizer, scheduler, is_loading=True),
-            os.path.join(root, step), sharded_strategy=strategy,
-            common_strategy=common_load_strategy(self.allow_pickle))
+            os.path.join(root, step),
+            sharded_strategy=strategy,
+            common_strategy=common_load_strategy(self.allow_pickle),
+        )
         agree.barrier()
         if leader and not LocalTier(LocalBackend(root)).has_step(step):
             remove_sidecars(root, step)
@@ -373,8 +463,14 @@ class EasyCkpt:
 # ------------------------------------------------------------------ the state Megatron-LM saves
 
 
-def state_dict(iteration: int, model: Any, optimizer: Any, opt_param_scheduler: Any, *,
-               is_loading: bool = False) -> dict[str, Any]:
+def state_dict(
+    iteration: int,
+    model: Any,
+    optimizer: Any,
+    opt_param_scheduler: Any,
+    *,
+    is_loading: bool = False,
+) -> dict[str, Any]:
     """Megatron-LM's ``generate_state_dict`` layout, as a sharded state dict."""
     chunks = list(model) if isinstance(model, Sequence) else [model]
     state: dict[str, Any] = {"checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
@@ -391,12 +487,17 @@ def state_dict(iteration: int, model: Any, optimizer: Any, opt_param_scheduler: 
     return state
 
 
-def apply_state(loaded: dict[str, Any], model: Any, optimizer: Any, opt_param_scheduler: Any,
-                *, strict: bool = True) -> None:
+def apply_state(
+    loaded: dict[str, Any],
+    model: Any,
+    optimizer: Any,
+    opt_param_scheduler: Any,
+    *,
+    strict: bool = True,
+) -> None:
     chunks = list(model) if isinstance(model, Sequence) else [model]
     for i, chunk in enumerate(chunks):
-        chunk.load_state_dict(loaded["model" if len(chunks) == 1 else f"model{i}"],
-                              strict=strict)
+        chunk.load_state_dict(loaded["model" if len(chunks) == 1 else f"model{i}"], strict=strict)
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
     if opt_param_scheduler is not None and "opt_param_scheduler" in loaded:
@@ -422,8 +523,9 @@ def _local_parts(sharded: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]
 
 
 def _default_memory_root(save_dir: str) -> str:
-    return os.path.join("/dev/shm", "dcp_tiered-megatron",
-                        hashlib.sha256(save_dir.encode()).hexdigest()[:16])
+    return os.path.join(
+        "/dev/shm", "dcp_tiered-megatron", hashlib.sha256(save_dir.encode()).hexdigest()[:16]
+    )
 
 
 def _log_to(path: str | os.PathLike[str], rank: int) -> logging.Handler:
@@ -443,9 +545,13 @@ def _log_to(path: str | os.PathLike[str], rank: int) -> logging.Handler:
 _current: EasyCkpt | None = None
 
 
-def initialize(save_mem_interval: int | None, save_storage_interval: int | None,
-               max_ckpt_num: int, log_file_path: str | os.PathLike[str] | None = None,
-               **options: Any) -> EasyCkpt:
+def initialize(
+    save_mem_interval: int | None,
+    save_storage_interval: int | None,
+    max_ckpt_num: int,
+    log_file_path: str | os.PathLike[str] | None = None,
+    **options: Any,
+) -> EasyCkpt:
     """EasyCkpt's ``initialize_easyckpt``; ``options`` go to :class:`EasyCkpt` (``save=`` is
     required unless Megatron-LM's ``get_args()`` provides it). ``allow_pickle=True`` loads
     objects (mcore's common state, ShardedObjects) with full pickle, for checkpoints you trust;
@@ -457,24 +563,32 @@ def initialize(save_mem_interval: int | None, save_storage_interval: int | None,
     if "save" not in options:
         options["save"] = _megatron_arg("save")
         options.setdefault("load", _megatron_arg("load", required=False))
-    _current = EasyCkpt(save_mem_interval, save_storage_interval, max_ckpt_num, log_file_path,
-                        **options)
+    _current = EasyCkpt(
+        save_mem_interval, save_storage_interval, max_ckpt_num, log_file_path, **options
+    )
     return _current
 
 
 initialize_easyckpt = initialize
 
 
-def save_checkpoint_if_needed(iteration: int, model: Any, optimizer: Any,
-                              opt_param_scheduler: Any) -> str | None:
-    return _instance().save_checkpoint_if_needed(iteration, model, optimizer,
-                                                 opt_param_scheduler)
+def save_checkpoint_if_needed(
+    iteration: int, model: Any, optimizer: Any, opt_param_scheduler: Any
+) -> str | None:
+    return _instance().save_checkpoint_if_needed(iteration, model, optimizer, opt_param_scheduler)
 
 
-def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any,
-                    load_arg: str = "load", strict: bool = True, concat: bool = False) -> int:
-    return _instance().load_checkpoint(model, optimizer, opt_param_scheduler,
-                                       load_arg=load_arg, strict=strict, concat=concat)
+def load_checkpoint(
+    model: Any,
+    optimizer: Any,
+    opt_param_scheduler: Any,
+    load_arg: str = "load",
+    strict: bool = True,
+    concat: bool = False,
+) -> int:
+    return _instance().load_checkpoint(
+        model, optimizer, opt_param_scheduler, load_arg=load_arg, strict=strict, concat=concat
+    )
 
 
 def wait() -> None:
@@ -501,6 +615,7 @@ def _instance() -> EasyCkpt:
 def _megatron_arg(name: str, required: bool = True) -> Any:
     try:
         from megatron.training import get_args  # Megatron-LM, not megatron-core
+
         value = getattr(get_args(), name, None)
     except (ImportError, AssertionError):
         value = None

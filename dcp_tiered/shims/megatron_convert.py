@@ -50,33 +50,55 @@ TRACKER = "latest_checkpointed_iteration.txt"
 FILE_NAME = "model_optim_rng.pt"
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 _LAYER = re.compile(r"^(.*\.layers)\.(\d+)\.(.+)$")
-_COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "linear_fc1.bias",
-           "word_embeddings.weight", "output_layer.weight")
+_COLUMN = (
+    "linear_qkv.weight",
+    "linear_qkv.bias",
+    "linear_fc1.weight",
+    "linear_fc1.bias",
+    "word_embeddings.weight",
+    "output_layer.weight",
+)
 _ROW = ("linear_proj.weight", "linear_fc2.weight")
 # mcore's local layer spec names its layer norms apart; its sharded_state_dict_keys_map saves
 # them under the Transformer Engine names (fused into the next linear), and so do we.
-_TE_NAMES = (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
-             ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"))
+_TE_NAMES = (
+    ("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
+    ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"),
+)
 
 
-def convert(src: str, dst: str, *, iteration: int | None = None, trust_source: bool = False,
-            overwrite: bool = False) -> str:
+def convert(
+    src: str,
+    dst: str,
+    *,
+    iteration: int | None = None,
+    trust_source: bool = False,
+    overwrite: bool = False,
+) -> str:
     """Converts ``iteration`` (default: the tracker's) of ``src`` into ``dst``; returns the
     directory written."""
     name = _iteration_name(src, iteration)
     files = _rank_files(os.path.join(src, name))
     if LocalTier(LocalBackend(dst)).has_step(name) and not overwrite:
-        raise CheckpointExistsError(f"{os.path.join(dst, name)} already exists; choose another "
-                                    "destination or pass --overwrite")
+        raise CheckpointExistsError(
+            f"{os.path.join(dst, name)} already exists; choose another "
+            "destination or pass --overwrite"
+        )
     states = [_load(path, trust_source) for path in files]
     args = states[0].get("args")
-    if len(files) > 1 and (getattr(args, "swiglu", False)
-                           or getattr(args, "gated_linear_unit", False)):
-        raise ConfigError(f"{src}: gated MLPs (swiglu) interleave linear_fc1's tensor-parallel "
-                          "halves; merging them is not supported yet")
+    if len(files) > 1 and (
+        getattr(args, "swiglu", False) or getattr(args, "gated_linear_unit", False)
+    ):
+        raise ConfigError(
+            f"{src}: gated MLPs (swiglu) interleave linear_fc1's tensor-parallel "
+            "halves; merging them is not supported yet"
+        )
     model = _stack_layers(_merge_tensor_parallel([s["model"] for s in states], files))
-    common = {k: states[0][k] for k in ("iteration", "checkpoint_version", "opt_param_scheduler")
-              if k in states[0]}
+    common = {
+        k: states[0][k]
+        for k in ("iteration", "checkpoint_version", "opt_param_scheduler")
+        if k in states[0]
+    }
     return _write(dst, name, model, common)
 
 
@@ -90,7 +112,8 @@ def _iteration_name(src: str, iteration: int | None) -> str:
     except FileNotFoundError:
         raise CheckpointNotFoundError(
             f"{tracker} does not exist: is {src} a Megatron-LM save directory? Pass "
-            "--iteration N to convert iter_N without it.") from None
+            "--iteration N to convert iter_N without it."
+        ) from None
     if value == "release":
         return "release"
     if not value.isdigit():
@@ -108,13 +131,16 @@ def _rank_files(iter_dir: str) -> list[str]:
         if m is None:
             continue
         if m.group(2) is not None or m.group(3) is not None:
-            raise ConfigError(f"{iter_dir}/{entry}: pipeline- or expert-parallel checkpoints "
-                              "are not supported yet (only tensor-parallel mp_rank_XX)")
+            raise ConfigError(
+                f"{iter_dir}/{entry}: pipeline- or expert-parallel checkpoints "
+                "are not supported yet (only tensor-parallel mp_rank_XX)"
+            )
         ranks[int(m.group(1))] = os.path.join(iter_dir, entry, FILE_NAME)
     if not ranks or sorted(ranks) != list(range(len(ranks))):
         raise CheckpointNotFoundError(
             f"{iter_dir} holds no complete set of mp_rank_XX/{FILE_NAME} (found ranks "
-            f"{sorted(ranks)})")
+            f"{sorted(ranks)})"
+        )
     return [ranks[r] for r in range(len(ranks))]
 
 
@@ -146,8 +172,10 @@ def _merge_tensor_parallel(models: list[dict[str, Any]], files: list[str]) -> di
         dim = 0 if key.endswith(_COLUMN) else 1 if key.endswith(_ROW) else None
         if dim is None or len(shards) == 1:
             if any(not torch.equal(s, first) for s in shards[1:]):
-                raise IntegrityError(f"{key} should be replicated across tensor-parallel ranks "
-                                     "but differs between them")
+                raise IntegrityError(
+                    f"{key} should be replicated across tensor-parallel ranks "
+                    "but differs between them"
+                )
             merged[key] = first
         else:
             merged[key] = torch.cat(shards, dim=dim)
@@ -169,7 +197,7 @@ def _stack_layers(model: dict[str, Any]) -> dict[str, Any]:
             name = m.group(3)
             for local, te in _TE_NAMES:
                 if name.startswith(local):
-                    name = te + name[len(local):]
+                    name = te + name[len(local) :]
             layers[f"{m.group(1)}.{name}"][int(m.group(2))] = tensor
     for key, by_index in layers.items():
         if sorted(by_index) != list(range(len(by_index))):
@@ -180,7 +208,8 @@ def _stack_layers(model: dict[str, Any]) -> dict[str, Any]:
                 out[f"{key}.{i}"] = ShardedObject(key, by_index[i], (n,), (i,), replica_id=0)
         else:
             out[key] = ShardedTensor.from_rank_offsets(
-                key, torch.stack([by_index[i] for i in range(n)]))
+                key, torch.stack([by_index[i] for i in range(n)])
+            )
     return out
 
 
@@ -192,8 +221,9 @@ def _write(dst: str, name: str, model: dict[str, Any], common: dict[str, Any]) -
     with tempfile.TemporaryDirectory(prefix="dcp-tiered-convert-") as rendezvous:
         owns_group = not dist.is_initialized()
         if owns_group:  # mcore's save wants a process group: this process alone
-            dist.init_process_group("gloo", init_method=f"file://{rendezvous}/store",
-                                    rank=0, world_size=1)
+            dist.init_process_group(
+                "gloo", init_method=f"file://{rendezvous}/store", rank=0, world_size=1
+            )
         try:
             os.makedirs(step_dir, exist_ok=True)
             strategy = TieredSaveShardedStrategy()

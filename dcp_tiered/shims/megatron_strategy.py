@@ -117,16 +117,25 @@ class TieredSaveShardedStrategy(TorchDistSaveShardedStrategy):
         writer_options: more :class:`TieredStorageWriter` arguments.
     """
 
-    def __init__(self, backend: str = "torch_dist", version: int = 1, *,
-                 remote: Any = None, storage_options: dict[str, Any] | None = None,
-                 keep_only_main_replica: bool = True, writers: Writers | None = None,
-                 allow_pickle: bool = False, **writer_options: Any) -> None:
+    def __init__(
+        self,
+        backend: str = "torch_dist",
+        version: int = 1,
+        *,
+        remote: Any = None,
+        storage_options: dict[str, Any] | None = None,
+        keep_only_main_replica: bool = True,
+        writers: Writers | None = None,
+        allow_pickle: bool = False,
+        **writer_options: Any,
+    ) -> None:
         super().__init__(backend, version, keep_only_main_replica=keep_only_main_replica)
         self.remote, self.storage_options = remote, storage_options
         self.allow_pickle = allow_pickle
         # One writer per root, kept (shared with the facade's lifecycle when it made us).
-        self.writers = writers or Writers(remote, storage_options,
-                                          **{"overwrite": True, **writer_options})
+        self.writers = writers or Writers(
+            remote, storage_options, **{"overwrite": True, **writer_options}
+        )
         self._group = checkpoint_process_group()
         self.in_flight: Future[Any] | None = None  # the newest async save's write
 
@@ -137,13 +146,22 @@ class TieredSaveShardedStrategy(TorchDistSaveShardedStrategy):
         root, step = split_dir(checkpoint_dir)
         self._require_restorable(sharded_state_dict, checkpoint_dir)
         claim_step_dir(root, step)
-        dcp.save(self._pyt_state_dict(sharded_state_dict, checkpoint_dir), checkpoint_id=step,
-                 storage_writer=self.writer(root), planner=self._planner(),
-                 process_group=self._group)
+        dcp.save(
+            self._pyt_state_dict(sharded_state_dict, checkpoint_dir),
+            checkpoint_id=step,
+            storage_writer=self.writer(root),
+            planner=self._planner(),
+            process_group=self._group,
+        )
         self._publish(root, step)
 
-    def async_save(self, sharded_state_dict: Any, checkpoint_dir: str | Path,
-                   async_strategy: Any = None, **_: Any) -> AsyncRequest:
+    def async_save(
+        self,
+        sharded_state_dict: Any,
+        checkpoint_dir: str | Path,
+        async_strategy: Any = None,
+        **_: Any,
+    ) -> AsyncRequest:
         """Snapshots this rank's shards to host memory now and writes them in the background.
 
         The request has no ``async_fn`` (the write runs on the writer's threads, not in mcore's
@@ -157,10 +175,14 @@ class TieredSaveShardedStrategy(TorchDistSaveShardedStrategy):
             written = is_main_replica(sh.replica_id) or not self.keep_only_main_replica
             if isinstance(sh, ShardedTensor) and sh.data is not None and written:
                 sh.data = sh.data.detach().to("cpu", copy=True)  # replicas are dropped unsaved
-        future = dcp.async_save(self._pyt_state_dict(sharded_state_dict, checkpoint_dir),
-                                checkpoint_id=step, storage_writer=self.writer(root),
-                                planner=self._planner(), process_group=self._group,
-                                async_stager=_NoStaging())
+        future = dcp.async_save(
+            self._pyt_state_dict(sharded_state_dict, checkpoint_dir),
+            checkpoint_id=step,
+            storage_writer=self.writer(root),
+            planner=self._planner(),
+            process_group=self._group,
+            async_stager=_NoStaging(),
+        )
         self.in_flight = future
 
         def finalize() -> None:
@@ -178,8 +200,11 @@ class TieredSaveShardedStrategy(TorchDistSaveShardedStrategy):
         any rank's save would not load back with ``weights_only``."""
         if self.allow_pickle:
             return
-        objects = {sh.unique_key: sh.data for sh in nested_values(sharded_state_dict)
-                   if isinstance(sh, ShardedObject)}
+        objects = {
+            sh.unique_key: sh.data
+            for sh in nested_values(sharded_state_dict)
+            if isinstance(sh, ShardedObject)
+        }
         why = first_refused(objects)
         common = os.path.join(checkpoint_dir, COMMON_NAME)
         if why is None and _rank() == 0 and os.path.isfile(common):  # mcore's, just written
@@ -197,16 +222,20 @@ class TieredSaveShardedStrategy(TorchDistSaveShardedStrategy):
                 f"Megatron checkpoint {os.fspath(checkpoint_dir)!r} was not saved: on rank "
                 f"{rank}, {why}, so it could never be restored. Keep tensors, numbers, strings, "
                 "lists and dicts in the state, or pass allow_pickle=True only for checkpoints "
-                "you trust (non-tensor values then load with full pickle, which can run code).")
+                "you trust (non-tensor values then load with full pickle, which can run code)."
+            )
 
     def _planner(self) -> MCoreSavePlanner:
-        return MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica,
-                                flatten_state_dict=False)
+        return MCoreSavePlanner(
+            dedup_replicated_tensors=not self.keep_only_main_replica, flatten_state_dict=False
+        )
 
-    def _pyt_state_dict(self, sharded_state_dict: Any,
-                        checkpoint_dir: str | Path) -> dict[str, Any]:
-        flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict,
-                                                                self.keep_only_main_replica)
+    def _pyt_state_dict(
+        self, sharded_state_dict: Any, checkpoint_dir: str | Path
+    ) -> dict[str, Any]:
+        flat, _, _ = _replace_state_dict_keys_with_sharded_keys(
+            sharded_state_dict, self.keep_only_main_replica
+        )
         pyt = mcore_to_pyt_state_dict(flat, False)
         common = os.path.join(checkpoint_dir, COMMON_NAME)
         if _rank() == 0 and os.path.isfile(common):  # mcore's rank 0 has just written it
@@ -217,8 +246,13 @@ class TieredSaveShardedStrategy(TorchDistSaveShardedStrategy):
     def _publish(self, root: str, step: str) -> None:
         if _rank() == 0:
             # common.pt is rebuilt from the step's own copy, read as a restore will read it.
-            write_sidecars(root, step, backend=self.backend, version=self.version,
-                           allow_pickle=self.allow_pickle)
+            write_sidecars(
+                root,
+                step,
+                backend=self.backend,
+                version=self.version,
+                allow_pickle=self.allow_pickle,
+            )
 
 
 class TieredLoadShardedStrategy(TorchDistLoadShardedStrategy):
@@ -227,9 +261,13 @@ class TieredLoadShardedStrategy(TorchDistLoadShardedStrategy):
     objects load with full pickle (checkpoints you trust only; pass
     :func:`common_load_strategy`'s to ``dist_checkpointing.load`` too)."""
 
-    def __init__(self, *, remote: Any = None,
-                 storage_options: dict[str, Any] | None = None,
-                 allow_pickle: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        remote: Any = None,
+        storage_options: dict[str, Any] | None = None,
+        allow_pickle: bool = False,
+    ) -> None:
         super().__init__()
         self.remote, self.storage_options = remote, storage_options
         self.allow_pickle = allow_pickle
@@ -237,21 +275,33 @@ class TieredLoadShardedStrategy(TorchDistLoadShardedStrategy):
 
     def load(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> Any:
         root, step = split_dir(checkpoint_dir)
-        strict_shape = [sh for sh in nested_values(sharded_state_dict)
-                        if isinstance(sh, ShardedTensor) and not sh.allow_shape_mismatch]
-        loose_shape = {sh.key: sh for sh in nested_values(sharded_state_dict)
-                       if isinstance(sh, ShardedTensor) and sh.allow_shape_mismatch}
+        strict_shape = [
+            sh
+            for sh in nested_values(sharded_state_dict)
+            if isinstance(sh, ShardedTensor) and not sh.allow_shape_mismatch
+        ]
+        loose_shape = {
+            sh.key: sh
+            for sh in nested_values(sharded_state_dict)
+            if isinstance(sh, ShardedTensor) and sh.allow_shape_mismatch
+        }
         original = sharded_state_dict
         flat, flat_mapping, rename_mapping = _replace_state_dict_keys_with_sharded_keys(
-            sharded_state_dict)
+            sharded_state_dict
+        )
         pyt = mcore_to_pyt_state_dict(flat, True)
-        dcp.load(pyt, checkpoint_id=step, storage_reader=self._reader(root),
-                 process_group=self._group,
-                 planner=MCoreLoadPlanner(shapes_validation_sharded_tensors=strict_shape,
-                                          allow_shape_mismatch_sharded_tensors=loose_shape))
+        dcp.load(
+            pyt,
+            checkpoint_id=step,
+            storage_reader=self._reader(root),
+            process_group=self._group,
+            planner=MCoreLoadPlanner(
+                shapes_validation_sharded_tensors=strict_shape,
+                allow_shape_mismatch_sharded_tensors=loose_shape,
+            ),
+        )
         loaded = {k: _unwrap_pyt_sharded_tensor(v) for k, v in pyt.items()}
-        loaded = _replace_sharded_keys_with_state_dict_keys(loaded, flat_mapping,
-                                                            rename_mapping)
+        loaded = _replace_sharded_keys_with_state_dict_keys(loaded, flat_mapping, rename_mapping)
         _restore_dict_types(loaded, original)
         return loaded
 
@@ -262,9 +312,12 @@ class TieredLoadShardedStrategy(TorchDistLoadShardedStrategy):
         return super().load_tensors_metadata(checkpoint_dir, metadata)
 
     def _reader(self, root: str, step: str | None = None) -> TieredStorageReader:
-        reader = TieredStorageReader(root, remote=self.remote,
-                                     storage_options=self.storage_options,
-                                     allow_pickle=self.allow_pickle)
+        reader = TieredStorageReader(
+            root,
+            remote=self.remote,
+            storage_options=self.storage_options,
+            allow_pickle=self.allow_pickle,
+        )
         if step is not None:
             reader.reset(step)
         return reader
@@ -275,8 +328,9 @@ class _TrustedCommonLoad(TorchCommonLoadStrategy):
     ``weights_only``): only for checkpoints the caller trusts (``allow_pickle=True``)."""
 
     def load_common(self, checkpoint_dir: str | Path) -> Any:
-        return torch.load(os.path.join(checkpoint_dir, COMMON_STATE_FNAME), map_location="cpu",
-                          weights_only=False)
+        return torch.load(
+            os.path.join(checkpoint_dir, COMMON_STATE_FNAME), map_location="cpu", weights_only=False
+        )
 
 
 def common_load_strategy(allow_pickle: bool) -> TorchCommonLoadStrategy | None:
@@ -285,23 +339,39 @@ def common_load_strategy(allow_pickle: bool) -> TorchCommonLoadStrategy | None:
     return _TrustedCommonLoad() if allow_pickle else None
 
 
-def write_sidecars(root: str, step: str, *, backend: str = "torch_dist", version: int = 1,
-                   remote: Any = None, storage_options: dict[str, Any] | None = None,
-                   allow_pickle: bool = False) -> None:
+def write_sidecars(
+    root: str,
+    step: str,
+    *,
+    backend: str = "torch_dist",
+    version: int = 1,
+    remote: Any = None,
+    storage_options: dict[str, Any] | None = None,
+    allow_pickle: bool = False,
+) -> None:
     """Writes mcore's ``metadata.json`` and ``common.pt`` into ``root/step``, the latter from
     the committed step's own verified data (any tier), so stock mcore can load the directory.
     Not collective. A step saved without ``dist_checkpointing.save`` has no ``common.pt``."""
     step_dir = os.path.join(root, step)
     claim_step_dir(root, step)
-    config = {"sharded_backend": backend, "sharded_backend_version": version,
-              "common_backend": "torch", "common_backend_version": 1}
+    config = {
+        "sharded_backend": backend,
+        "sharded_backend_version": version,
+        "common_backend": "torch",
+        "common_backend_version": 1,
+    }
     replace_file(os.path.join(step_dir, CONFIG_NAME), json.dumps(config).encode())
-    reader = TieredStorageReader(root, remote=remote, storage_options=storage_options,
-                                 allow_pickle=allow_pickle)
+    reader = TieredStorageReader(
+        root, remote=remote, storage_options=storage_options, allow_pickle=allow_pickle
+    )
     reader.reset(step)
     if COMMON_KEY not in reader.read_metadata().state_dict_metadata:
-        logger.warning("%s holds no mcore common state (not saved through "
-                       "dist_checkpointing.save): no %s written", step_dir, COMMON_NAME)
+        logger.warning(
+            "%s holds no mcore common state (not saved through "
+            "dist_checkpointing.save): no %s written",
+            step_dir,
+            COMMON_NAME,
+        )
         return
     out: dict[str, Any] = {COMMON_KEY: io.BytesIO()}
     dcp.load(out, storage_reader=reader, no_dist=True)
@@ -321,7 +391,8 @@ def claim_step_dir(root: str, step: str) -> None:
         raise ForeignPathError(
             f"{os.path.join(root, step)} holds files that are not a checkpoint of dcp_tiered "
             f"nor mcore's {COMMON_NAME}/{CONFIG_NAME}; it was left untouched. Move it away "
-            "or save under another directory.")
+            "or save under another directory."
+        )
 
 
 def remove_sidecars(root: str, step: str) -> None:
@@ -341,7 +412,12 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-__all__ = ["TieredLoadShardedStrategy", "TieredSaveShardedStrategy", "claim_step_dir",
-           "common_load_strategy",
-           "remove_sidecars",
-           "replace_file", "write_sidecars"]
+__all__ = [
+    "TieredLoadShardedStrategy",
+    "TieredSaveShardedStrategy",
+    "claim_step_dir",
+    "common_load_strategy",
+    "remove_sidecars",
+    "replace_file",
+    "write_sidecars",
+]

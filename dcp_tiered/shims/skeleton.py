@@ -52,8 +52,9 @@ def split(obj: Any) -> dict[str, Any]:
     return {SKELETON_KEY: buf.getvalue(), **{tensor_key(i): t for i, t in enumerate(tensors)}}
 
 
-def join(parts: dict[str, Any], *, where: str, trusted: Iterable[type] = (),
-         allow_pickle: bool = False) -> Any:
+def join(
+    parts: dict[str, Any], *, where: str, trusted: Iterable[type] = (), allow_pickle: bool = False
+) -> Any:
     """The original object back from :func:`split`'s output.
 
     ``trusted``: the classes (beyond torch's own safe set) the skeleton may contain.

@@ -24,8 +24,9 @@ class StepLocation:
     verified_format: bool  # False: a vanilla DCP directory without our manifest
 
 
-def list_steps(tier: LocalTier, remote: RemoteBackend | None, *,
-               strict: bool = False) -> list[StepLocation]:
+def list_steps(
+    tier: LocalTier, remote: RemoteBackend | None, *, strict: bool = False
+) -> list[StepLocation]:
     """Committed steps on both tiers, oldest first. An unreadable remote raises
     TierUnavailableError with ``strict``; otherwise it is logged and left out."""
     found: dict[str, StepLocation] = {
@@ -41,9 +42,14 @@ def list_steps(tier: LocalTier, remote: RemoteBackend | None, *,
                 raise TierUnavailableError(
                     f"cannot read the remote tier {remote.config.url}: {e}. Which steps exist "
                     "there is unknown, so nothing was restored: fix the remote's address, "
-                    "credentials or reachability (the cause above) and restore again") from e
-            logger.warning("remote tier %s unavailable, looking at %s only: %s",
-                           remote.config.url, tier.root, e)
+                    "credentials or reachability (the cause above) and restore again"
+                ) from e
+            logger.warning(
+                "remote tier %s unavailable, looking at %s only: %s",
+                remote.config.url,
+                tier.root,
+                e,
+            )
             remote = None
     for name in remote_steps:
         assert remote is not None
@@ -75,8 +81,12 @@ def resolve(
         steps = list_steps(tier, None)
         if not steps:  # "no checkpoint" would be a guess: say what is wrong instead
             raise
-        logger.warning("remote tier unavailable (%s); resolving %r among the local steps of %s",
-                       e, checkpoint_id or layout.LATEST, tier.root)
+        logger.warning(
+            "remote tier unavailable (%s); resolving %r among the local steps of %s",
+            e,
+            checkpoint_id or layout.LATEST,
+            tier.root,
+        )
     if checkpoint_id is None or checkpoint_id == layout.LATEST:
         name = layout.newest((s.name, s.committed_at_ns) for s in steps)
         if name is None:

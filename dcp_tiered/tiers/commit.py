@@ -40,8 +40,9 @@ def write_step_files(
         backend.sync_dir(tmp)
 
 
-def publish_step(backend: LocalBackend, step: str, save_id: str, tmp: str, *,
-                 overwrite: bool = True) -> None:
+def publish_step(
+    backend: LocalBackend, step: str, save_id: str, tmp: str, *, overwrite: bool = True
+) -> None:
     """Rename ``tmp`` to ``step``. Without ``overwrite``, a step that appeared at that name
     since the save was planned (another job saving into this root) is never replaced: the
     rename fails, and CheckpointExistsError says so."""
@@ -55,11 +56,17 @@ def publish_step(backend: LocalBackend, step: str, save_id: str, tmp: str, *,
             f"{backend.path_of(step)} appeared while save {save_id} of it was being written: "
             "another job (or writer) saves the same step name into this root. It was left "
             "untouched and this save was not committed; give each job its own root, or save "
-            "under another step name.") from None
+            "under another step name."
+        ) from None
     if replaced:
-        backend.remove_tree(old, reason=(
-            f"the directory made for {step} before its commit (its files are in the step)"
-            if pending else f"overwritten by a new save of {step}"))
+        backend.remove_tree(
+            old,
+            reason=(
+                f"the directory made for {step} before its commit (its files are in the step)"
+                if pending
+                else f"overwritten by a new save of {step}"
+            ),
+        )
     # The lock guarded the temporary directory until now; a committed step needs none.
     backend.remove_file(step, layout.LOCK_NAME)
     logger.info("committed-local step=%s root=%s", step, backend.root)
@@ -70,8 +77,16 @@ def discard_tmp(backend: LocalBackend, tmp: str, *, reason: str) -> None:
         backend.remove_tree(tmp, reason=reason)
 
 
-def build_and_publish(backend: LocalBackend, step: str, save_id: str, fill: Callable[[str], None],
-                      manifest_bytes: bytes, metadata_bytes: bytes, *, what: str) -> None:
+def build_and_publish(
+    backend: LocalBackend,
+    step: str,
+    save_id: str,
+    fill: Callable[[str], None],
+    manifest_bytes: bytes,
+    metadata_bytes: bytes,
+    *,
+    what: str,
+) -> None:
     """Commit a step made outside a save (adopted or hydrated from the remote) as a save is
     committed: a hidden temporary directory, locked so that no sweep takes it while
     ``fill(tmp)`` writes its data, then the manifest and .metadata last, fsync, and the rename.

@@ -18,12 +18,16 @@ from .local import LocalTier
 logger = logging.getLogger(__name__)
 
 
-def prune_local(tier: LocalTier, policy: RetentionPolicy, remote: RemoteBackend | None,
-                *, label: str) -> list[str]:
+def prune_local(
+    tier: LocalTier, policy: RetentionPolicy, remote: RemoteBackend | None, *, label: str
+) -> list[str]:
     """Apply ``policy`` to a memory or local tier. A step whose manifest asks for promotion
     is kept until ``remote`` holds it durably (or while ``remote`` cannot tell)."""
-    states = [StepState(s.name, s.committed_at_ns) for s in tier.steps()
-              if s.verified_format and s.committed_at_ns >= 0]
+    states = [
+        StepState(s.name, s.committed_at_ns)
+        for s in tier.steps()
+        if s.verified_format and s.committed_at_ns >= 0
+    ]
     deleted = []
     for name in evictions(states, policy):
         if remote is not None and awaiting_remote(tier, remote, name):
@@ -42,8 +46,13 @@ def awaiting_remote(tier: LocalTier, remote: RemoteBackend, step: str) -> bool:
     except (ManifestError, OSError):
         return True
     except TierError as e:
-        logger.warning("keeping %s/%s: cannot tell whether it is durable on %s (%s)",
-                       tier.root, step, remote.config.url, e)
+        logger.warning(
+            "keeping %s/%s: cannot tell whether it is durable on %s (%s)",
+            tier.root,
+            step,
+            remote.config.url,
+            e,
+        )
         return True
 
 

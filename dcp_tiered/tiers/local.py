@@ -44,8 +44,9 @@ class LocalTier:
             if not layout.is_step_name(name) or not self.backend.is_dir(name):
                 continue
             if self.backend.is_link(name):  # never followed: it may lead out of the root
-                logger.warning("ignoring %s/%s: a symbolic link, not a step of ours", self.root,
-                               name)
+                logger.warning(
+                    "ignoring %s/%s: a symbolic link, not a step of ours", self.root, name
+                )
                 continue
             try:
                 if self.backend.exists(name, layout.MANIFEST_NAME):
@@ -67,9 +68,13 @@ class LocalTier:
             return -1
 
     def has_step(self, name: str) -> bool:
-        return self.backend.is_dir(name) and not self.backend.is_link(name) and (
-            self.backend.exists(name, layout.MANIFEST_NAME)
-            or self.backend.exists(name, layout.DCP_METADATA_NAME)
+        return (
+            self.backend.is_dir(name)
+            and not self.backend.is_link(name)
+            and (
+                self.backend.exists(name, layout.MANIFEST_NAME)
+                or self.backend.exists(name, layout.DCP_METADATA_NAME)
+            )
         )
 
     # ------------------------------------------------------------ pending directories
@@ -109,8 +114,9 @@ class LocalTier:
             sidecars = [n for n in body.get("sidecars", []) if layout.is_step_name(n)]
             whole = body.get("whole") is True
         except (OSError, ValueError, AttributeError) as e:
-            logger.warning("leaving %s/%s alone: unreadable pending marker (%s)", self.root,
-                           step, e)
+            logger.warning(
+                "leaving %s/%s alone: unreadable pending marker (%s)", self.root, step, e
+            )
             return
         if whole:  # made empty for the save: all of it is the save's
             self.backend.remove_tree(step, reason=reason)
@@ -124,8 +130,12 @@ class LocalTier:
     def sweep_pending(self) -> None:
         """Discard the pending directories a crashed save left (call when no save runs)."""
         for name in self.backend.list_names():
-            if (layout.is_step_name(name) and self.backend.is_dir(name)
-                    and not self.backend.is_link(name) and self.is_pending(name)):
+            if (
+                layout.is_step_name(name)
+                and self.backend.is_dir(name)
+                and not self.backend.is_link(name)
+                and self.is_pending(name)
+            ):
                 self.discard_pending(name, reason=f"left by a save of {name} that never committed")
 
     def read_manifest(self, step: str) -> manifest.Manifest:
@@ -135,8 +145,10 @@ class LocalTier:
         except FileNotFoundError:
             raise
         except OSError as e:  # a link, FIFO or device where the manifest should be
-            raise ManifestError(f"{where}: cannot be read as a manifest ({e.strerror}); restore "
-                                "the step from another tier or load an earlier step") from e
+            raise ManifestError(
+                f"{where}: cannot be read as a manifest ({e.strerror}); restore "
+                "the step from another tier or load an earlier step"
+            ) from e
         return manifest.parse(data, where=where)
 
     def delete_step(self, step: str, *, reason: str) -> None:
@@ -164,8 +176,14 @@ class LocalTier:
             save_id = uuid.uuid4().hex[:12]
         name = layout.quarantine_dir_name(step, save_id)
         self.backend.rename(step, name)
-        logger.warning("quarantined %s/%s as %s: %s. It is kept for inspection; delete it "
-                       "when it is no longer needed.", self.root, step, name, reason)
+        logger.warning(
+            "quarantined %s/%s as %s: %s. It is kept for inspection; delete it "
+            "when it is no longer needed.",
+            self.root,
+            step,
+            name,
+            reason,
+        )
         return name
 
     # ------------------------------------------------------------ recovery
@@ -192,8 +210,12 @@ class LocalTier:
         recovers the root. Deletes nothing."""
         for name in self.backend.list_names():
             parsed = layout.parse_hidden_dir(name)
-            if parsed is not None and parsed[2] == layout.OLD_SUFFIX \
-                    and self.backend.is_dir(name) and not self.backend.is_link(name):
+            if (
+                parsed is not None
+                and parsed[2] == layout.OLD_SUFFIX
+                and self.backend.is_dir(name)
+                and not self.backend.is_link(name)
+            ):
                 self._undo_overwrite(name, parsed[0])
 
     def _undo_overwrite(self, name: str, step: str) -> bool:

@@ -47,15 +47,17 @@ def _header(slot: int) -> str:
 class MemoryTier:
     """One rank's two snapshot slots under ``root/rank-<rank>``."""
 
-    def __init__(self, root: str | os.PathLike[str], rank: int, *,
-                 allow_pickle: bool = False) -> None:
+    def __init__(
+        self, root: str | os.PathLike[str], rank: int, *, allow_pickle: bool = False
+    ) -> None:
         self.root = str(LocalBackend(root).root)
         self.rank = rank
         self.allow_pickle = allow_pickle  # non-tensor values load with full pickle (trusted)
         self.backend = LocalBackend(os.path.join(self.root, f"rank-{rank}"))
         self._buffers: dict[int, tuple[tuple[Any, ...], torch.Tensor]] = {}
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="dcp-tiered-memory",
-                                        initializer=lower_this_thread)
+        self._pool = ThreadPoolExecutor(
+            1, thread_name_prefix="dcp-tiered-memory", initializer=lower_this_thread
+        )
         self._pending: Future[dict[str, float]] | None = None
         self._next_slot: int | None = None
         self.last_copy_secs = 0.0
@@ -109,13 +111,26 @@ class MemoryTier:
             self._buffers[slot] = (sig, self.backend.map_file(_data(slot), size))
         return self._buffers[slot][1]
 
-    def _commit(self, step: str, slot: int, buffer: torch.Tensor, regions: list[fmt.Region],
-                size: int, blob: bytes) -> dict[str, float]:
+    def _commit(
+        self,
+        step: str,
+        slot: int,
+        buffer: torch.Tensor,
+        regions: list[fmt.Region],
+        size: int,
+        blob: bytes,
+    ) -> dict[str, float]:
         started = time.perf_counter()
         checksums = [fmt.region_checksum(buffer, r) for r in regions]
-        header = fmt.encode_header(step=step, rank=self.rank, committed_at_ns=time.time_ns(),
-                                   data_size=size, regions=regions, checksums=checksums,
-                                   objects=blob)
+        header = fmt.encode_header(
+            step=step,
+            rank=self.rank,
+            committed_at_ns=time.time_ns(),
+            data_size=size,
+            regions=regions,
+            checksums=checksums,
+            objects=blob,
+        )
         write_done = time.perf_counter()
         self.backend.replace_root_file(_header(slot), header)
         logger.debug("memory tier: %s committed in slot %d of %s", step, slot, self.backend.root)
@@ -155,8 +170,12 @@ class MemoryTier:
         where = f"memory-tier {step} of rank {self.rank} ({self.backend.path_of(_data(slot))})"
         if self.backend.file_size(_data(slot)) != header.data_size:
             raise IntegrityError(f"{where}: data file has the wrong size")
-        buffer = torch.from_file(self.backend.path_of(_data(slot)), shared=False,
-                                 size=header.data_size, dtype=torch.uint8)
+        buffer = torch.from_file(
+            self.backend.path_of(_data(slot)),
+            shared=False,
+            size=header.data_size,
+            dtype=torch.uint8,
+        )
         tensors = {}
         for region, expected in zip(header.regions, header.checksums):
             if fmt.region_checksum(buffer, region) != expected:
@@ -165,8 +184,9 @@ class MemoryTier:
         objects = fmt.decode_objects(header.objects, allow_pickle=self.allow_pickle)
         for name, value in app_state.items():
             if hasattr(value, "state_dict") and hasattr(value, "load_state_dict"):
-                value.load_state_dict(fmt.fill(value.state_dict(), tensors, objects, where,
-                                               (name,)))
+                value.load_state_dict(
+                    fmt.fill(value.state_dict(), tensors, objects, where, (name,))
+                )
             else:
                 app_state[name] = fmt.fill(value, tensors, objects, where, (name,))
 

@@ -79,8 +79,9 @@ def is_durable(remote: RemoteBackend, m: Manifest) -> bool:
 class Promotion:
     """Uploads one node's part of one committed step; the coordinator's node also commits."""
 
-    def __init__(self, tier: LocalTier, remote: RemoteBackend, step: str,
-                 files_pool: DaemonPool) -> None:
+    def __init__(
+        self, tier: LocalTier, remote: RemoteBackend, step: str, files_pool: DaemonPool
+    ) -> None:
         self.tier, self.remote, self.step, self._pool = tier, remote, step, files_pool
 
     def run(self) -> None:
@@ -106,18 +107,27 @@ class Promotion:
         mine = sorted(n for n in present if int(m.files[n]["rank"]) in m.nodes[node])
         # One listing tells what an earlier, interrupted attempt already uploaded.
         existing: dict[str, int] = {}
-        for prefix in keys.prefixes()[: 1 if self.remote.config.prefix_strategy != "hash" else None]:
+        for prefix in keys.prefixes()[
+            : 1 if self.remote.config.prefix_strategy != "hash" else None
+        ]:
             existing.update(self.remote.sizes(prefix))
-        jobs = [self._pool.submit(self._upload, m, n, keys.file(n), existing.get(keys.file(n)))
-                for n in mine]
+        jobs = [
+            self._pool.submit(self._upload, m, n, keys.file(n), existing.get(keys.file(n)))
+            for n in mine
+        ]
         for fut in jobs:
             fut.result()
         record = {"save_id": m.save_id, "files": {n: m.files[n] for n in mine}}
         self.remote.put_bytes(keys.node_record(node), json.dumps(record).encode())
         if self.tier.backend.is_dir(area):
             self.tier.backend.remove_tree(area, reason="upload records of a node copy now uploaded")
-        logger.info("uploaded step=%s node=%d files=%d to %s", self.step, node, len(mine),
-                    self.remote.config.url)
+        logger.info(
+            "uploaded step=%s node=%d files=%d to %s",
+            self.step,
+            node,
+            len(mine),
+            self.remote.config.url,
+        )
         if node == 0:
             self._commit(m, keys)
 
@@ -166,17 +176,22 @@ class Promotion:
                 delay = min(delay * 2, 2.0)
         backend = self.tier.backend
         self.remote.put_bytes(keys.manifest, backend.read_file(self.step, layout.MANIFEST_NAME))
-        self.remote.put_bytes(keys.metadata,
-                              backend.read_file(self.step, layout.DCP_METADATA_NAME))
-        marker = layout.marker_body(self.step, m.save_id, m.committed_at_ns,
-                                    self.remote.config.prefix_strategy)
-        if not self.remote.create_exclusive(f"{self.step}/{layout.REMOTE_MARKER}",
-                                            json.dumps(marker).encode()):
+        self.remote.put_bytes(keys.metadata, backend.read_file(self.step, layout.DCP_METADATA_NAME))
+        marker = layout.marker_body(
+            self.step, m.save_id, m.committed_at_ns, self.remote.config.prefix_strategy
+        )
+        if not self.remote.create_exclusive(
+            f"{self.step}/{layout.REMOTE_MARKER}", json.dumps(marker).encode()
+        ):
             existing = read_marker(self.remote, self.step) or {}
             if existing.get("save_id") != m.save_id:
                 # Another save won the marker: ours is an orphan, and nobody else removes it.
-                remove_save(self.remote, keys, reason=f"save {m.save_id} of step {self.step} "
-                            f"lost its commit to save {existing.get('save_id')}")
+                remove_save(
+                    self.remote,
+                    keys,
+                    reason=f"save {m.save_id} of step {self.step} "
+                    f"lost its commit to save {existing.get('save_id')}",
+                )
                 raise UploadFailedError(
                     f"step {self.step!r} was committed on {self.remote.config.url} by another "
                     f"save ({existing.get('save_id')}) while this one ({m.save_id}) uploaded: two "
@@ -187,8 +202,14 @@ class Promotion:
         logger.info("durable-remote step=%s url=%s", self.step, self.remote.config.url)
 
 
-def upload_verified(tier: LocalTier, remote: RemoteBackend, directory: tuple[str, ...], name: str,
-                    key: str, checksum: str) -> None:
+def upload_verified(
+    tier: LocalTier,
+    remote: RemoteBackend,
+    directory: tuple[str, ...],
+    name: str,
+    key: str,
+    checksum: str,
+) -> None:
     """Upload a local file after checking it against its manifest checksum, so promotion
     never copies corruption; then, with ``verify_uploads``, read the stored object back and
     check it too, so what the store holds is what was written (a store or proxy that
@@ -209,9 +230,15 @@ def upload_verified(tier: LocalTier, remote: RemoteBackend, directory: tuple[str
         stored = remote_checksum(remote, key, size, read_back=True)
         if stored == checksum:
             return
-        logger.warning("%s holds other bytes than were uploaded (%s, manifest %s; attempt "
-                       "%d of %d): uploading it again", remote.url(key), stored, checksum,
-                       attempt, attempts)
+        logger.warning(
+            "%s holds other bytes than were uploaded (%s, manifest %s; attempt "
+            "%d of %d): uploading it again",
+            remote.url(key),
+            stored,
+            checksum,
+            attempt,
+            attempts,
+        )
     remote.remove(key, reason="its stored bytes fail the manifest checksum")
     raise UploadFailedError(
         f"{remote.url(key)}: the store kept other bytes than were uploaded ({attempts} "
@@ -221,8 +248,9 @@ def upload_verified(tier: LocalTier, remote: RemoteBackend, directory: tuple[str
     )
 
 
-def remote_checksum(remote: RemoteBackend, key: str, size: int, *,
-                    read_back: bool | None = None) -> str | None:
+def remote_checksum(
+    remote: RemoteBackend, key: str, size: int, *, read_back: bool | None = None
+) -> str | None:
     """CRC32C of the object at ``key`` if it has ``size`` bytes and is whole, else None. Unless told
     otherwise, reads it back only where ``verify_uploads`` asks (or the store keeps no
     metadata); otherwise trusts the checksum recorded with it at upload."""
@@ -253,15 +281,20 @@ def keys_of_step(remote: RemoteBackend, step: str) -> layout.RemoteKeys | None:
     try:
         return layout.keys_of_marker(step, marker)
     except ValueError as e:
-        raise IntegrityError(f"{remote.url(f'{step}/{layout.REMOTE_MARKER}')}: {e}; this is "
-                             "not a marker dcp_tiered wrote. Restore another step.") from e
+        raise IntegrityError(
+            f"{remote.url(f'{step}/{layout.REMOTE_MARKER}')}: {e}; this is "
+            "not a marker dcp_tiered wrote. Restore another step."
+        ) from e
 
 
 def remove_save(remote: RemoteBackend, keys: layout.RemoteKeys, *, reason: str) -> None:
     """Delete every object of one save (never a marker, nor another save's objects)."""
     for prefix in keys.prefixes():
-        if prefix.startswith(layout.HASHED_DATA) and remote.config.prefix_strategy != "hash" \
-                and keys.prefix_strategy != "hash":
+        if (
+            prefix.startswith(layout.HASHED_DATA)
+            and remote.config.prefix_strategy != "hash"
+            and keys.prefix_strategy != "hash"
+        ):
             continue
         for key in sorted(remote.sizes(prefix)):
             if keys.owns(key):
@@ -270,17 +303,20 @@ def remove_save(remote: RemoteBackend, keys: layout.RemoteKeys, *, reason: str) 
 
 def quarantined_saves(remote: RemoteBackend, step: str) -> set[str]:
     prefix = f"{step}/{layout.REMOTE_QUARANTINE}/"
-    return {k[len(prefix):].removesuffix(".json") for k in remote.sizes(prefix)}
+    return {k[len(prefix) :].removesuffix(".json") for k in remote.sizes(prefix)}
 
 
-def remove_orphan_saves(remote: RemoteBackend, step: str, *, keep: set[str],
-                        older_than: float | None = None) -> None:
+def remove_orphan_saves(
+    remote: RemoteBackend, step: str, *, keep: set[str], older_than: float | None = None
+) -> None:
     """Delete the objects of saves of ``step`` that no marker or quarantine record names
     (killed or lost uploads), except the saves in ``keep``; with ``older_than`` (epoch s),
     only saves whose newest object is older than that (younger ones may still be uploading).
     Layout-1 objects (directly under the step) are left alone: they may be a quarantined step's."""
     marker = read_marker(remote, step)
-    keep = keep | quarantined_saves(remote, step) | ({str(marker.get("save_id"))} if marker else set())
+    keep = (
+        keep | quarantined_saves(remote, step) | ({str(marker.get("save_id"))} if marker else set())
+    )
     newest: dict[str, float] = {}
     found: dict[str, list[str]] = {}
     prefixes = layout.remote_step_prefixes(step)
@@ -301,8 +337,11 @@ def sweep_orphans(tier: LocalTier, remote: RemoteBackend) -> None:
     """Remove what killed uploads left on the remote: saves never committed there, whose
     newest object is older than ``orphan_grace_secs``, and that are not committed on this
     (the coordinator's) local tier, whose promotion would still commit them."""
-    pending = {(s.name, tier.read_manifest(s.name).save_id) for s in tier.steps()
-               if s.verified_format and _readable(tier, s.name)}
+    pending = {
+        (s.name, tier.read_manifest(s.name).save_id)
+        for s in tier.steps()
+        if s.verified_format and _readable(tier, s.name)
+    }
     cutoff = time.time() - remote.config.orphan_grace_secs
     names = set(remote.children()) - {layout.HASHED_DATA}
     if remote.config.prefix_strategy == "hash":  # a step's data may sit only under data/
@@ -330,13 +369,21 @@ def quarantine_remote_step(remote: RemoteBackend, step: str, *, reason: str) -> 
         return False
     sid = str(marker.get("save_id"))
     if not layout.is_save_id(sid):
-        raise IntegrityError(f"{remote.url(f'{step}/{layout.REMOTE_MARKER}')} names no valid "
-                             "save id; it was left in place")
+        raise IntegrityError(
+            f"{remote.url(f'{step}/{layout.REMOTE_MARKER}')} names no valid "
+            "save id; it was left in place"
+        )
     record = {**marker, "quarantined_at_ns": time.time_ns(), "reason": reason}
     remote.put_bytes(layout.quarantine_record_key(step, sid), json.dumps(record).encode())
     remote.remove(f"{step}/{layout.REMOTE_MARKER}", reason=f"quarantined: {reason}")
-    logger.warning("quarantined remote step %s (save %s) of %s: %s; its objects stay under "
-                   "%s", step, sid, remote.config.url, reason, layout.quarantine_record_key(step, sid))
+    logger.warning(
+        "quarantined remote step %s (save %s) of %s: %s; its objects stay under %s",
+        step,
+        sid,
+        remote.config.url,
+        reason,
+        layout.quarantine_record_key(step, sid),
+    )
     return True
 
 
@@ -353,8 +400,10 @@ def durability(tier: LocalTier, remote: RemoteBackend | None, step: str) -> Dura
         logger.warning("cannot query %s: %s", remote, e)
         if step in local:
             return Durability.COMMITTED_LOCAL
-    if any((p := layout.parse_hidden_dir(n)) and p[0] == step and p[2] == layout.TMP_SUFFIX
-           for n in tier.backend.list_names()):
+    if any(
+        (p := layout.parse_hidden_dir(n)) and p[0] == step and p[2] == layout.TMP_SUFFIX
+        for n in tier.backend.list_names()
+    ):
         return Durability.STAGED
     raise CheckpointNotFoundError(f"step {step!r} is neither in {tier.root} nor remote")
 
@@ -373,15 +422,29 @@ def adopt_remote_step(tier: LocalTier, remote: RemoteBackend, step: str) -> None
         raise CheckpointNotFoundError(f"step {step!r} is not committed on {remote.config.url}")
     manifest_bytes = remote.get_bytes(keys.manifest)
     m = manifest.parse(manifest_bytes, where=remote.url(keys.manifest))
-    commit.build_and_publish(tier.backend, step, m.save_id, lambda tmp: None, manifest_bytes,
-                             remote.get_bytes(keys.metadata), what="adoption of the remote step")
-    logger.info("adopted step=%s from %s into %s (data stays remote)", step,
-                remote.config.url, tier.root)
+    commit.build_and_publish(
+        tier.backend,
+        step,
+        m.save_id,
+        lambda tmp: None,
+        manifest_bytes,
+        remote.get_bytes(keys.metadata),
+        what="adoption of the remote step",
+    )
+    logger.info(
+        "adopted step=%s from %s into %s (data stays remote)", step, remote.config.url, tier.root
+    )
 
 
-def hydrate_step(tier: LocalTier, remote: RemoteBackend, step: str, m: Manifest,
-                 names: list[str], keys: layout.RemoteKeys,
-                 progress: Callable[[int], object] | None = None) -> None:
+def hydrate_step(
+    tier: LocalTier,
+    remote: RemoteBackend,
+    step: str,
+    m: Manifest,
+    names: list[str],
+    keys: layout.RemoteKeys,
+    progress: Callable[[int], object] | None = None,
+) -> None:
     """Copy data files ``names`` of durable remote step ``step`` (manifest ``m``) into the
     local tier, so the next load reads them locally.
 
@@ -396,9 +459,13 @@ def hydrate_step(tier: LocalTier, remote: RemoteBackend, step: str, m: Manifest,
     backend = tier.backend
     need = sum(int(m.files[n]["size"]) for n in names)
     if need > (free := backend.free_bytes()):
-        raise InsufficientSpaceError(errno.ENOSPC, (
-            f"hydrating step {step!r} needs {need / 2**20:.1f} MiB but {tier.root} has "
-            f"{free / 2**20:.1f} MiB free"))
+        raise InsufficientSpaceError(
+            errno.ENOSPC,
+            (
+                f"hydrating step {step!r} needs {need / 2**20:.1f} MiB but {tier.root} has "
+                f"{free / 2**20:.1f} MiB free"
+            ),
+        )
     lock = backend.lock_root_exclusive(layout.HYDRATE_LOCK_NAME)
     try:
         keep: list[str] = []
@@ -407,15 +474,18 @@ def hydrate_step(tier: LocalTier, remote: RemoteBackend, step: str, m: Manifest,
             if here.save_id != m.save_id:
                 raise ManifestError(
                     f"the local {step} in {tier.root} is another save ({here.save_id}) than the "
-                    f"remote copy being read ({m.save_id}); they are never mixed")
+                    f"remote copy being read ({m.save_id}); they are never mixed"
+                )
             manifest_bytes = backend.read_file(step, layout.MANIFEST_NAME)
             metadata_bytes = backend.read_file(step, layout.DCP_METADATA_NAME)
             for name in backend.list_files(step):
                 if name in names or name in (layout.MANIFEST_NAME, layout.DCP_METADATA_NAME):
                     continue
                 if not backend.is_regular_file(step, name):
-                    raise ManifestError(f"{backend.path_of(step, name)} is not a plain file: "
-                                        "the step is left as it is")
+                    raise ManifestError(
+                        f"{backend.path_of(step, name)} is not a plain file: "
+                        "the step is left as it is"
+                    )
                 keep.append(name)
         else:
             manifest_bytes = remote.get_bytes(keys.manifest)
@@ -427,17 +497,38 @@ def hydrate_step(tier: LocalTier, remote: RemoteBackend, step: str, m: Manifest,
             for name in keep:
                 backend.link_file((step, name), (tmp, name))
             for name in names:
-                _download(tier, remote, keys.file(name), (tmp, name), int(m.files[name]["size"]),
-                          str(m.files[name]["checksum"]), progress)
+                _download(
+                    tier,
+                    remote,
+                    keys.file(name),
+                    (tmp, name),
+                    int(m.files[name]["size"]),
+                    str(m.files[name]["checksum"]),
+                    progress,
+                )
 
-        commit.build_and_publish(backend, step, f"h{uuid.uuid4().hex[:11]}", fill,
-                                 manifest_bytes, metadata_bytes, what="hydration")
+        commit.build_and_publish(
+            backend,
+            step,
+            f"h{uuid.uuid4().hex[:11]}",
+            fill,
+            manifest_bytes,
+            metadata_bytes,
+            what="hydration",
+        )
     finally:
         backend.unlock(lock)
 
 
-def _download(tier: LocalTier, remote: RemoteBackend, key: str, dst: tuple[str, str], size: int,
-              checksum: str, progress: Callable[[int], object] | None = None) -> None:
+def _download(
+    tier: LocalTier,
+    remote: RemoteBackend,
+    key: str,
+    dst: tuple[str, str],
+    size: int,
+    checksum: str,
+    progress: Callable[[int], object] | None = None,
+) -> None:
     """Stream one remote object into a local file in bounded chunks, checking its checksum."""
     crc = 0
     with tier.backend.open_write(*dst) as f:
@@ -449,8 +540,10 @@ def _download(tier: LocalTier, remote: RemoteBackend, key: str, dst: tuple[str, 
             if progress is not None:
                 progress(len(chunk))
     if integrity.format_checksum(crc) != checksum:
-        raise IntegrityError(f"{remote.url(key)} fails its checksum against the manifest; it "
-                             "was not copied to the local tier")
+        raise IntegrityError(
+            f"{remote.url(key)} fails its checksum against the manifest; it "
+            "was not copied to the local tier"
+        )
 
 
 def delete_remote_step(remote: RemoteBackend, step: str, *, reason: str) -> None:

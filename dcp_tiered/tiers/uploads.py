@@ -36,8 +36,9 @@ class Uploader:
     def __init__(self, tier: LocalTier, remote: RemoteBackend) -> None:
         self.tier, self.remote = tier, remote
         self._steps = DaemonPool(1, "dcp-tiered-upload", lower_this_thread)
-        self._files = DaemonPool(remote.config.max_concurrency, "dcp-tiered-upload-file",
-                                 lower_this_thread)
+        self._files = DaemonPool(
+            remote.config.max_concurrency, "dcp-tiered-upload-file", lower_this_thread
+        )
         self._users = 0  # writers holding this uploader (acquire/release)
         self._futures: dict[str, Future[None]] = {}
         self._lock = threading.Lock()
@@ -80,7 +81,9 @@ class Uploader:
             try:
                 tmp = layout.tmp_dir_name(step, save_id)
                 where = (tmp,) if backend.exists(tmp, name) else (step,)  # committed meanwhile
-                key = layout.RemoteKeys(step, save_id, self.remote.config.prefix_strategy).file(name)
+                key = layout.RemoteKeys(step, save_id, self.remote.config.prefix_strategy).file(
+                    name
+                )
                 upload_verified(self.tier, self.remote, where, name, key, checksum)
                 backend.write_file(area, f"{name}.done", b"", sync=False)
             finally:
@@ -135,8 +138,10 @@ class Uploader:
         that are not durable then, each with why."""
         concurrent.futures.wait(self.futures(), timeout=timeout_secs)
         problems = self.not_durable()
-        return {s: (f"still uploading after {timeout_secs} s" if why == "still uploading" else why)
-                for s, why in problems.items()}
+        return {
+            s: (f"still uploading after {timeout_secs} s" if why == "still uploading" else why)
+            for s, why in problems.items()
+        }
 
     def shutdown(self, *, cancel: bool = False) -> None:
         self._steps.shutdown(wait=not cancel, cancel_futures=cancel)
@@ -210,7 +215,10 @@ def _abandon_at_exit() -> None:
                 "%s. They are safe on the local disk, and the next TieredStorageWriter on that "
                 "root with this remote resumes their upload. To wait for them before exiting, "
                 "call close() on the writer (CheckpointManager.close(), the shims' flush/close).",
-                ", ".join(sorted(left)), root, url)
+                ", ".join(sorted(left)),
+                root,
+                url,
+            )
 
 
 # Runs before concurrent.futures and asyncio shut their executors down at exit (threading's
@@ -218,8 +226,9 @@ def _abandon_at_exit() -> None:
 threading._register_atexit(_abandon_at_exit)  # type: ignore[attr-defined]
 
 
-def wait_durable(tier: LocalTier, remote: RemoteBackend, steps: list[str],
-                 timeout_secs: float | None) -> None:
+def wait_durable(
+    tier: LocalTier, remote: RemoteBackend, steps: list[str], timeout_secs: float | None
+) -> None:
     deadline = None if timeout_secs is None else time.monotonic() + timeout_secs
     up = uploader_for(tier, remote)
     for step in steps:

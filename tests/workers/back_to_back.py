@@ -25,8 +25,15 @@ def main() -> None:
     sd = {"w": torch.zeros(256, 256), "meta": {"n": 0}}  # replicated: same on every rank
     futures = []
     for i in range(4):
-        futures.append(dcp.async_save(sd, checkpoint_id=f"step-{i}", storage_writer=writer,
-                                      process_group=group, async_checkpointer_type=kind))
+        futures.append(
+            dcp.async_save(
+                sd,
+                checkpoint_id=f"step-{i}",
+                storage_writer=writer,
+                process_group=group,
+                async_checkpointer_type=kind,
+            )
+        )
         sd["w"].add_(1)  # the staged copy must not see this
         sd["meta"]["n"] += 1
     for f in futures:

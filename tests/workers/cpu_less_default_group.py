@@ -26,9 +26,21 @@ from dcp_tiered import (
     TieredStorageWriter,
 )
 
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "gather_object",
-               "broadcast", "broadcast_object_list", "scatter_object_list", "barrier",
-               "reduce_scatter", "all_to_all", "gather", "scatter", "reduce")
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_object",
+    "gather_object",
+    "broadcast",
+    "broadcast_object_list",
+    "scatter_object_list",
+    "barrier",
+    "reduce_scatter",
+    "all_to_all",
+    "gather",
+    "scatter",
+    "reduce",
+)
 refused: list[str] = []
 
 
@@ -55,8 +67,12 @@ def main() -> None:
     rank, _ = common.init()
     refuse_the_default_group()
     policy = SavePolicy(memory=Every(steps=1), local=Every(steps=2), remote=Every(steps=4))
-    tiers = {"memory": f"{a.root}/shm", "local": f"{a.root}/disk",
-             "remote": f"file://{a.root}/remote", "policy": policy}
+    tiers = {
+        "memory": f"{a.root}/shm",
+        "local": f"{a.root}/disk",
+        "remote": f"file://{a.root}/remote",
+        "policy": policy,
+    }
     key = f"w{rank}"  # per rank: a tensor both ranks held would be written by rank 0 alone
     state = {key: torch.full((1024,), float(rank))}
     writer_cls = TieredStorageWriter
@@ -82,9 +98,15 @@ def main() -> None:
     with CheckpointManager(**tiers) as mgr:
         mgr.restore(restored)
         step = mgr.restored_step
-    common.write_json(f"{a.out}.{rank}", {
-        "refused": refused, "failed": failed, "restored_step": step,
-        "restored": float(restored[key][0])})
+    common.write_json(
+        f"{a.out}.{rank}",
+        {
+            "refused": refused,
+            "failed": failed,
+            "restored_step": step,
+            "restored": float(restored[key][0]),
+        },
+    )
     common.finish()
 
 

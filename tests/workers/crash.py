@@ -147,8 +147,9 @@ def main() -> None:
             threading.Timer(delay, kill).start()
     elif victim:
         POINTS[a.point](kill)
-    fut = dcp.async_save({"app": app}, checkpoint_id="step-2", storage_writer=writer,
-                         process_group=group)
+    fut = dcp.async_save(
+        {"app": app}, checkpoint_id="step-2", storage_writer=writer, process_group=group
+    )
     fut.result()
     time.sleep(2.0)  # let a pending random kill land inside or after the save
     dist.barrier()

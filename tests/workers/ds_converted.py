@@ -43,7 +43,8 @@ def main() -> None:
     dcp.load(state, checkpoint_id=a.step, storage_reader=TieredStorageReader(a.root))
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     full_model, full_optim = get_state_dict(
-        model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     full_model, full_optim = clone(full_model), clone(full_optim)
     x = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(rank))
     model(x).float().mean().backward()
@@ -53,16 +54,22 @@ def main() -> None:
 
         reference = get_fp32_state_dict_from_zero_checkpoint(a.native)
         live = torch.load(a.live, weights_only=True) if a.live else {}
-        adam = {name: {k: full_optim["state"][name][k] for k in ("exp_avg", "exp_avg_sq")}
-                for name in live}
-        write_json(a.out, {
-            "params_vs_zero_to_fp32": mismatches(dict(reference), full_model),
-            "adam_vs_live": mismatches(
-                {n: {k: v for k, v in s.items() if k != "param"} for n, s in live.items()}, adam),
-            "adam_keys": sorted(next(iter(full_optim["state"].values()))),
-            "steps": sorted({float(s["step"]) for s in full_optim["state"].values()}),
-            "groups": full_optim["param_groups"][0]["params"],
-        })
+        adam = {
+            name: {k: full_optim["state"][name][k] for k in ("exp_avg", "exp_avg_sq")}
+            for name in live
+        }
+        write_json(
+            a.out,
+            {
+                "params_vs_zero_to_fp32": mismatches(dict(reference), full_model),
+                "adam_vs_live": mismatches(
+                    {n: {k: v for k, v in s.items() if k != "param"} for n, s in live.items()}, adam
+                ),
+                "adam_keys": sorted(next(iter(full_optim["state"].values()))),
+                "steps": sorted({float(s["step"]) for s in full_optim["state"].values()}),
+                "groups": full_optim["param_groups"][0]["params"],
+            },
+        )
     finish()
 
 

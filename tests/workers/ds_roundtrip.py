@@ -40,8 +40,9 @@ def build(seed: int, stage: int, bf16: bool) -> deepspeed.DeepSpeedEngine:
     }
     if bf16:
         config["bf16"] = {"enabled": True}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=config)
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=config
+    )
     return engine
 
 
@@ -78,10 +79,13 @@ def save_native(save_dir: Path, stage: int, bf16: bool, rank: int, live: Path) -
     for step in range(3):
         train_step(engine, step, rank)
     engine.save_checkpoint(str(save_dir), tag="global_step3")
-    full = {name: {"param": safe_get_full_fp32_param(p).clone(),
-                   **{k: safe_get_full_optimizer_state(p, k).clone()
-                      for k in ("exp_avg", "exp_avg_sq")}}
-            for name, p in engine.module.named_parameters()}
+    full = {
+        name: {
+            "param": safe_get_full_fp32_param(p).clone(),
+            **{k: safe_get_full_optimizer_state(p, k).clone() for k in ("exp_avg", "exp_avg_sq")},
+        }
+        for name, p in engine.module.named_parameters()
+    }
     if rank == 0:
         torch.save(full, live)
 
@@ -116,8 +120,10 @@ def existing_tag(save_dir: Path, a: argparse.Namespace, rank: int) -> None:
         flushed = None
     except Exception as e:  # noqa: BLE001
         flushed = f"{type(e).__name__}: {e}"
-    write_json(Path(a.out) / f"existing-tag-{rank}.json", {
-        "calls": calls, "flush": flushed, "latest": (save_dir / "latest").read_text()})
+    write_json(
+        Path(a.out) / f"existing-tag-{rank}.json",
+        {"calls": calls, "flush": flushed, "latest": (save_dir / "latest").read_text()},
+    )
     finish()
 
 
@@ -129,17 +135,28 @@ def main() -> None:
     p.add_argument("--mode", default="sync", choices=ds_tiers.MODES)
     p.add_argument("--remote", help="remote tier URL")
     p.add_argument("--storage-options", default="{}", help="JSON fsspec options")
-    p.add_argument("--phase", default="roundtrip",
-                   choices=["roundtrip", "kill", "resume", "native", "existing-tag",
-                            "remote-save", "remote-restore", "record-end"],
-                   help="kill: save global_step3, then SIGKILL every rank during the async "
-                        "write of global_step5; resume: load 'latest' and train 2 steps; "
-                        "native: save global_step3 with DeepSpeed's own engine and write the "
-                        "full fp32 params and Adam state to live.pt (for the converter test); "
-                        "existing-tag: save tag 'last' twice, then two more tags, recording "
-                        "what each call raised; remote-save: save global_step3, train 2 steps, "
-                        "flush (durable), then exit; remote-restore: load into a fresh engine; "
-                        "record-end: as remote-save, recording what flush raised")
+    p.add_argument(
+        "--phase",
+        default="roundtrip",
+        choices=[
+            "roundtrip",
+            "kill",
+            "resume",
+            "native",
+            "existing-tag",
+            "remote-save",
+            "remote-restore",
+            "record-end",
+        ],
+        help="kill: save global_step3, then SIGKILL every rank during the async "
+        "write of global_step5; resume: load 'latest' and train 2 steps; "
+        "native: save global_step3 with DeepSpeed's own engine and write the "
+        "full fp32 params and Adam state to live.pt (for the converter test); "
+        "existing-tag: save tag 'last' twice, then two more tags, recording "
+        "what each call raised; remote-save: save global_step3, train 2 steps, "
+        "flush (durable), then exit; remote-restore: load into a fresh engine; "
+        "record-end: as remote-save, recording what flush raised",
+    )
     a = p.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
@@ -154,20 +171,32 @@ def main() -> None:
     if a.phase == "remote-restore":
         engine = build(2, a.stage, a.bf16)
         path, client = engine.load_checkpoint(str(save_dir))  # nothing local: from the remote
-        at_save = torch.load(Path(a.out) / f"at-save-{rank}.pt",  # written by this test
-                             weights_only=False)
+        at_save = torch.load(
+            Path(a.out) / f"at-save-{rank}.pt",  # written by this test
+            weights_only=False,
+        )
         diffs = mismatches(at_save, snapshot(engine))
-        write_json(Path(a.out) / f"restored-{rank}.json", {
-            "path": path, "diffs": diffs[:20], "client": client and client.get("note"),
-            "resumed": [train_step(engine, s, rank) for s in (3, 4)]})
+        write_json(
+            Path(a.out) / f"restored-{rank}.json",
+            {
+                "path": path,
+                "diffs": diffs[:20],
+                "client": client and client.get("note"),
+                "resumed": [train_step(engine, s, rank) for s in (3, 4)],
+            },
+        )
         finish()
 
     if a.phase == "resume":
         engine = build(2, a.stage, a.bf16)
         path, _ = engine.load_checkpoint(str(save_dir))
-        write_json(Path(a.out) / f"resume-{rank}.json", {
-            "tag": os.path.basename(os.path.dirname(path)), "resumed": [train_step(engine, s, rank) for s in (3, 4)]
-        })
+        write_json(
+            Path(a.out) / f"resume-{rank}.json",
+            {
+                "tag": os.path.basename(os.path.dirname(path)),
+                "resumed": [train_step(engine, s, rank) for s in (3, 4)],
+            },
+        )
         finish()
     engine = build(1, a.stage, a.bf16)
     for step in range(3):
@@ -182,8 +211,10 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001 - recorded for the test
             error = f"{type(e).__name__}: {e}"
         latest_file = save_dir / "latest"
-        write_json(Path(a.out) / f"end-{rank}.json", {
-            "error": error, "latest": latest_file.read_text() if latest_file.exists() else None})
+        write_json(
+            Path(a.out) / f"end-{rank}.json",
+            {"error": error, "latest": latest_file.read_text() if latest_file.exists() else None},
+        )
         finish()
     ds_tiers.flush(engine)
     latest = (save_dir / "latest").read_text()
@@ -204,12 +235,18 @@ def main() -> None:
     loaded = snapshot(resumed)
     diffs = mismatches(at_save, loaded)
     after = [train_step(resumed, step, rank) for step in (3, 4)]
-    write_json(Path(a.out) / f"result-{rank}.json", {
-        "latest": latest, "diffs": diffs[:20], "live": live, "resumed": after,
-        "client": {k: client.get(k) for k in ("note", "n")},
-        "engine": type(engine.checkpoint_engine).__name__,
-        "files": sorted(os.listdir(save_dir / "global_step3")),
-    })
+    write_json(
+        Path(a.out) / f"result-{rank}.json",
+        {
+            "latest": latest,
+            "diffs": diffs[:20],
+            "live": live,
+            "resumed": after,
+            "client": {k: client.get(k) for k in ("note", "n")},
+            "engine": type(engine.checkpoint_engine).__name__,
+            "files": sorted(os.listdir(save_dir / "global_step3")),
+        },
+    )
     finish()
 
 

@@ -77,35 +77,74 @@ def main() -> None:
     p.add_argument("--mode", default="async")
     p.add_argument("--remote", default=None)
     p.add_argument("--storage-options", default="{}", help="JSON, for an S3 remote")
-    p.add_argument("--zero", type=int, default=None, help="train under DeepSpeed ZeRO stage N "
-                   "(checkpoints then go through dcp_tiered.shims.deepspeed)")
+    p.add_argument(
+        "--zero",
+        type=int,
+        default=None,
+        help="train under DeepSpeed ZeRO stage N "
+        "(checkpoints then go through dcp_tiered.shims.deepspeed)",
+    )
     a = p.parse_args()
     out = Path(a.out)
     run = out / ("run-full" if a.phase == "full" else "run")  # stop and resume share one
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
-                        resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+    config = GPT2Config(
+        vocab_size=64,
+        n_positions=16,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.1,
+        embd_pdrop=0.1,
+        attn_pdrop=0.1,
+    )
     model = GPT2LMHeadModel(config)
     gen = torch.Generator().manual_seed(1)
-    data = [{"input_ids": ids, "labels": ids}
-            for ids in torch.randint(0, 64, (64, 16), generator=gen)]
+    data = [
+        {"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (64, 16), generator=gen)
+    ]
     args = TrainingArguments(
-        output_dir=str(run), max_steps=8, save_strategy="steps", save_steps=2,
-        save_total_limit=2, per_device_train_batch_size=2, learning_rate=1e-3,
-        lr_scheduler_type="linear", warmup_steps=1, use_cpu=True,
+        output_dir=str(run),
+        max_steps=8,
+        save_strategy="steps",
+        save_steps=2,
+        save_total_limit=2,
+        per_device_train_batch_size=2,
+        learning_rate=1e-3,
+        lr_scheduler_type="linear",
+        warmup_steps=1,
+        use_cpu=True,
         ddp_backend="gloo" if "WORLD_SIZE" in os.environ else None,
-        report_to=[], logging_steps=1, seed=42, dataloader_num_workers=0, disable_tqdm=True,
-        deepspeed=None if a.zero is None else {
-            "zero_optimization": {"stage": a.zero}, "zero_allow_untested_optimizer": True,
-            "optimizer": {"type": "AdamW", "params": {"lr": "auto", "torch_adam": True,
-                                                      "weight_decay": "auto"}},
-            "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-            "steps_per_print": 10**9},
+        report_to=[],
+        logging_steps=1,
+        seed=42,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        deepspeed=None
+        if a.zero is None
+        else {
+            "zero_optimization": {"stage": a.zero},
+            "zero_allow_untested_optimizer": True,
+            "optimizer": {
+                "type": "AdamW",
+                "params": {"lr": "auto", "torch_adam": True, "weight_decay": "auto"},
+            },
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto",
+            "steps_per_print": 10**9,
+        },
     )
-    trainer = wrap(Trainer(model=model, args=args, train_dataset=data,
-                           callbacks=[StopAt(4)] if a.phase == "stop" else []),
-                   mode=a.mode, remote=a.remote,
-                   storage_options=json.loads(a.storage_options))
+    trainer = wrap(
+        Trainer(
+            model=model,
+            args=args,
+            train_dataset=data,
+            callbacks=[StopAt(4)] if a.phase == "stop" else [],
+        ),
+        mode=a.mode,
+        remote=a.remote,
+        storage_options=json.loads(a.storage_options),
+    )
     if a.phase == "foreign":
         foreign_files_in_the_way(trainer, run, out, args.process_index)
     if a.phase == "kill" and args.process_index == 0:
@@ -114,17 +153,26 @@ def main() -> None:
         trainer.train(resume_from_checkpoint=True if a.phase in ("resume", "foreign") else None)
     except Exception as e:
         (out / f"{a.phase}-end-{args.process_index}.json").write_text(
-            json.dumps({"error": f"{type(e).__name__}: {e}"}))
+            json.dumps({"error": f"{type(e).__name__}: {e}"})
+        )
         raise
     if args.process_index == 0:
-        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()},
-                   out / f"params-{a.phase}.pt")
+        torch.save(
+            {k: v.detach().clone() for k, v in model.state_dict().items()},
+            out / f"params-{a.phase}.pt",
+        )
         left = sorted(n for n in os.listdir(run) if n.startswith("checkpoint-"))
-        (out / f"{a.phase}.json").write_text(json.dumps({
-            "left": left, "step": trainer.state.global_step,
-            "files": sorted(os.listdir(run / left[-1])) if left else []}))
+        (out / f"{a.phase}.json").write_text(
+            json.dumps(
+                {
+                    "left": left,
+                    "step": trainer.state.global_step,
+                    "files": sorted(os.listdir(run / left[-1])) if left else [],
+                }
+            )
+        )
     if dist.is_initialized():  # as every multi-rank worker: no interpreter teardown, where
-        finish()                # gloo sometimes aborts a finished job (dcp-cpu-findings)
+        finish()  # gloo sometimes aborts a finished job (dcp-cpu-findings)
 
 
 if __name__ == "__main__":

@@ -27,8 +27,9 @@ def main() -> None:
     p.add_argument("--no-close", action="store_true")
     a = p.parse_args()
     writer = TieredStorageWriter(a.root, remote=a.url, storage_options=json.loads(a.options))
-    dcp.save({"w": torch.arange(1000.0)}, checkpoint_id="step-1", storage_writer=writer,
-             no_dist=True)
+    dcp.save(
+        {"w": torch.arange(1000.0)}, checkpoint_id="step-1", storage_writer=writer, no_dist=True
+    )
     if not a.no_close:
         started = time.monotonic()
         try:

@@ -68,8 +68,10 @@ def main() -> None:
     opt = make_opt(model)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.9)
     cursor = Cursor()
-    app_state = {"train": AppState(model, opt, extra={"note": "managed"}),
-                 "rank": RankState(data=cursor, lr_scheduler=sched)}
+    app_state = {
+        "train": AppState(model, opt, extra={"note": "managed"}),
+        "rank": RankState(data=cursor, lr_scheduler=sched),
+    }
     storage = None
     if os.environ.get("TEST_S3_ENDPOINT"):
         from tests.s3server import s3fs_options
@@ -77,9 +79,13 @@ def main() -> None:
         storage = s3fs_options(os.environ["TEST_S3_ENDPOINT"], "testing", "testing", 10)
     local = f"{a.disk}/rank{rank}" if a.disk_per_rank else a.disk
     mgr = CheckpointManager(
-        memory=a.memory, local=local, remote=a.remote, storage_options=storage,
-        policy=SavePolicy(memory=every(a.memory_every), local=every(a.disk_every),
-                          remote=every(a.remote_every)),
+        memory=a.memory,
+        local=local,
+        remote=a.remote,
+        storage_options=storage,
+        policy=SavePolicy(
+            memory=every(a.memory_every), local=every(a.disk_every), remote=every(a.remote_every)
+        ),
         collective_timeout_secs=120,
     )
     result: dict = {"rank": rank}

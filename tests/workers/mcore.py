@@ -42,8 +42,11 @@ from tests import _megatron as mc
 
 
 def snapshot(model: torch.nn.Module, opt: mc.TorchAdam) -> dict[str, torch.Tensor]:
-    out = {f"p.{k}": v.detach().clone() for k, v in model.state_dict().items()
-           if isinstance(v, torch.Tensor)}
+    out = {
+        f"p.{k}": v.detach().clone()
+        for k, v in model.state_dict().items()
+        if isinstance(v, torch.Tensor)
+    }
     for i, p in enumerate(opt.get_parameters()):
         for k, v in opt.optimizer.state.get(p, {}).items():
             out[f"o.{i}.{k}"] = v.detach().clone()
@@ -79,9 +82,12 @@ def phase_strategy(args: argparse.Namespace, rank: int) -> None:
         writer = strategy.writer(os.path.dirname(step_dir))
         write_data = writer.write_data
         writer.write_data = lambda *a, **k: (time.sleep(2), write_data(*a, **k))[1]
-    request = dist_checkpointing.save(shim.state_dict(3, model, opt, None), step_dir,
-                                      sharded_strategy=strategy,
-                                      async_sharded_save=args.async_save)
+    request = dist_checkpointing.save(
+        shim.state_dict(3, model, opt, None),
+        step_dir,
+        sharded_strategy=strategy,
+        async_sharded_save=args.async_save,
+    )
     reference = [mc.train_step(model, opt, it, rank) for it in (3, 4)]  # while it is written
     in_flight = strategy.in_flight is not None and not strategy.in_flight.done()
     if request is not None:
@@ -92,13 +98,17 @@ def phase_strategy(args: argparse.Namespace, rank: int) -> None:
     for name, load_strategy in (("stock", None), ("tiered", TieredLoadShardedStrategy())):
         fresh = mc.tiny_gpt(seed=2)
         fresh_opt = mc.TorchAdam(fresh)
-        loaded = dist_checkpointing.load(shim.state_dict(0, fresh, fresh_opt, None,
-                                                         is_loading=True),
-                                         step_dir, sharded_strategy=load_strategy)
+        loaded = dist_checkpointing.load(
+            shim.state_dict(0, fresh, fresh_opt, None, is_loading=True),
+            step_dir,
+            sharded_strategy=load_strategy,
+        )
         shim.apply_state(loaded, fresh, fresh_opt, None)
-        result[name] = {"iteration": loaded["iteration"],
-                        "mismatches": same(at_save, snapshot(fresh, fresh_opt)),
-                        "losses": [mc.train_step(fresh, fresh_opt, it, rank) for it in (3, 4)]}
+        result[name] = {
+            "iteration": loaded["iteration"],
+            "mismatches": same(at_save, snapshot(fresh, fresh_opt)),
+            "losses": [mc.train_step(fresh, fresh_opt, it, rank) for it in (3, 4)],
+        }
     result["files"] = sorted(os.listdir(step_dir))
     write_json(Path(args.out) / f"result-{rank}.json", result)
 
@@ -114,8 +124,11 @@ def phase_reshard(args: argparse.Namespace, rank: int, world: int) -> None:
 
     full = torch.arange(24, dtype=torch.float32).reshape(4, 6)
     rows, cols = 4 // world, 6 // world
-    saved = {"w": ShardedTensor.from_rank_offsets(
-        "layer.w", full[rank * rows:(rank + 1) * rows].clone(), (0, rank, world))}
+    saved = {
+        "w": ShardedTensor.from_rank_offsets(
+            "layer.w", full[rank * rows : (rank + 1) * rows].clone(), (0, rank, world)
+        )
+    }
     step_dir = os.path.join(args.out, "ckpt", "iter_0000001")
     if rank == 0:
         os.makedirs(step_dir, exist_ok=True)
@@ -125,10 +138,11 @@ def phase_reshard(args: argparse.Namespace, rank: int, world: int) -> None:
     strategy.close()
     result = {}
     for name, load_strategy in (("stock", None), ("tiered", TieredLoadShardedStrategy())):
-        target = {"w": ShardedTensor.from_rank_offsets(
-            "layer.w", torch.zeros(4, cols), (1, rank, world))}
+        target = {
+            "w": ShardedTensor.from_rank_offsets("layer.w", torch.zeros(4, cols), (1, rank, world))
+        }
         got = dist_checkpointing.load(target, step_dir, sharded_strategy=load_strategy)["w"]
-        result[name] = torch.equal(got, full[:, rank * cols:(rank + 1) * cols])
+        result[name] = torch.equal(got, full[:, rank * cols : (rank + 1) * cols])
     write_json(Path(args.out) / f"result-{rank}.json", result)
 
 
@@ -140,11 +154,17 @@ def phase_legacy(args: argparse.Namespace, rank: int, world: int) -> None:
     if args.phase == "legacy-save":
         opt = mc.TorchAdam(model)
         os.makedirs(os.path.dirname(own), exist_ok=True)
-        torch.save({"args": argparse.Namespace(tensor_model_parallel_size=world),
-                    "checkpoint_version": 3.0, "iteration": 1,
-                    "model": model.state_dict_for_save_checkpoint(),
-                    "optimizer": opt.optimizer.state_dict(),
-                    "opt_param_scheduler": {"num_steps": 1, "max_lr": 0.01}}, own)
+        torch.save(
+            {
+                "args": argparse.Namespace(tensor_model_parallel_size=world),
+                "checkpoint_version": 3.0,
+                "iteration": 1,
+                "model": model.state_dict_for_save_checkpoint(),
+                "optimizer": opt.optimizer.state_dict(),
+                "opt_param_scheduler": {"num_steps": 1, "max_lr": 0.01},
+            },
+            own,
+        )
         if rank == 0:
             Path(legacy, "latest_checkpointed_iteration.txt").write_text("1")
         return
@@ -152,16 +172,22 @@ def phase_legacy(args: argparse.Namespace, rank: int, world: int) -> None:
 
     from dcp_tiered.shims import megatron as shim
 
-    loaded = dist_checkpointing.load(shim.state_dict(0, model, None, None),
-                                     os.path.join(args.out, "converted", "iter_0000001"))
+    loaded = dist_checkpointing.load(
+        shim.state_dict(0, model, None, None), os.path.join(args.out, "converted", "iter_0000001")
+    )
     shim.apply_state(loaded, model, None, None)
     source = torch.load(own, weights_only=False)["model"]
     mine = model.state_dict_for_save_checkpoint()
     tensors = [k for k, v in source.items() if isinstance(v, torch.Tensor)]
-    write_json(Path(args.out) / f"result-{rank}.json", {
-        "compared": len(tensors), "iteration": loaded["iteration"],
-        "scheduler": loaded["opt_param_scheduler"],
-        "mismatches": [k for k in tensors if not torch.equal(source[k], mine[k])]})
+    write_json(
+        Path(args.out) / f"result-{rank}.json",
+        {
+            "compared": len(tensors),
+            "iteration": loaded["iteration"],
+            "scheduler": loaded["opt_param_scheduler"],
+            "mismatches": [k for k in tensors if not torch.equal(source[k], mine[k])],
+        },
+    )
 
 
 class Position:
@@ -194,8 +220,15 @@ def phase_trust(args: argparse.Namespace, rank: int) -> None:
     mc.train_step(model, opt, 0, rank)
 
     def start(name: str, **kw) -> None:
-        ckpt.initialize(1, 2, 2, save=str(out / f"ckpt-{name}"), memory=str(out / f"shm-{name}"),
-                        async_save=False, **kw)
+        ckpt.initialize(
+            1,
+            2,
+            2,
+            save=str(out / f"ckpt-{name}"),
+            memory=str(out / f"shm-{name}"),
+            async_save=False,
+            **kw,
+        )
 
     start("plain")
     for it in (1, 2):  # a memory save, then a storage save
@@ -218,8 +251,10 @@ def phase_trust(args: argparse.Namespace, rank: int) -> None:
             dist.barrier()
         start("trusted", allow_pickle=True)
         back, fresh = Scheduler(""), mc.tiny_gpt(seed=2)
-        result[f"from-{source}"] = [ckpt.load_checkpoint(fresh, mc.TorchAdam(fresh), back),
-                                    back.pos.text]
+        result[f"from-{source}"] = [
+            ckpt.load_checkpoint(fresh, mc.TorchAdam(fresh), back),
+            back.pos.text,
+        ]
         ckpt.close()
     write_json(out / f"result-{rank}.json", result)
 
@@ -227,12 +262,18 @@ def phase_trust(args: argparse.Namespace, rank: int) -> None:
 def phase_facade(args: argparse.Namespace, rank: int) -> None:
     from dcp_tiered.shims import megatron as ckpt
 
-    ckpt.initialize(1, args.storage_every, args.max_ckpt, args.log_file,
-                    save=args.ckpt or os.path.join(args.out, "ckpt"),
-                    memory=os.path.join(args.out, "shm"),
-                    remote=args.remote, async_save=not args.sync,
-                    storage_options=json.loads(args.storage_options or "null"),
-                    **({} if args.margin is None else {"free_space_margin_bytes": args.margin}))
+    ckpt.initialize(
+        1,
+        args.storage_every,
+        args.max_ckpt,
+        args.log_file,
+        save=args.ckpt or os.path.join(args.out, "ckpt"),
+        memory=os.path.join(args.out, "shm"),
+        remote=args.remote,
+        async_save=not args.sync,
+        storage_options=json.loads(args.storage_options or "null"),
+        **({} if args.margin is None else {"free_space_margin_bytes": args.margin}),
+    )
     if args.kill_in_storage_save is not None and rank == 0:
         die_while_writing(f"iter_{args.kill_in_storage_save:07d}")
     save_dir = Path(args.ckpt or os.path.join(args.out, "ckpt"))
@@ -253,12 +294,13 @@ def phase_facade(args: argparse.Namespace, rank: int) -> None:
                 if args.foreign_at is None:
                     raise
                 # Recorded, the user's directory moved away (untouched), and training goes on.
-                write_json(Path(args.out) / f"failed-{rank}.json",
-                           {"iteration": it + 1, "error": f"{type(e).__name__}: {e}"})
+                write_json(
+                    Path(args.out) / f"failed-{rank}.json",
+                    {"iteration": it + 1, "error": f"{type(e).__name__}: {e}"},
+                )
                 dist.barrier()
                 if rank == 0:
-                    (save_dir / f"iter_{args.foreign_at:07d}").rename(
-                        Path(args.out) / "moved")
+                    (save_dir / f"iter_{args.foreign_at:07d}").rename(Path(args.out) / "moved")
                 dist.barrier()
             if args.kill_at == it + 1 and rank == 0:
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -272,15 +314,21 @@ def phase_facade(args: argparse.Namespace, rank: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--phase", choices=("strategy", "reshard", "facade", "trust", "legacy-save",
-                                            "legacy-load"), required=True)
+    parser.add_argument(
+        "--phase",
+        choices=("strategy", "reshard", "facade", "trust", "legacy-save", "legacy-load"),
+        required=True,
+    )
     parser.add_argument("--async", dest="async_save", action="store_true")
     parser.add_argument("--iters", type=int, default=12)
     parser.add_argument("--storage-every", type=int, default=4)
     parser.add_argument("--max-ckpt", type=int, default=2)
     parser.add_argument("--kill-at", type=int)
-    parser.add_argument("--kill-in-storage-save", type=int,
-                        help="rank 0 is SIGKILLed while writing this iteration's storage save")
+    parser.add_argument(
+        "--kill-in-storage-save",
+        type=int,
+        help="rank 0 is SIGKILLed while writing this iteration's storage save",
+    )
     parser.add_argument("--attempt", type=int, default=0)
     parser.add_argument("--remote")
     parser.add_argument("--storage-options", help="JSON fsspec options for --remote")
@@ -288,9 +336,13 @@ def main() -> None:
     parser.add_argument("--sync", action="store_true")
     parser.add_argument("--ckpt", help="the facade's save directory (default OUT/ckpt)")
     parser.add_argument("--margin", type=int, help="the writer's free_space_margin_bytes")
-    parser.add_argument("--foreign-at", type=int, help="a user's directory sits where this "
-                        "iteration's storage save goes; the failure is recorded, the "
-                        "directory moved away, and training goes on")
+    parser.add_argument(
+        "--foreign-at",
+        type=int,
+        help="a user's directory sits where this "
+        "iteration's storage save goes; the failure is recorded, the "
+        "directory moved away, and training goes on",
+    )
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     dist.init_process_group("gloo")

@@ -35,9 +35,11 @@ class LoggingPlanner(DefaultSavePlanner):
 
 
 def state(rank: int, i: int) -> dict:
-    return {f"r{rank}": torch.full((128, 32), 10.0 * i + rank),  # this rank's own
-            "shared": torch.arange(64.0) * (i + 1),  # replicated: DCP keeps one rank's
-            "meta": {"step": i}}
+    return {
+        f"r{rank}": torch.full((128, 32), 10.0 * i + rank),  # this rank's own
+        "shared": torch.arange(64.0) * (i + 1),  # replicated: DCP keeps one rank's
+        "meta": {"step": i},
+    }
 
 
 def main() -> None:
@@ -62,14 +64,21 @@ def main() -> None:
             writer.keep_local(step)
         try:
             if a.mode == "sync":
-                dcp.save(state(rank, i), checkpoint_id=step, storage_writer=writer,
-                         planner=planner)
+                dcp.save(state(rank, i), checkpoint_id=step, storage_writer=writer, planner=planner)
             else:
-                kind = (AsyncCheckpointerType.THREAD if a.mode == "thread"
-                        else AsyncCheckpointerType.PROCESS)
-                dcp.async_save(state(rank, i), checkpoint_id=step, storage_writer=writer,
-                               planner=planner, process_group=pg,
-                               async_checkpointer_type=kind).result()
+                kind = (
+                    AsyncCheckpointerType.THREAD
+                    if a.mode == "thread"
+                    else AsyncCheckpointerType.PROCESS
+                )
+                dcp.async_save(
+                    state(rank, i),
+                    checkpoint_id=step,
+                    storage_writer=writer,
+                    planner=planner,
+                    process_group=pg,
+                    async_checkpointer_type=kind,
+                ).result()
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported to the test
             errors[step] = f"{type(e).__name__}: {e}"
     durability = {}
@@ -85,10 +94,16 @@ def main() -> None:
         want = {k: v for k, v in state(rank, i).items() if k == f"r{rank}" or full}
         if full:
             want.update({f"r{r}": state(r, i)[f"r{r}"] for r in range(world)})
-        got = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else {"step": -1}
-               for k, v in want.items()}
-        dcp.load(got, checkpoint_id=f"step-{i}", planner=DefaultLoadPlanner(
-            allow_partial_load=True), storage_reader=TieredStorageReader(root, remote=a.remote))
+        got = {
+            k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else {"step": -1}
+            for k, v in want.items()
+        }
+        dcp.load(
+            got,
+            checkpoint_id=f"step-{i}",
+            planner=DefaultLoadPlanner(allow_partial_load=True),
+            storage_reader=TieredStorageReader(root, remote=a.remote),
+        )
         for k, v in want.items():
             same = torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v
             if not same:
@@ -96,17 +111,27 @@ def main() -> None:
     gathered: list = [None] * world
     dist.all_gather_object(gathered, {"errors": errors, "bad": bad})
     if rank == 0:
-        manifests = {f"{Path(r).name}/{d.name}": json.loads((d / "manifest.json").read_text())
-                     for r in roots for d in sorted(Path(r).iterdir())
-                     if (d / "manifest.json").exists()}
-        common.write_json(a.out, {
-            "ranks": gathered,
-            "entries": {Path(r).name: sorted(x.name for x in Path(r).iterdir()
-                                             if not x.name.startswith(".")) for r in roots},
-            "save_ids": {k: m["save_id"] for k, m in manifests.items()},
-            "steps": {k: m["step"] for k, m in manifests.items()},
-            "durability": durability,
-        })
+        manifests = {
+            f"{Path(r).name}/{d.name}": json.loads((d / "manifest.json").read_text())
+            for r in roots
+            for d in sorted(Path(r).iterdir())
+            if (d / "manifest.json").exists()
+        }
+        common.write_json(
+            a.out,
+            {
+                "ranks": gathered,
+                "entries": {
+                    Path(r).name: sorted(
+                        x.name for x in Path(r).iterdir() if not x.name.startswith(".")
+                    )
+                    for r in roots
+                },
+                "save_ids": {k: m["save_id"] for k, m in manifests.items()},
+                "steps": {k: m["step"] for k, m in manifests.items()},
+                "durability": durability,
+            },
+        )
     dist.barrier()
     common.finish()
 

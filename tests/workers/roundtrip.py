@@ -29,7 +29,9 @@ def main() -> None:
     p.add_argument("--remote", help="remote tier URL")
     p.add_argument("--storage-options", default="{}", help="JSON fsspec options")
     a = p.parse_args()
-    remote = dict(remote=a.remote, storage_options=json.loads(a.storage_options)) if a.remote else {}
+    remote = (
+        dict(remote=a.remote, storage_options=json.loads(a.storage_options)) if a.remote else {}
+    )
     rank, world = common.init()
     per_node = max(1, world // a.nodes)
     root = f"{a.root}/node{rank // per_node}" if a.nodes > 1 else a.root
@@ -45,7 +47,11 @@ def main() -> None:
         if a.mode == "sync":
             dcp.save({"app": app}, checkpoint_id="step-2", storage_writer=writer)
         else:
-            kind = AsyncCheckpointerType.THREAD if a.mode == "thread" else AsyncCheckpointerType.PROCESS
+            kind = (
+                AsyncCheckpointerType.THREAD
+                if a.mode == "thread"
+                else AsyncCheckpointerType.PROCESS
+            )
             fut = dcp.async_save(
                 {"app": app},
                 checkpoint_id="step-2",

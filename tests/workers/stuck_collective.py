@@ -57,10 +57,13 @@ def main() -> None:
     writer.close()
     watchers = [t.name for t in threading.enumerate() if "collective-watch" in t.name]
     got = {"w": torch.zeros(64)}
-    dcp.load(got, checkpoint_id="step-4", storage_reader=TieredStorageReader(a.root),
-             process_group=group)
-    common.write_json(f"{a.out}.{rank}", {"records": per_step, "watchers": watchers,
-                                           "loaded": got["w"].tolist()[0]})
+    dcp.load(
+        got, checkpoint_id="step-4", storage_reader=TieredStorageReader(a.root), process_group=group
+    )
+    common.write_json(
+        f"{a.out}.{rank}",
+        {"records": per_step, "watchers": watchers, "loaded": got["w"].tolist()[0]},
+    )
     common.finish()
 
 

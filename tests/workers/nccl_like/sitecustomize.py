@@ -17,10 +17,22 @@ if os.environ.get("DCP_TIERED_REFUSED_DIR"):
 
     import torch.distributed as dist
 
-    COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "gather_object",
-                   "broadcast", "broadcast_object_list", "scatter_object_list", "barrier",
-                   "reduce_scatter", "all_to_all", "gather", "scatter", "reduce",
-                   "monitored_barrier")
+    COLLECTIVES = (
+        "all_reduce",
+        "all_gather",
+        "all_gather_object",
+        "gather_object",
+        "broadcast",
+        "broadcast_object_list",
+        "scatter_object_list",
+        "barrier",
+        "reduce_scatter",
+        "all_to_all",
+        "gather",
+        "scatter",
+        "reduce",
+        "monitored_barrier",
+    )
     OWNERS = ("dcp_tiered", "deepspeed", "megatron", "transformers", "accelerate")
     refused: list[str] = []
 
@@ -29,8 +41,9 @@ if os.environ.get("DCP_TIERED_REFUSED_DIR"):
         while frame is not None:
             module = frame.f_globals.get("__name__", "")
             if module.split(".")[0] in OWNERS:
-                return f"{module}:{frame.f_code.co_name}" if module.startswith("dcp_tiered") \
-                    else None
+                return (
+                    f"{module}:{frame.f_code.co_name}" if module.startswith("dcp_tiered") else None
+                )
             frame = frame.f_back
         return None
 
@@ -43,8 +56,10 @@ if os.environ.get("DCP_TIERED_REFUSED_DIR"):
             if (group is None or group is dist.group.WORLD) and (who := _asked_by_us()):
                 refused.append(f"{name} from {who}")
                 _record()
-                raise RuntimeError(f"{name} on the default group from {who}: it has no CPU "
-                                   "backend (an NCCL-only group)")
+                raise RuntimeError(
+                    f"{name} on the default group from {who}: it has no CPU "
+                    "backend (an NCCL-only group)"
+                )
             return original(*args, **kwargs)
 
         setattr(dist, name, guarded)
