@@ -283,7 +283,7 @@ class CountingStore:
 
     def __init__(self) -> None:
         self.data: dict[str, bytes] = {}
-        self.ops = {"set": 0, "get": 0, "wait": 0}
+        self.ops = {"set": 0, "get": 0, "wait": 0, "multi_set": 0, "multi_get": 0}
         self.bytes_set = self.bytes_get = 0
         self.cond = threading.Condition()
 
@@ -306,8 +306,30 @@ class CountingStore:
             if not self.cond.wait_for(lambda: all(k in self.data for k in keys), 30):
                 raise RuntimeError(f"wait timed out for {keys}")
 
+    def check(self, keys: list[str]) -> bool:
+        with self.cond:
+            return all(k in self.data for k in keys)
 
-def handshake_ops(nodes: int, manifest_bytes: bytes, metadata_bytes: bytes) -> dict[str, Any]:
+    def has_extended_api(self) -> bool:
+        return True
+
+    def multi_set(self, keys: list[str], values: list[bytes]) -> None:
+        with self.cond:
+            self.ops["multi_set"] = self.ops.get("multi_set", 0) + 1
+            for k, v in zip(keys, values):
+                self.bytes_set += len(v)
+                self.data[k] = v
+            self.cond.notify_all()
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        with self.cond:
+            self.ops["multi_get"] = self.ops.get("multi_get", 0) + 1
+            out = [self.data[k] for k in keys]
+            self.bytes_get += sum(len(v) for v in out)
+            return out
+
+
+def handshake_ops(nodes: int, built: manifest.Built) -> dict[str, Any]:
     """Run the real Handshake: the coordinator against every other node's answers, and one
     follower node for its own operations (each follower does the same)."""
     store = CountingStore()
@@ -318,7 +340,7 @@ def handshake_ops(nodes: int, manifest_bytes: bytes, metadata_bytes: bytes) -> d
         store.data[f"{prefix}done/{n}"] = b"ok"
     coord = dict(store.ops)
     if nodes > 1:
-        hs.coordinate(list(range(1, nodes)), manifest_bytes, metadata_bytes, lambda: None)
+        hs.coordinate(list(range(1, nodes)), built.index, built.sections, lambda: None)
     coord = {k: store.ops[k] - coord[k] for k in coord}
     out: dict[str, Any] = {
         "coordinator_ops": sum(coord.values()),
@@ -554,7 +576,7 @@ def run_ours(
         # finish(): what it computes, then the files it writes and the node handshake.
         started = time.perf_counter()
         locations = {wr.index: wr.storage_data for rs in results for wr in rs}
-        manifest_bytes = manifest.build(
+        built = manifest.build(
             step=save.step,
             save_id=save.save_id,
             world_size=lay.world_size,
@@ -570,18 +592,24 @@ def run_ours(
         pickle_s = time.perf_counter() - started - build_s
         tmp = work / "node0" / layout.tmp_dir_name(save.step, save.save_id)
         tmp.mkdir(parents=True, exist_ok=True)
-        commit.write_step_files(
-            coord.local_tier.backend, tmp.name, manifest_bytes, metadata_bytes, sync=False
-        )
-        hs = handshake_ops(nodes, manifest_bytes, metadata_bytes)
+        files = {layout.DCP_METADATA_NAME: metadata_bytes, **built.files_for(None)}
+        commit.write_step_files(coord.local_tier.backend, tmp.name, files, sync=False)
+        hs = handshake_ops(nodes, built)
         out["commit_s"] = time.perf_counter() - started
+    sections = [len(b) for b in built.sections.values()]
+    manifest_bytes = len(built.index) + sum(sections)
     out["coordinator_peak_bytes"] = mem.peak
     out.update(
         manifest_build_s=build_s,
         metadata_pickle_s=pickle_s,
-        manifest_bytes=len(manifest_bytes),
+        manifest_bytes=manifest_bytes,
+        manifest_index_bytes=len(built.index),
+        manifest_section_bytes_max=max(sections),
         metadata_bytes=len(metadata_bytes),
-        manifest_bytes_all_node_copies=len(manifest_bytes) * nodes,
+        # The coordinator's node: index, every section, .metadata; any other: index, its own.
+        manifest_bytes_all_node_copies=manifest_bytes
+        + len(metadata_bytes)
+        + sum(len(built.index) + n for n in sections[1:]),
         items=len(locations),
         handshake=hs,
     )
@@ -589,11 +617,12 @@ def run_ours(
     out["files_per_step"] = len(file_sizes)
     out["file_sizes"] = [s for _, s in file_sizes]
     del results, global_plans, planners
-    # The restore: one rank parses the manifest and plans its own reads.
+    # The restore: the last rank parses the index, plans its reads, and merges the sections
+    # that locate them (the reader's _locate), as on a fresh node.
     gc.collect()
     with _Traced(trace) as rmem:
         started = time.perf_counter()
-        parsed = manifest.parse(manifest_bytes, where="scale")
+        parsed = manifest.parse(built.index, where="scale")
         out["reader_parse_s"] = time.perf_counter() - started
         reader = TieredStorageReader(work / "node0")
         started = time.perf_counter()
@@ -601,7 +630,12 @@ def run_ours(
         load_plan = reader.prepare_local_plan(
             create_default_local_load_plan(flat, parsed.metadata, strict=False)
         )
+        needed = manifest.needed_sections(parsed, [i.storage_index for i in load_plan.items])
+        for node in needed:
+            parsed = manifest.parse_section(parsed, node, built.sections[node], where="scale")
         out["reader_plan_s"] = time.perf_counter() - started
+    out["reader_sections_read"] = len(needed)
+    out["restore_metadata_bytes_per_rank"] = len(built.index) + sum(sections[n] for n in needed)
     out["reader_peak_bytes"] = rmem.peak
     out["reader_read_items"] = len(load_plan.items)
     for w in writers:
@@ -717,7 +751,7 @@ def run_config(
             strategy: s3_model(
                 world,
                 file_sizes,
-                ours["manifest_bytes"],
+                ours["restore_metadata_bytes_per_rank"],
                 ours["metadata_bytes"],
                 part_size=args.part_size_mib * MiB,
                 prefix_strategy=strategy,

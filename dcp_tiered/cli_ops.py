@@ -11,7 +11,7 @@ from .backends.remote import RemoteBackend
 from .cli import OK, UNREADABLE, USAGE
 from .cli_steps import Run, human, progress
 from .errors import CheckpointExistsError, CheckpointNotFoundError, ManifestError, TierError
-from .policy import layout, manifest
+from .policy import layout
 from .policy.retention import RetentionPolicy, StepState, evictions
 from .tiers import catalog, housekeeping
 from .tiers import remote as remote_tier
@@ -39,7 +39,7 @@ def cmd_pull(run: Run) -> int:
             f"step {step!r} is not committed on {remote.config.url}; "
             f"`dcp-tiered status {tier.root}` lists the steps there"
         )
-    m = manifest.parse(remote.get_bytes(keys.manifest), where=remote.url(keys.manifest))
+    m = remote_tier.read_manifest(remote, keys)
     if tier.has_step(step):
         here = tier.read_manifest(step)
         if here.save_id != m.save_id:

@@ -261,13 +261,17 @@ def read_step_manifest(run: Run, step: str) -> tuple[manifest.Manifest, str]:
                 f"{run.tier.root}/{name} is a vanilla DCP checkpoint without a "
                 "manifest: it cannot be inspected without reading its data"
             )
-        return run.tier.read_manifest(name), "local"
+        m = run.tier.read_manifest(name)
+        keys = remote_tier.keys_of_step(remote, name) if remote and not m.complete else None
+        if keys is not None and keys.save_id == m.save_id:
+            # A node's directory holds its own section: the others are on the remote.
+            assert remote is not None
+            return remote_tier.merge_sections(remote, keys, m, m.sections), "local+remote"
+        return m, "local"
     assert remote is not None  # resolve found it on some tier
     keys = remote_tier.keys_of_step(remote, name)
     assert keys is not None
-    return manifest.parse(
-        remote.get_bytes(keys.manifest), where=remote.url(keys.manifest)
-    ), "remote"
+    return remote_tier.read_manifest(remote, keys), "remote"
 
 
 def cmd_inspect(run: Run) -> int:
@@ -322,6 +326,9 @@ def cmd_inspect(run: Run) -> int:
     run.fields.update(
         step=m.step,
         source=source,
+        # False: a node's directory without a remote to complete it from; only that node's
+        # files and items are listed (the other nodes' sections are in their directories).
+        complete=m.complete,
         save_id=m.save_id,
         world_size=m.world_size,
         committed_at=iso(m.committed_at_ns),
@@ -335,6 +342,10 @@ def cmd_inspect(run: Run) -> int:
         f"{m.step} ({source})  world={m.world_size}  save={m.save_id}  {f['committed_at']}  "
         f"{len(m.files)} files, {human(f['bytes'])}"
     )
+    if not m.complete:
+        run.say(
+            f"  (this node's part only: sections of nodes {m.missing(m.sections)} are elsewhere)"
+        )
     run.say(f"{'rank':>4}  {'files':>5}  {'items':>5}  {'bytes':>10}")
     for r in f["ranks"]:
         run.say(f"{r['rank']:>4}  {r['files']:>5}  {r['items']:>5}  {human(r['bytes']):>10}")

@@ -93,6 +93,7 @@ class TieredStorageReader(StorageReader):
         self._step: catalog.StepLocation | None = None
         self._dir: tuple[str, ...] = ()
         self._manifest: manifest.Manifest | None = None
+        self._index_is_local = False  # read sections from the local directory when they are there
         self._locations: dict[Any, ItemLocation] = {}
         # Stored chunk shape and dtype of each tensor item, for in-place views of raw bytes.
         self._chunks: dict[MetadataIndex, tuple[torch.Size, torch.dtype]] = {}
@@ -164,18 +165,17 @@ class TieredStorageReader(StorageReader):
         self._manifest = self._load_manifest(self._step)
         self._descriptors = {}
         self._locations = dict(self._manifest.metadata.storage_data)
-        self._chunks = {
-            MetadataIndex(fqn, chunk.offsets): (chunk.sizes, md.properties.dtype)
-            for fqn, md in self._manifest.metadata.state_dict_metadata.items()
-            if isinstance(md, TensorStorageMetadata)
-            for chunk in md.chunks
-        }
+        self._chunks = {}
         return self._manifest.metadata
 
     def _load_manifest(self, step: catalog.StepLocation) -> manifest.Manifest:
+        """The manifest's index alone: read_data merges the sections its items need."""
+        self._index_is_local = False
         if step.local:
             try:
-                return self._tier.read_manifest(step.name)
+                m = self._tier.read_manifest(step.name, nodes=())
+                self._index_is_local = True
+                return m
             except (ManifestError, OSError) as e:
                 if not step.remote:
                     raise
@@ -184,8 +184,45 @@ class TieredStorageReader(StorageReader):
                 )
         assert self._remote is not None
         self._keys = None
-        key = self._remote_keys_of(step.name).manifest
-        return manifest.parse(self._remote.get_bytes(key), where=self._remote.url(key))
+        return remote_tier.read_manifest(self._remote, self._remote_keys_of(step.name), nodes=())
+
+    def _locate(self, items: list[ReadItem]) -> None:
+        """Merge the manifest sections that locate ``items`` (this node's own directory first,
+        then the remote's), and note each tensor chunk's shape for in-place reads."""
+        m = self._manifest
+        if m is None:
+            return
+        indices = [item.storage_index for item in items]
+        for node in manifest.needed_sections(m, indices):
+            m = self._merge_section(m, node)
+        self._manifest = m
+        self._locations.update(m.locations)
+        sdm = m.metadata.state_dict_metadata
+        for index in indices:
+            md = sdm.get(index.fqn)
+            if isinstance(md, TensorStorageMetadata) and index not in self._chunks:
+                chunk = md.chunks[manifest.chunk_ordinal(m.metadata, index)]
+                self._chunks[index] = (chunk.sizes, md.properties.dtype)
+
+    def _merge_section(self, m: manifest.Manifest, node: int) -> manifest.Manifest:
+        assert self._step is not None
+        name = layout.manifest_section_name(node)
+        if self._index_is_local and self._tier.backend.is_regular_file(self._step.name, name):
+            try:
+                return self._tier.merge_sections(self._step.name, m, [node])
+            except (ManifestError, OSError) as e:
+                if self._remote is None:
+                    raise
+                logger.warning("%s of %s is unusable (%s); using the remote one", name, m.step, e)
+        if self._remote is None or not self._step.remote:
+            raise ManifestError(
+                f"{os.path.join(self.root, self._step.name)} holds this node's part of step "
+                f"{m.step!r}, but the items asked for were saved by node {node}, whose manifest "
+                "section is only in that node's directory and there is no remote copy to read "
+                "it from. Load on the same nodes, or configure the remote tier the step was "
+                "promoted to."
+            )
+        return remote_tier.merge_sections(self._remote, self._remote_keys(), m, [node])
 
     def _remote_keys_of(self, step: str) -> layout.RemoteKeys:
         assert self._remote is not None
@@ -265,6 +302,7 @@ class TieredStorageReader(StorageReader):
     # ------------------------------------------------------------ data
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        self._locate(plan.items)
         by_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             by_file.setdefault(self._locations[item.storage_index].relative_path, []).append(item)

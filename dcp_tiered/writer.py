@@ -754,10 +754,9 @@ class TieredStorageWriter(StorageWriter):
             LocalBackend.unlock(lock)
             raise ConfigError("ranks on several local roots need torch.distributed initialised")
 
-        def prepare(manifest_bytes: bytes, metadata_bytes: bytes) -> None:
-            commit.write_step_files(
-                backend, save.tmp, manifest_bytes, metadata_bytes, sync=self.sync_files
-            )
+        def prepare(index: bytes, section: bytes) -> None:
+            files = {layout.manifest_section_name(save.node): section, layout.MANIFEST_NAME: index}
+            commit.write_step_files(backend, save.tmp, files, sync=self.sync_files)
 
         def publish() -> None:
             try:
@@ -772,7 +771,10 @@ class TieredStorageWriter(StorageWriter):
             LocalBackend.unlock(lock)
             commit.discard_tmp(backend, save.tmp, reason=reason)
 
-        handshake = commit.Handshake(store, save.save_id, self.commit_timeout_secs)
+        # A follower waits at least as long as the coordinator does for all nodes.
+        handshake = commit.Handshake(
+            store, save.save_id, self.commit_timeout_secs, nodes=save.world_size
+        )
         handshake.follow_in_background(save.node, prepare, publish, abandon)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -795,7 +797,7 @@ class TieredStorageWriter(StorageWriter):
             )
         backend = self._tier.backend
         locations = {wr.index: wr.storage_data for rs in results for wr in rs}
-        manifest_bytes = manifest.build(
+        built = manifest.build(
             step=save.step,
             save_id=save.save_id,
             world_size=save.world_size,
@@ -812,13 +814,16 @@ class TieredStorageWriter(StorageWriter):
             commit.publish_step(backend, save.step, save.save_id, tmp, overwrite=self.overwrite)
 
         try:
-            commit.write_step_files(
-                backend, tmp, manifest_bytes, metadata_bytes, sync=self.sync_files
-            )
+            # The coordinator's node keeps every section and DCP's .metadata (the remote
+            # copy is made from it); the other nodes get the index and their own section.
+            files = {layout.DCP_METADATA_NAME: metadata_bytes, **built.files_for(None)}
+            commit.write_step_files(backend, tmp, files, sync=self.sync_files)
             if other_nodes:
                 store = _torch_compat.default_store()
-                handshake = commit.Handshake(store, save.save_id, self.commit_timeout_secs)
-                handshake.coordinate(other_nodes, manifest_bytes, metadata_bytes, publish_own)
+                handshake = commit.Handshake(
+                    store, save.save_id, self.commit_timeout_secs, nodes=len(other_nodes) + 1
+                )
+                handshake.coordinate(other_nodes, built.index, built.sections, publish_own)
             else:
                 publish_own()
         except BaseException:

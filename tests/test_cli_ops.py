@@ -80,7 +80,7 @@ def test_pull_copies_a_remote_step_verified_and_refuses_a_corrupt_one(tmp_path, 
 
     backend = remote_backend(remote[0], remote[1])
     keys = remote_tier.keys_of_step(backend, "step-1")
-    files = json.loads(backend.get_bytes(keys.manifest))["files"]
+    files = remote_tier.read_manifest(backend, keys).files
     data_file = next(n for n in sorted(files) if n.endswith(".distcp"))
     raw = bytearray(backend.get_bytes(keys.file(data_file)))
     raw[-5] ^= 0xFF

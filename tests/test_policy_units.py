@@ -86,50 +86,110 @@ def _metadata(shapes: list[tuple[int, ...]]) -> tuple[Metadata, dict]:
     return Metadata(sdm, planner_data={"extra": ("extra",)}), locs
 
 
+def _build(md, locs, **kw):
+    args = dict(step="step-3", save_id="s", world_size=2, nodes=[[0, 1]], committed_at_ns=5)
+    args.update(kw)
+    return manifest.build(metadata=md, locations=locs, versions={"torch": "x"}, **args)
+
+
+def _parse(built):
+    m = manifest.parse(built.index, where="m.json")
+    for node, data in built.sections.items():
+        m = manifest.parse_section(m, node, data, where=f"node-{node}")
+    return m
+
+
 @settings(max_examples=30)
 @given(st.lists(st.tuples(st.integers(2, 9), st.integers(1, 5)), min_size=1, max_size=5))
 def test_manifest_round_trips_metadata(shapes):
     md, locs = _metadata(shapes)
-    data = manifest.build(
-        step="step-3",
-        save_id="s",
-        world_size=2,
-        nodes=[[0, 1]],
-        committed_at_ns=5,
-        metadata=md,
-        locations=locs,
-        versions={"torch": "x"},
-    )
-    parsed = manifest.parse(data, where="m.json")
+    parsed = _parse(_build(md, locs))
     assert parsed.metadata.state_dict_metadata == md.state_dict_metadata
     assert parsed.metadata.planner_data == md.planner_data
     assert dict(parsed.locations) == locs
-    assert parsed.step == "step-3" and parsed.world_size == 2
+    assert parsed.step == "step-3" and parsed.world_size == 2 and parsed.complete
+
+
+def test_manifest_index_stays_small_as_ranks_grow():
+    """A tensor sharded over N ranks costs the index the same few bytes whatever N (its
+    grid of splits and its writers as one progression); the items are in the sections."""
+    sizes, section = {}, {}
+    for n in (8, 64, 512):
+        rows = 4 * n
+        chunks = [
+            ChunkStorageMetadata(torch.Size([r * 4, 0]), torch.Size([4, 16])) for r in range(n)
+        ]
+        md = Metadata(
+            {
+                "w": TensorStorageMetadata(
+                    TensorProperties(torch.float32), torch.Size([rows, 16]), chunks
+                )
+            }
+        )
+        locs = {
+            MetadataIndex("w", c.offsets): manifest.ItemLocation(
+                f"__{r}_0.distcp", 0, 300, "deadbeef", r, 300, "cafef00d", 64
+            )
+            for r, c in enumerate(chunks)
+        }
+        nodes = [list(range(k, k + 8)) for k in range(0, n, 8)]
+        built = _build(md, locs, world_size=n, nodes=nodes)
+        sizes[n] = len(json.dumps(json.loads(built.index)["tensors"]))
+        parsed = _parse(built)
+        assert (
+            dict(parsed.locations) == locs
+            and parsed.metadata.state_dict_metadata == md.state_dict_metadata
+        )
+        section[n] = max(len(s) for s in built.sections.values())  # 8 ranks' items each
+    assert sizes[512] - sizes[8] < 32, sizes  # digits of the size, not the chunk list
+    assert section[512] - section[8] < 64, section  # digits of ranks and ids
+
+
+def test_manifest_sections_are_checked_against_the_index():
+    md, locs = _metadata([(4, 2)])
+    built = _build(md, locs, world_size=2, nodes=[[0], [1]])
+    m = manifest.parse(built.index, where="m.json")
+    assert not m.complete and m.nodes_holding(locs) == {0}
+    tampered = built.sections[0].replace(b"deadbeef", b"deadbeee")
+    with pytest.raises(ManifestError, match="does not match the index"):
+        manifest.parse_section(m, 0, tampered, where="node-0")
+    with pytest.raises(ManifestError, match="does not match the index"):
+        manifest.parse_section(m, 0, built.sections[1], where="node-0")  # another node's
 
 
 @pytest.mark.parametrize(
     "field,value",
-    [("dtype", "os.system"), ("size", [-1]), ("chunks", [{"offsets": ["x"], "sizes": [1]}])],
+    [("dtype", "os.system"), ("size", [-1]), ("chunks", [["x", 1]])],
 )
 def test_manifest_rejects_unknown_types_even_with_valid_checksum(field, value):
+    from dcp_tiered.policy import manifest_codec
+
     md, locs = _metadata([(4, 2)])
-    body = json.loads(
-        manifest.build(
-            step="s",
-            save_id="s",
-            world_size=1,
-            nodes=[[0]],
-            committed_at_ns=0,
-            metadata=md,
-            locations=locs,
-            versions={},
-        )
-    )
-    body["state_dict_metadata"]["layer0.weight"][field] = value
+    body = json.loads(_build(md, locs, world_size=1, nodes=[[0]]).index)
+    entry = body["tensors"][0][1]
+    entry.pop("grid", None)
+    (body["properties"][0] if field == "dtype" else entry)[field] = value
     body.pop("manifest_checksum")
-    body["manifest_checksum"] = manifest._self_checksum(body)  # a careful forger
-    with pytest.raises(ManifestError):
-        manifest.parse(json.dumps(body).encode(), where="m.json")
+    with pytest.raises(ManifestError):  # a careful forger: the checksum is right
+        manifest.parse(manifest_codec.seal(body), where="m.json")
+
+
+def test_version_1_manifests_still_parse():
+    from dcp_tiered.policy import manifest_v1
+
+    md, locs = _metadata([(4, 2), (6, 3)])
+    data = manifest_v1.build(
+        step="s",
+        save_id="s",
+        world_size=1,
+        nodes=[[0]],
+        committed_at_ns=0,
+        metadata=md,
+        locations=locs,
+        versions={},
+    )
+    parsed = manifest.parse(data, where="m.json")
+    assert parsed.complete and dict(parsed.locations) == locs and parsed.version == 1
 
 
 def test_remote_keys_keep_each_save_apart_and_refuse_hostile_markers():

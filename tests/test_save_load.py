@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 
@@ -23,6 +22,7 @@ from dcp_tiered import (
     TieredStorageWriter,
     _torch_compat,
 )
+from tests._manifests import index, items, tamper
 
 
 def state(v: float = 1.0) -> dict:
@@ -231,18 +231,15 @@ def test_missing_shard_names_the_file(tmp_path):
 @pytest.mark.parametrize("edit", ["garbage", "checksum", "version", "path-escape"])
 def test_tampered_manifest_is_refused(tmp_path, edit):
     save(tmp_path, "step-1", state())
-    path = tmp_path / "step-1" / "manifest.json"
-    body = json.loads(path.read_text())
+    step = tmp_path / "step-1"
     if edit == "garbage":
-        path.write_text("{not json")
-    else:
-        if edit == "checksum":
-            body["items"][0]["checksum"] = "00000000"
-        elif edit == "version":
-            body["version"] = 99
-        else:
-            body["items"][0]["file"] = "../../etc/passwd"
-        path.write_text(json.dumps(body))
+        (step / "manifest.json").write_text("{not json")
+    elif edit == "checksum":  # an item's checksum, the section's own left as it was
+        tamper(step, edit_section=lambda s: s["files"][0].update(crcs="0" * 8), reseal=False)
+    elif edit == "version":
+        tamper(step, edit_index=lambda b: b.update(version=99))
+    else:  # resealed, so that the check of the name itself is what refuses it
+        tamper(step, edit_section=lambda s: s["files"][0].update(name="../../etc/passwd"))
     with pytest.raises(CheckpointException) as e:
         load(tmp_path)
     assert isinstance(failure(e), ManifestError)
@@ -274,8 +271,7 @@ def assert_big_state_load_fails_on(root, fqn: str) -> None:
 def test_large_tensors_are_read_in_place_bit_exact(tmp_path):
     src = big_state()
     save(tmp_path, "step-1", src)
-    items = json.loads((tmp_path / "step-1" / "manifest.json").read_text())["items"]
-    in_place = {i["index"][0] for i in items if "raw_offset" in i}
+    in_place = {i["fqn"] for i in items(tmp_path / "step-1") if i["raw_offset"] is not None}
     assert in_place == set(src) - {"small"}
     for reader in (TieredStorageReader(tmp_path), FileSystemReader(tmp_path / "step-1")):
         out = {k: torch.zeros_like(v) for k, v in src.items()}
@@ -286,8 +282,7 @@ def test_large_tensors_are_read_in_place_bit_exact(tmp_path):
 
 def test_flipped_byte_inside_a_tensor_read_in_place_is_caught(tmp_path):
     save(tmp_path, "step-1", big_state())
-    items = json.loads((tmp_path / "step-1" / "manifest.json").read_text())["items"]
-    entry = next(i for i in items if i["index"][0] == "f32")
+    entry = next(i for i in items(tmp_path / "step-1") if i["fqn"] == "f32")
     path = tmp_path / "step-1" / entry["file"]
     data = bytearray(path.read_bytes())
     data[entry["offset"] + entry["raw_offset"] + 1000] ^= 0x01  # inside the tensor's own bytes
@@ -309,16 +304,17 @@ def test_targets_that_cannot_take_the_bytes_directly_still_load_exactly(tmp_path
 
 
 def test_raw_offset_that_does_not_fit_the_item_is_refused(tmp_path):
-    from dcp_tiered.policy import manifest
-
     save(tmp_path, "step-1", big_state())
-    path = tmp_path / "step-1" / "manifest.json"
-    body = json.loads(path.read_text())
-    entry = next(i for i in body["items"] if i["index"][0] == "f32")
-    entry["raw_offset"] = entry["length"] - 8  # consistent checksum, inconsistent layout
-    body.pop("manifest_checksum")
-    body["manifest_checksum"] = manifest._self_checksum(body)
-    path.write_text(json.dumps(body))
+    step = tmp_path / "step-1"
+    f32 = index(step)["tensors"].index(next(t for t in index(step)["tensors"] if t[0] == "f32"))
+
+    def misplace(section: dict) -> None:  # consistent checksums, inconsistent layout
+        for f in section["files"]:
+            for i, tid in enumerate(f["ids"]):
+                if tid == f32:
+                    f["raw"][i] = f["lengths"][i] - 8
+
+    tamper(step, edit_section=misplace)
     assert_big_state_load_fails_on(tmp_path, "f32")
 
 
@@ -352,7 +348,7 @@ def test_plan_caching_replays_the_plan_and_each_save_is_its_own(tmp_path):
     ids = set()
     for v in (1, 2, 3):
         assert_state_equal(load(tmp_path, f"step-{v}"), state(v))
-        body = json.loads((tmp_path / f"step-{v}" / "manifest.json").read_text())
+        body = index(tmp_path / f"step-{v}")
         assert body["step"] == f"step-{v}"
         ids.add(body["save_id"])
         vanilla = blank()
@@ -506,40 +502,31 @@ def test_untracked_async_save_never_has_its_buffers_reused(tmp_path):
 # ---------------------------------------------------------------- hostile entries in a root
 
 
-def _resign(body: dict) -> str:
-    """A tampered manifest with a valid self-checksum (it is a CRC, not a signature)."""
-    from dcp_tiered.policy import manifest as manifest_module
-
-    body.pop("manifest_checksum", None)
-    body["manifest_checksum"] = manifest_module._self_checksum(body)
-    return json.dumps(body)
-
-
 @pytest.mark.parametrize(
     "edit", ["negative-offset", "huge-length", "negative-size", "deep-json", "huge-int", "infinity"]
 )
 def test_crafted_numbers_are_refused_before_any_read(tmp_path, edit):
     save(tmp_path, "step-1", state())
-    path = tmp_path / "step-1" / "manifest.json"
-    body = json.loads(path.read_text())
-    item = body["items"][0]
+    step = tmp_path / "step-1"
+    path = step / "manifest.json"
+
+    def first_file(edit_file):
+        tamper(step, edit_section=lambda s: edit_file(s["files"][0]))
+
     if edit == "negative-offset":
-        item["offset"], item["length"] = -4096, 64
-        path.write_text(_resign(body))
+        first_file(
+            lambda f: f.update(offsets=[-4096] * len(f["ids"]), lengths=[64] * len(f["ids"]))
+        )
     elif edit == "huge-length":
-        item["length"] = 8 * 2**30
-        body["files"][item["file"]]["size"] = 8 * 2**30 + item["offset"]
-        path.write_text(_resign(body))
+        first_file(lambda f: f.update(lengths=[8 * 2**30] * len(f["ids"]), size=8 * 2**31))
     elif edit == "negative-size":
-        body["files"][item["file"]]["size"] = -1
-        item["offset"] = item["length"] = 0
-        path.write_text(_resign(body))
+        first_file(lambda f: f.update(size=-1, lengths=[0] * len(f["ids"])))
     elif edit == "deep-json":
         path.write_text("[" * 200_000 + "]" * 200_000)
     elif edit == "huge-int":
-        path.write_text(json.dumps(body).replace('"world_size": 1', '"world_size": ' + "9" * 5000))
+        tamper(step, edit_index=lambda b: b.update(world_size=int("9" * 4000)))
     else:
-        path.write_text(json.dumps(body).replace('"world_size": 1', '"world_size": Infinity'))
+        tamper(step, edit_index=lambda b: b.update(world_size=float("inf")))
     with pytest.raises(CheckpointException) as e:
         load(tmp_path, "step-1")
     assert isinstance(failure(e), (ManifestError, IntegrityError)), failure(e)

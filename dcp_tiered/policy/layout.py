@@ -10,7 +10,8 @@ from typing import Any
 
 from ..errors import ConfigError
 
-MANIFEST_NAME = "manifest.json"
+MANIFEST_NAME = "manifest.json"  # the index; each node's items are in its own section
+_SECTION_RE = re.compile(r"manifest\.node-(0|[1-9][0-9]{0,6})\.json")
 DCP_METADATA_NAME = ".metadata"
 LATEST = "latest"
 # Hidden (dot-prefixed) so that no listing of committed steps can ever pick them up.
@@ -109,6 +110,15 @@ def parse_hidden_dir(name: str) -> tuple[str, str, str] | None:
     return None
 
 
+def manifest_section_name(node: int) -> str:
+    return f"manifest.node-{node}.json"
+
+
+def is_step_metadata(name: str) -> bool:
+    """The manifest, its sections and DCP's ``.metadata``: what a step holds besides data."""
+    return name in (MANIFEST_NAME, DCP_METADATA_NAME) or bool(_SECTION_RE.fullmatch(name))
+
+
 def data_file_name(rank: int, index: int) -> str:
     """DCP FileSystemWriter's naming, so that a vanilla FileSystemReader finds the data."""
     return f"__{rank}_{index}.distcp"
@@ -171,6 +181,13 @@ class RemoteKeys:
     @property
     def metadata(self) -> str:
         return f"{self._base}{DCP_METADATA_NAME}"
+
+    def section(self, node: int) -> str:
+        return f"{self._base}{manifest_section_name(node)}"
+
+    def step_file(self, name: str) -> str:
+        """Key of any file of the step's directory: data, manifest, sections, .metadata."""
+        return self.file(name)
 
     def node_record(self, node: int) -> str:
         return f"{self._base}{NODE_RECORDS}/node-{node}.json"

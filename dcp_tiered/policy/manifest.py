@@ -1,8 +1,19 @@
-"""The step manifest: versioned JSON, the source of truth for what a step contains.
+"""The step manifest: the source of truth for what a step contains. Pure: no I/O.
 
-It records the step name, world size, versions, every data file's size and checksum, the byte
-range and checksum of every item, and everything DCP needs to rebuild its ``Metadata``.
-Readers build ``Metadata`` from it and never unpickle ``.metadata``. Pure: no I/O.
+Version 2 is an **index** (``manifest.json``) plus one **section** per node
+(``manifest.node-K.json``), so that a node holds, and a rank reads, the index and the sections
+that hold its items, not every rank's:
+
+- the index: step, save id, world size, nodes, versions, every tensor's properties and chunk
+  geometry (a sharded tensor as its grid of splits), which rank wrote each chunk (as
+  progressions: one triple for FSDP's rank ``i`` writing chunk ``i``), and each section's name,
+  size and CRC32C. It is sealed: the CRC32C of its own bytes is its last member.
+- a section: its node's data files (size, CRC32C, rank) and, per file, its items as columns
+  (tensor id, chunk ordinal, length, CRC32C, raw offset); offsets follow from the lengths, as
+  items are written back to back.
+
+Readers build DCP's ``Metadata`` from these and never unpickle ``.metadata``. Version 1 (one
+document with everything) is still read: :mod:`.manifest_v1`.
 """
 
 from __future__ import annotations
@@ -24,117 +35,42 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ..errors import ManifestError
-from . import integrity
+from . import integrity, layout, manifest_codec, manifest_v1
+from .manifest_types import (
+    FORMAT,
+    ItemLocation,
+    Manifest,
+    SectionRef,
+    chunk_ordinal,
+    decode_properties,
+    encode_properties,
+)
 
-FORMAT = "dcp-tiered-manifest"
-VERSION = 1
+__all__ = ["FORMAT", "SECTION_FORMAT", "VERSION", "Built", "ItemLocation", "Manifest"]
+__all__ += ["SectionRef", "build", "chunk_ordinal", "needed_sections", "parse", "parse_section"]
 
-
-@dataclass(frozen=True)
-class ItemLocation:
-    """Where one saved item lives; travels from each rank to the coordinator in WriteResults."""
-
-    relative_path: str
-    offset: int
-    length: int
-    checksum: str
-    rank: int
-    file_size: int
-    file_checksum: str
-    # Offset of a tensor's raw row-major bytes inside the item (torch.save's data record),
-    # when the writer located them; None for byte items and for tensors read via torch.load.
-    raw_offset: int | None = None
+VERSION = 2
+SECTION_FORMAT = "dcp-tiered-manifest-section"
+_MAX_RANKS = 1 << 24
+_HINT = "restore the step from another tier or an earlier step; do not edit manifests by hand"
 
 
 @dataclass(frozen=True)
-class Manifest:
-    """A parsed, validated manifest."""
+class Built:
+    """A serialised manifest: the index and each node's section, by file name."""
 
-    step: str
-    save_id: str
-    world_size: int
-    committed_at_ns: int
-    files: Mapping[str, Mapping[str, Any]]
-    nodes: list[list[int]]  # ranks of each node; node 0 holds rank 0 (the coordinator)
-    metadata: Metadata
-    locations: Mapping[MetadataIndex, ItemLocation]
-    # False: the step was meant to stay local (e.g. a checkpoint manager's remote cadence
-    # skipped it), so nothing re-enqueues its promotion after a restart.
-    promote: bool = True
+    index: bytes
+    sections: dict[int, bytes]
+
+    def files_for(self, node: int | None) -> dict[str, bytes]:
+        """The manifest files a node's directory holds (``None``: all, as the remote does)."""
+        nodes = self.sections if node is None else [node]
+        out = {layout.manifest_section_name(n): self.sections[n] for n in nodes}
+        out[layout.MANIFEST_NAME] = self.index  # last: a reader trusts sections through it
+        return out
 
 
-# ---------------------------------------------------------------- encoding helpers
-
-_DTYPES = {str(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
-_LAYOUTS = {str(x): x for x in (torch.strided, torch.sparse_coo)}
-_MEMORY_FORMATS = {
-    str(x): x for x in (torch.contiguous_format, torch.channels_last, torch.preserve_format)
-}
-
-
-def _index_key(index: MetadataIndex) -> list[Any]:
-    offset = list(index.offset) if index.offset is not None else None
-    return [index.fqn, offset, index.index]
-
-
-def _encode_entry(md: TensorStorageMetadata | BytesStorageMetadata) -> dict[str, Any]:
-    if isinstance(md, BytesStorageMetadata):
-        return {"type": "bytes"}
-    props = md.properties
-    return {
-        "type": "tensor",
-        "dtype": str(props.dtype),
-        "layout": str(props.layout),
-        "requires_grad": bool(props.requires_grad),
-        "memory_format": str(props.memory_format),
-        "pin_memory": bool(props.pin_memory),
-        "size": list(md.size),
-        "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in md.chunks],
-    }
-
-
-def _pick(table: Mapping[str, Any], key: Any, what: str) -> Any:
-    if key not in table:
-        raise ManifestError(f"unknown {what} {key!r}")
-    return table[key]
-
-
-def _ints(value: Any, what: str) -> list[int]:
-    if not isinstance(value, list) or not all(type(v) is int and v >= 0 for v in value):
-        raise ManifestError(f"{what} must be a list of non-negative integers, got {value!r}")
-    return value
-
-
-def _decode_entry(raw: Any) -> TensorStorageMetadata | BytesStorageMetadata:
-    if not isinstance(raw, dict) or raw.get("type") not in ("tensor", "bytes"):
-        raise ManifestError(f"bad state_dict_metadata entry {raw!r}")
-    if raw["type"] == "bytes":
-        return BytesStorageMetadata()
-    props = TensorProperties(
-        dtype=_pick(_DTYPES, raw.get("dtype"), "dtype"),
-        layout=_pick(_LAYOUTS, raw.get("layout"), "layout"),
-        requires_grad=bool(raw.get("requires_grad")),
-        memory_format=_pick(_MEMORY_FORMATS, raw.get("memory_format"), "memory format"),
-        pin_memory=bool(raw.get("pin_memory")),
-    )
-    chunks = [
-        ChunkStorageMetadata(
-            offsets=torch.Size(_ints(c.get("offsets"), "chunk offsets")),
-            sizes=torch.Size(_ints(c.get("sizes"), "chunk sizes")),
-        )
-        for c in raw.get("chunks", [])
-    ]
-    return TensorStorageMetadata(
-        properties=props, size=torch.Size(_ints(raw.get("size"), "size")), chunks=chunks
-    )
-
-
-def _self_checksum(body: Mapping[str, Any]) -> str:
-    canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-    return integrity.format_checksum(integrity.checksum(canonical))
-
-
-# ---------------------------------------------------------------- build / parse
+# ---------------------------------------------------------------- build
 
 
 def build(
@@ -148,28 +84,48 @@ def build(
     locations: Mapping[MetadataIndex, ItemLocation],
     versions: Mapping[str, str],
     promote: bool = True,
-) -> bytes:
-    """Serialise a manifest for ``metadata`` whose items were written at ``locations``."""
-    files: dict[str, dict[str, Any]] = {}
-    items = []
-    for index, loc in sorted(locations.items(), key=lambda kv: (kv[1].relative_path, kv[1].offset)):
-        files.setdefault(
-            loc.relative_path,
-            {"size": loc.file_size, "checksum": loc.file_checksum, "rank": loc.rank},
-        )
-        entry = {
-            "index": _index_key(index),
-            "file": loc.relative_path,
-            "offset": loc.offset,
-            "length": loc.length,
-            "checksum": loc.checksum,
-        }
-        if loc.raw_offset is not None:
-            entry["raw_offset"] = loc.raw_offset
-        items.append(entry)
-    planner_data = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+) -> Built:
+    """Serialise the manifest of ``metadata`` whose items were written at ``locations``."""
+    fqns = list(metadata.state_dict_metadata)
+    tid = {fqn: i for i, fqn in enumerate(fqns)}
+    ordinal: dict[tuple[str, Any], int] = {}
+    writers: dict[str, list[int]] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        chunks = md.chunks if isinstance(md, TensorStorageMetadata) else [None]
+        writers[fqn] = [-1] * len(chunks)
+        for i, c in enumerate(chunks):
+            ordinal[(fqn, tuple(c.offsets) if c is not None else None)] = i
+    node_of = {r: n for n, ranks in enumerate(nodes) for r in ranks}
+    by_file: dict[str, list[tuple[int, int, ItemLocation]]] = {}
+    for index, loc in locations.items():
+        key = (index.fqn, tuple(index.offset) if index.offset is not None else None)
+        if key not in ordinal:
+            raise ManifestError(f"item {index.fqn!r} at {index.offset} is not in the metadata")
+        writers[index.fqn][ordinal[key]] = loc.rank
+        by_file.setdefault(loc.relative_path, []).append((tid[index.fqn], ordinal[key], loc))
+    files_of: dict[int, list[dict[str, Any]]] = {n: [] for n in range(len(nodes))}
+    for name in sorted(by_file):
+        rows = sorted(by_file[name], key=lambda r: r[2].offset)
+        files_of[node_of[rows[0][2].rank]].append(_encode_file(name, rows))
+    sections = {
+        node: json.dumps(
+            {
+                "format": SECTION_FORMAT,
+                "version": VERSION,
+                "step": step,
+                "save_id": save_id,
+                "node": node,
+                "files": files,
+            },
+            separators=(",", ":"),
+            ensure_ascii=False,
+        ).encode()
+        for node, files in files_of.items()
+    }
     storage_meta = metadata.storage_meta
-    body: dict[str, Any] = {
+    planner_data = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    props: list[dict[str, Any]] = []  # each distinct set of tensor properties, once
+    index_body = {
         "format": FORMAT,
         "version": VERSION,
         "step": step,
@@ -181,86 +137,127 @@ def build(
         "versions": dict(versions),
         "checksum_algorithm": integrity.ALGORITHM,
         "dcp_version": metadata.version,
-        "files": files,
-        "items": items,
-        "state_dict_metadata": {
-            fqn: _encode_entry(md) for fqn, md in metadata.state_dict_metadata.items()
-        },
+        "tensors": [
+            [fqn, _encode_entry(md, props), manifest_codec.progressions(writers[fqn])]
+            for fqn, md in metadata.state_dict_metadata.items()
+        ],
+        "properties": props,
         "planner_data": {fqn: list(path) for fqn, path in planner_data.items()},
         "storage_meta": {
             "checkpoint_id": str(storage_meta.checkpoint_id) if storage_meta else step,
             "save_id": storage_meta.save_id if storage_meta else save_id,
         },
+        "sections": [
+            [
+                node,
+                layout.manifest_section_name(node),
+                len(data),
+                integrity.format_checksum(integrity.checksum(data)),
+            ]
+            for node, data in sections.items()
+        ],
     }
-    body["manifest_checksum"] = _self_checksum(body)
-    return json.dumps(body, indent=1, sort_keys=True).encode()
+    return Built(manifest_codec.seal(index_body), sections)
+
+
+def _encode_entry(
+    md: TensorStorageMetadata | BytesStorageMetadata, props: list[dict[str, Any]]
+) -> dict[str, Any]:
+    if isinstance(md, BytesStorageMetadata):
+        return {"type": "bytes"}
+    encoded = encode_properties(md.properties)
+    if encoded not in props:
+        props.append(encoded)
+    return {
+        "type": "tensor",
+        "props": props.index(encoded),
+        "size": list(md.size),
+        **manifest_codec.encode_chunks(
+            list(md.size), [(list(c.offsets), list(c.sizes)) for c in md.chunks]
+        ),
+    }
+
+
+def _encode_file(name: str, rows: list[tuple[int, int, ItemLocation]]) -> dict[str, Any]:
+    first = rows[0][2]
+    entry: dict[str, Any] = {
+        "name": name,
+        "size": first.file_size,
+        "checksum": first.file_checksum,
+        "rank": first.rank,
+        "ids": [r[0] for r in rows],
+        "chunks": [r[1] for r in rows],
+        "lengths": [r[2].length for r in rows],
+        "crcs": "".join(r[2].checksum for r in rows),
+        "raw": [-1 if r[2].raw_offset is None else r[2].raw_offset for r in rows],
+    }
+    pos, offsets = 0, []
+    for _, _, loc in rows:
+        offsets.append(loc.offset)
+        pos = loc.offset + loc.length if pos == loc.offset else -1
+    if pos < 0:  # not back to back: say where each item starts
+        entry["offsets"] = offsets
+    return entry
+
+
+# ---------------------------------------------------------------- parse
 
 
 def parse(data: bytes, *, where: str) -> Manifest:
-    """Parse and validate manifest bytes. ``where`` names the file in error messages."""
-    hint = "restore the step from another tier or an earlier step; do not edit manifests by hand"
+    """Parse and validate a manifest (a version-2 index, or a version-1 document). A
+    version-2 manifest comes back without sections: merge them with :func:`parse_section`."""
+    if not manifest_codec.is_sealed(data):
+        return manifest_v1.parse(data, where=where)
+    if not manifest_codec.unseal(data):
+        raise ManifestError(f"{where}: manifest checksum mismatch (file was modified); {_HINT}")
     try:
         body = json.loads(data)
-    except (ValueError, RecursionError) as e:  # bad JSON, 5,000-digit numbers, deep nesting
-        raise ManifestError(f"{where}: manifest is not valid JSON ({str(e)[:200]}); {hint}") from e
+    except (ValueError, RecursionError) as e:
+        raise ManifestError(f"{where}: manifest is not valid JSON ({str(e)[:200]}); {_HINT}") from e
     if not isinstance(body, dict) or body.get("format") != FORMAT:
-        raise ManifestError(f"{where}: not a dcp_tiered manifest; {hint}")
+        raise ManifestError(f"{where}: not a dcp_tiered manifest; {_HINT}")
     if body.get("version") != VERSION:
         raise ManifestError(
             f"{where}: manifest version {body.get('version')!r} is not supported by this "
-            f"dcp_tiered (reads version {VERSION}); upgrade dcp_tiered"
+            f"dcp_tiered (reads versions 1 and {VERSION}); upgrade dcp_tiered"
         )
-    expected = body.pop("manifest_checksum", None)
-    if expected != _self_checksum(body):
-        raise ManifestError(f"{where}: manifest checksum mismatch (file was modified); {hint}")
     try:
-        return _decode(body)
+        return _decode_index(body)
     except ManifestError as e:
-        raise ManifestError(f"{where}: {e}; {hint}") from e
-    except (KeyError, TypeError, ValueError) as e:
-        raise ManifestError(f"{where}: malformed manifest ({e!r}); {hint}") from e
+        raise ManifestError(f"{where}: {e}; {_HINT}") from e
+    except (KeyError, TypeError, ValueError, IndexError, OverflowError) as e:
+        raise ManifestError(f"{where}: malformed manifest ({e!r}); {_HINT}") from e
 
 
-def _decode(body: dict[str, Any]) -> Manifest:
-    files = body["files"]
-    locations: dict[MetadataIndex, ItemLocation] = {}
-    for item in body["items"]:
-        fqn, offset, idx = item["index"]
-        index = MetadataIndex(
-            fqn=str(fqn),
-            offset=torch.Size(_ints(offset, "item offset")) if offset is not None else None,
-            index=int(idx) if idx is not None else None,
-        )
-        path = str(item["file"])
-        if path not in files or "/" in path or path.startswith("."):
-            raise ManifestError(f"item {fqn!r} points at unlisted or unsafe file {path!r}")
-        info = files[path]
-        locations[index] = ItemLocation(
-            relative_path=path,
-            offset=int(item["offset"]),
-            length=int(item["length"]),
-            checksum=str(item["checksum"]),
-            rank=int(info["rank"]),
-            file_size=int(info["size"]),
-            file_checksum=str(info["checksum"]),
-            raw_offset=int(item["raw_offset"]) if item.get("raw_offset") is not None else None,
-        )
-        loc = locations[index]
-        if min(loc.offset, loc.length, loc.file_size, loc.rank) < 0:
-            raise ManifestError(f"item {fqn!r} has a negative offset, length, size or rank")
-        if loc.offset + loc.length > loc.file_size:
-            raise ManifestError(f"item {fqn!r} extends past the end of {path!r}")
-        if not 0 <= (loc.raw_offset or 0) < loc.length:
-            raise ManifestError(f"item {fqn!r} has a raw offset outside the item")
-    sdm = {str(k): _decode_entry(v) for k, v in body["state_dict_metadata"].items()}
-    planner_data = {
-        str(k): tuple(p if isinstance(p, int) else str(p) for p in v)
-        for k, v in body["planner_data"].items()
-    }
+def _decode_index(body: dict[str, Any]) -> Manifest:
+    sdm: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+    writers: dict[str, list[int]] = {}
+    props = [decode_properties(p) for p in body["properties"]]
+    for fqn, entry, ranks in body["tensors"]:
+        fqn = str(fqn)
+        sdm[fqn] = _decode_entry(entry, fqn, props)
+        writers[fqn] = manifest_codec.unprogressions(ranks, f"writers of {fqn!r}")
+        count = len(getattr(sdm[fqn], "chunks", [None]))
+        if len(writers[fqn]) != count:
+            raise ManifestError(f"{fqn!r} has {count} chunks but {len(writers[fqn])} writers")
+    nodes = [[int(r) for r in n] for n in body["nodes"]]
+    world_size = int(body["world_size"])
+    if not 0 < world_size <= _MAX_RANKS:
+        raise ManifestError(f"world size {world_size} is out of range")
+    if sorted(r for n in nodes for r in n) != list(range(world_size)):
+        raise ManifestError(f"nodes {nodes} do not cover ranks 0..{world_size - 1}")
+    sections = {}
+    for node, name, size, checksum in body["sections"]:
+        if name != layout.manifest_section_name(node) or not 0 <= node < len(nodes):
+            raise ManifestError(f"section {name!r} of node {node} is not a section name")
+        sections[int(node)] = SectionRef(int(node), str(name), int(size), str(checksum))
     metadata = Metadata(
         state_dict_metadata=sdm,
-        planner_data=planner_data,
-        storage_data=dict(locations),
+        planner_data={
+            str(k): tuple(p if isinstance(p, int) else str(p) for p in v)
+            for k, v in body["planner_data"].items()
+        },
+        storage_data={},
         storage_meta=StorageMeta(
             checkpoint_id=body["storage_meta"]["checkpoint_id"],
             save_id=body["storage_meta"]["save_id"],
@@ -270,11 +267,124 @@ def _decode(body: dict[str, Any]) -> Manifest:
     return Manifest(
         step=str(body["step"]),
         save_id=str(body["save_id"]),
-        world_size=int(body["world_size"]),
+        world_size=world_size,
         committed_at_ns=int(body["committed_at_ns"]),
-        files=files,
-        nodes=[_ints(n, "node ranks") for n in body["nodes"]],
+        files={},
+        nodes=nodes,
         metadata=metadata,
-        locations=locations,
+        locations={},
         promote=bool(body.get("promote", True)),
+        version=VERSION,
+        sections=sections,
+        writers=writers,
+        fqns=tuple(sdm),
     )
+
+
+def _decode_entry(
+    raw: Any, fqn: str, props: list[TensorProperties]
+) -> TensorStorageMetadata | BytesStorageMetadata:
+    if not isinstance(raw, dict) or raw.get("type") not in ("tensor", "bytes"):
+        raise ManifestError(f"bad entry for {fqn!r}: {raw!r}")
+    if raw["type"] == "bytes":
+        return BytesStorageMetadata()
+    size = raw.get("size")
+    if not isinstance(size, list) or not all(type(v) is int and v >= 0 for v in size):
+        raise ManifestError(f"{fqn!r}: bad size {size!r}")
+    chunks = manifest_codec.decode_chunks(raw, len(size), f"chunks of {fqn!r}")
+    which = raw.get("props")
+    if type(which) is not int or not 0 <= which < len(props):
+        raise ManifestError(f"{fqn!r}: bad properties reference {which!r}")
+    return TensorStorageMetadata(
+        properties=props[which],
+        size=torch.Size(size),
+        chunks=[ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in chunks],
+    )
+
+
+def parse_section(m: Manifest, node: int, data: bytes, *, where: str) -> Manifest:
+    """``m`` with node ``node``'s section merged in, after checking it is the one the index
+    names (size and CRC32C) and that every item in it is where the index says."""
+    ref = m.sections.get(node)
+    if ref is None:
+        raise ManifestError(f"{where}: the manifest of {m.step} has no section for node {node}")
+    crc = integrity.format_checksum(integrity.checksum(data))
+    if len(data) != ref.size or crc != ref.checksum:
+        raise ManifestError(
+            f"{where}: section of node {node} does not match the index ({len(data)} bytes, "
+            f"{integrity.ALGORITHM} {crc}; index says {ref.size} bytes, {ref.checksum}); {_HINT}"
+        )
+    try:
+        body = json.loads(data)
+        if (
+            body.get("format") != SECTION_FORMAT
+            or body.get("version") != VERSION
+            or (body.get("step"), body.get("save_id"), body.get("node"))
+            != (m.step, m.save_id, node)
+        ):
+            raise ManifestError("not this step's section of this node")
+        files: dict[str, dict[str, Any]] = {}
+        locs: dict[MetadataIndex, ItemLocation] = {}
+        for entry in body["files"]:
+            _decode_file(m, node, entry, files, locs)
+    except ManifestError as e:
+        raise ManifestError(f"{where}: {e}; {_HINT}") from e
+    except (KeyError, TypeError, ValueError, IndexError, OverflowError) as e:
+        raise ManifestError(f"{where}: malformed manifest section ({e!r}); {_HINT}") from e
+    return m.with_locations(node, files, locs)
+
+
+def _decode_file(
+    m: Manifest,
+    node: int,
+    entry: dict[str, Any],
+    files: dict[str, dict[str, Any]],
+    locs: dict[MetadataIndex, ItemLocation],
+) -> None:
+    name, size, rank = str(entry["name"]), int(entry["size"]), int(entry["rank"])
+    if "/" in name or name.startswith(".") or name in files:
+        raise ManifestError(f"unsafe or repeated file name {name!r}")
+    if rank not in m.nodes[node] or size < 0:
+        raise ManifestError(f"file {name!r} of rank {rank} (size {size}) is not node {node}'s")
+    checksum = str(entry["checksum"])
+    files[name] = {"size": size, "checksum": checksum, "rank": rank}
+    ids, chunks, lengths, raws = entry["ids"], entry["chunks"], entry["lengths"], entry["raw"]
+    crcs = str(entry["crcs"])
+    count = len(ids)
+    offsets = entry.get("offsets")
+    if not len(chunks) == len(lengths) == len(raws) == count or len(crcs) != 8 * count:
+        raise ManifestError(f"file {name!r}: item columns of different lengths")
+    if offsets is not None and len(offsets) != count:
+        raise ManifestError(f"file {name!r}: item columns of different lengths")
+    pos = 0
+    for i in range(count):
+        fqn = m.fqns[ids[i]] if 0 <= ids[i] < len(m.fqns) else None
+        if fqn is None or not 0 <= chunks[i] < len(m.writers[fqn]):
+            raise ManifestError(f"file {name!r}: item {i} names no chunk of the index")
+        if m.writers[fqn][chunks[i]] != rank:
+            raise ManifestError(f"file {name!r}: {fqn!r} was not written by rank {rank}")
+        md = m.metadata.state_dict_metadata[fqn]
+        offset = int(offsets[i]) if offsets is not None else pos
+        length, raw = int(lengths[i]), int(raws[i])
+        if offset < 0 or length < 0 or offset + length > size or not -1 <= raw < max(length, 1):
+            raise ManifestError(f"item {fqn!r} lies outside {name!r} or its raw offset is bad")
+        if isinstance(md, TensorStorageMetadata):
+            index = MetadataIndex(fqn, md.chunks[chunks[i]].offsets, chunks[i])
+        else:
+            index = MetadataIndex(fqn)
+        locs[index] = ItemLocation(
+            relative_path=name,
+            offset=offset,
+            length=length,
+            checksum=crcs[8 * i : 8 * i + 8],
+            rank=rank,
+            file_size=size,
+            file_checksum=checksum,
+            raw_offset=None if raw < 0 else raw,
+        )
+        pos = offset + length
+
+
+def needed_sections(m: Manifest, indices: Any) -> list[int]:
+    """The sections not yet merged into ``m`` that locate ``indices``."""
+    return m.missing(m.nodes_holding(indices))

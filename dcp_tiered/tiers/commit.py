@@ -5,13 +5,18 @@ manifest, then DCP's ``.metadata``, fsyncs, and renames the temporary directory 
 name. The job-wide coordinator (rank 0) decides; the other nodes' leaders follow a two-phase
 handshake through the c10d store, which never interleaves with DCP's collectives:
 
-    coordinator                         leader of node n (background thread)
-    store manifest + .metadata  ─────▶  write both into its temporary dir, fsync
-                                ◀─────  prepared/n = ok | error
+    coordinator                           leader of node n (background thread)
+    store the index + each node's section ─▶  write the index and its section, fsync
+                                          ◀─  prepared/n = ok | error
     rename own dir (the commit point)
-    decision = commit | abort   ─────▶  rename its dir (or delete it on abort)
-                                ◀─────  done/n = ok | error
+    decision = commit | abort             ─▶  rename its dir (or delete it on abort)
+                                          ◀─  done/n = ok | error
     return (so dcp.save returns on every rank only after every node has published)
+
+Each node receives the manifest's index and its own section only (the coordinator's node keeps
+every section and DCP's ``.metadata``), so the bytes through the store grow with the state, not
+with nodes x ranks. The coordinator's store traffic is batched: one ``multi_set`` of the
+sections, and per phase one ``wait`` and one ``multi_get`` over every node's key.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from __future__ import annotations
 import datetime
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..backends.local import LocalBackend
@@ -32,10 +37,11 @@ _OK = b"ok"
 
 
 def write_step_files(
-    backend: LocalBackend, tmp: str, manifest_bytes: bytes, metadata_bytes: bytes, *, sync: bool
+    backend: LocalBackend, tmp: str, files: Mapping[str, bytes], *, sync: bool
 ) -> None:
-    backend.write_file(tmp, layout.MANIFEST_NAME, manifest_bytes, sync=sync)
-    backend.write_file(tmp, layout.DCP_METADATA_NAME, metadata_bytes, sync=sync)
+    """Write a step's manifest files (index last) into ``tmp`` before its rename."""
+    for name, data in files.items():
+        backend.write_file(tmp, name, data, sync=sync)
     if sync:
         backend.sync_dir(tmp)
 
@@ -82,14 +88,13 @@ def build_and_publish(
     step: str,
     save_id: str,
     fill: Callable[[str], None],
-    manifest_bytes: bytes,
-    metadata_bytes: bytes,
+    files: Mapping[str, bytes],
     *,
     what: str,
 ) -> None:
     """Commit a step made outside a save (adopted or hydrated from the remote) as a save is
     committed: a hidden temporary directory, locked so that no sweep takes it while
-    ``fill(tmp)`` writes its data, then the manifest and .metadata last, fsync, and the rename.
+    ``fill(tmp)`` writes its data, then the manifest files last, fsync, and the rename.
     A failure or a crash leaves no step that looks committed but lacks files: the temporary
     directory is removed here, or swept as abandoned once its lock dies with the process."""
     tmp = layout.tmp_dir_name(step, save_id)
@@ -98,7 +103,7 @@ def build_and_publish(
     try:
         lock = backend.lock_shared(tmp)
         fill(tmp)
-        write_step_files(backend, tmp, manifest_bytes, metadata_bytes, sync=True)
+        write_step_files(backend, tmp, files, sync=True)
         publish_step(backend, step, save_id, tmp)
     except BaseException:
         if lock is not None:
@@ -117,39 +122,59 @@ def build_and_publish(
 class Handshake:
     """The store keys of one save's cross-node commit."""
 
-    def __init__(self, store: Any, save_id: str, timeout_secs: float) -> None:
+    def __init__(self, store: Any, save_id: str, timeout_secs: float, nodes: int = 1) -> None:
         self._store = store
         self._prefix = f"dcp_tiered/commit/{save_id}/"
-        self._timeout = datetime.timedelta(seconds=timeout_secs)
+        # Each phase waits for every node: allow for the slowest of many (20 ms a node).
+        self._timeout = datetime.timedelta(seconds=timeout_secs + 0.02 * nodes)
 
-    def _get(self, key: str) -> bytes:
+    def _keys(self, keys: list[str]) -> list[str]:
+        return [self._prefix + k for k in keys]
+
+    def _get_all(self, keys: list[str]) -> list[bytes]:
         try:
-            self._store.wait([self._prefix + key], self._timeout)
+            self._store.wait(self._keys(keys), self._timeout)
         except RuntimeError as e:  # c10d reports a wait timeout as RuntimeError
+            missing = [k for k in keys if not self._store.check(self._keys([k]))][:8]
             raise CommitError(
-                f"no '{key}' from the other nodes within {self._timeout.total_seconds():.0f} s "
+                f"no {missing} from the other nodes within {self._timeout.total_seconds():.0f} s "
                 "(a rank probably failed); the step was not published"
             ) from e
-        return bytes(self._store.get(self._prefix + key))
+        if len(keys) > 1 and self._has_batches():
+            return [bytes(v) for v in self._store.multi_get(self._keys(keys))]
+        return [bytes(self._store.get(k)) for k in self._keys(keys)]
+
+    def _get(self, key: str) -> bytes:
+        return self._get_all([key])[0]
 
     def _set(self, key: str, value: bytes) -> None:
         self._store.set(self._prefix + key, value)
+
+    def _has_batches(self) -> bool:
+        try:
+            return bool(self._store.has_extended_api())
+        except (AttributeError, RuntimeError):
+            return False
 
     # ------------------------------------------------------------ coordinator
 
     def coordinate(
         self,
         other_nodes: list[int],
-        manifest_bytes: bytes,
-        metadata_bytes: bytes,
+        index: bytes,
+        sections: Mapping[int, bytes],
         publish_own: Callable[[], None],
     ) -> None:
         decided = False
         try:
-            self._set("manifest", manifest_bytes)
-            self._set("metadata", metadata_bytes)
-            failures = {n: self._get(f"prepared/{n}") for n in other_nodes}
-            failures = {n: v for n, v in failures.items() if v != _OK}
+            keys = [f"section/{n}" for n in other_nodes]
+            if self._has_batches():
+                self._store.multi_set(self._keys(keys), [sections[n] for n in other_nodes])
+            else:
+                for key, n in zip(keys, other_nodes):
+                    self._set(key, sections[n])
+            self._set("index", index)
+            failures = self._failures("prepared", other_nodes)
             if failures:
                 raise CommitError(f"nodes could not prepare the step: {_describe(failures)}")
             publish_own()
@@ -158,12 +183,15 @@ class Handshake:
         finally:
             if not decided:
                 self._set("decision", b"abort")
-        done = {n: self._get(f"done/{n}") for n in other_nodes}
-        failed = {n: v for n, v in done.items() if v != _OK}
+        failed = self._failures("done", other_nodes)
         if failed:
             raise CommitError(
                 f"step published on the coordinator's node but not on: {_describe(failed)}"
             )
+
+    def _failures(self, phase: str, nodes: list[int]) -> dict[int, bytes]:
+        values = self._get_all([f"{phase}/{n}" for n in nodes])
+        return {n: v for n, v in zip(nodes, values) if v != _OK}
 
     # ------------------------------------------------------------ other node leaders
 
@@ -176,8 +204,8 @@ class Handshake:
     ) -> threading.Thread:
         def run() -> None:
             try:
-                manifest_bytes, metadata_bytes = self._get("manifest"), self._get("metadata")
-                self._report(f"prepared/{node}", lambda: prepare(manifest_bytes, metadata_bytes))
+                index, section = self._get_all(["index", f"section/{node}"])
+                self._report(f"prepared/{node}", lambda: prepare(index, section))
                 if self._get("decision") == b"commit":
                     self._report(f"done/{node}", publish)
                 else:

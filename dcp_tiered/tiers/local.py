@@ -7,6 +7,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..backends.local import LocalBackend
@@ -138,18 +139,37 @@ class LocalTier:
             ):
                 self.discard_pending(name, reason=f"left by a save of {name} that never committed")
 
-    def read_manifest(self, step: str) -> manifest.Manifest:
-        where = os.path.join(self.root, step, layout.MANIFEST_NAME)
+    def read_manifest(self, step: str, nodes: Iterable[int] | None = None) -> manifest.Manifest:
+        """The step's manifest with the sections of ``nodes`` merged in (default: every
+        section this directory holds: its own node's, or all on the coordinator's node)."""
+        m = manifest.parse(self._read_meta(step, layout.MANIFEST_NAME), where=self._where(step))
+        if nodes is None:
+            here = set(self.backend.list_files(step))
+            nodes = [n for n, ref in m.sections.items() if ref.name in here]
+        return self.merge_sections(step, m, nodes)
+
+    def merge_sections(
+        self, step: str, m: manifest.Manifest, nodes: Iterable[int]
+    ) -> manifest.Manifest:
+        for node in m.missing(nodes):
+            name = layout.manifest_section_name(node)
+            where = self._where(step, name)
+            m = manifest.parse_section(m, node, self._read_meta(step, name), where=where)
+        return m
+
+    def _where(self, step: str, name: str = layout.MANIFEST_NAME) -> str:
+        return os.path.join(self.root, step, name)
+
+    def _read_meta(self, step: str, name: str) -> bytes:
         try:
-            data = self.backend.read_file(step, layout.MANIFEST_NAME)
+            return self.backend.read_file(step, name)
         except FileNotFoundError:
             raise
         except OSError as e:  # a link, FIFO or device where the manifest should be
             raise ManifestError(
-                f"{where}: cannot be read as a manifest ({e.strerror}); restore "
-                "the step from another tier or load an earlier step"
+                f"{self._where(step, name)}: cannot be read as a manifest ({e.strerror}); "
+                "restore the step from another tier or load an earlier step"
             ) from e
-        return manifest.parse(data, where=where)
 
     def delete_step(self, step: str, *, reason: str) -> None:
         """Delete a committed step. It is renamed out of sight first, so a crash halfway

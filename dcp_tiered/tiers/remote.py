@@ -6,8 +6,8 @@ step is committed by this protocol, so partial uploads are never visible:
 
 1. every node uploads its own data files (skipping objects already there with the right size
    and checksum), then writes its completion record ``STEP/_nodes/node-K.json``;
-2. the coordinator's node (the one holding rank 0's files) waits for every node's record, then
-   writes ``STEP/manifest.json`` and ``STEP/.metadata``;
+2. the coordinator's node (the one holding rank 0's files and every manifest section) waits
+   for every node's record, then writes the sections, ``.metadata`` and the manifest's index;
 3. last, it creates the commit marker ``STEP/_COMMITTED.json`` exclusively (If-None-Match).
 Readers trust only steps with a marker.
 """
@@ -20,7 +20,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from .._daemon_pool import DaemonPool
@@ -174,9 +174,18 @@ class Promotion:
                     )
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
+        if not m.complete:
+            raise UploadFailedError(
+                f"step {self.step!r} in {self.tier.root} lacks manifest sections "
+                f"{m.missing(m.sections)}, so it cannot be committed on the remote; it stays "
+                "committed locally"
+            )
         backend = self.tier.backend
-        self.remote.put_bytes(keys.manifest, backend.read_file(self.step, layout.MANIFEST_NAME))
+        for node in m.sections:
+            name = layout.manifest_section_name(node)
+            self.remote.put_bytes(keys.section(node), backend.read_file(self.step, name))
         self.remote.put_bytes(keys.metadata, backend.read_file(self.step, layout.DCP_METADATA_NAME))
+        self.remote.put_bytes(keys.manifest, backend.read_file(self.step, layout.MANIFEST_NAME))
         marker = layout.marker_body(
             self.step, m.save_id, m.committed_at_ns, self.remote.config.prefix_strategy
         )
@@ -408,6 +417,50 @@ def durability(tier: LocalTier, remote: RemoteBackend | None, step: str) -> Dura
     raise CheckpointNotFoundError(f"step {step!r} is neither in {tier.root} nor remote")
 
 
+def read_manifest(
+    remote: RemoteBackend, keys: layout.RemoteKeys, nodes: Iterable[int] | None = None
+) -> Manifest:
+    """A committed save's manifest, with the sections of ``nodes`` (default: all) merged in."""
+    return read_manifest_files(remote, keys, nodes)[0]
+
+
+def merge_sections(
+    remote: RemoteBackend, keys: layout.RemoteKeys, m: Manifest, nodes: Iterable[int]
+) -> Manifest:
+    for node in m.missing(nodes):
+        key = keys.section(node)
+        m = manifest.parse_section(m, node, remote.get_bytes(key), where=remote.url(key))
+    return m
+
+
+def read_manifest_files(
+    remote: RemoteBackend, keys: layout.RemoteKeys, nodes: Iterable[int] | None = None
+) -> tuple[Manifest, dict[str, bytes]]:
+    """The manifest (as :func:`read_manifest`) and the bytes of its files, by file name."""
+    index = remote.get_bytes(keys.manifest)
+    m = manifest.parse(index, where=remote.url(keys.manifest))
+    files = {}
+    for node in m.sections if nodes is None else nodes:
+        key = keys.section(node)
+        files[layout.manifest_section_name(node)] = data = remote.get_bytes(key)
+        m = manifest.parse_section(m, node, data, where=remote.url(key))
+    files[layout.MANIFEST_NAME] = index  # last, as a save writes it
+    return m, files
+
+
+def _sections_for(
+    remote: RemoteBackend, keys: layout.RemoteKeys, m: Manifest, have: dict[str, bytes]
+) -> dict[str, bytes]:
+    """The sections of ``m.loaded`` that ``have`` lacks, from the remote (a hydrated step
+    keeps the sections of every file it holds)."""
+    out = {}
+    for node in m.loaded:
+        name = layout.manifest_section_name(node)
+        if name not in have:
+            out[name] = remote.get_bytes(keys.section(node))
+    return out
+
+
 def adopt_remote_step(tier: LocalTier, remote: RemoteBackend, step: str) -> None:
     """Commit a durable remote step on the local tier as its manifest and ``.metadata`` alone.
 
@@ -420,16 +473,10 @@ def adopt_remote_step(tier: LocalTier, remote: RemoteBackend, step: str) -> None
     keys = keys_of_step(remote, step)
     if keys is None:
         raise CheckpointNotFoundError(f"step {step!r} is not committed on {remote.config.url}")
-    manifest_bytes = remote.get_bytes(keys.manifest)
-    m = manifest.parse(manifest_bytes, where=remote.url(keys.manifest))
+    m, files = read_manifest_files(remote, keys)
+    files = {layout.DCP_METADATA_NAME: remote.get_bytes(keys.metadata), **files}
     commit.build_and_publish(
-        tier.backend,
-        step,
-        m.save_id,
-        lambda tmp: None,
-        manifest_bytes,
-        remote.get_bytes(keys.metadata),
-        what="adoption of the remote step",
+        tier.backend, step, m.save_id, lambda tmp: None, files, what="adoption of the remote step"
     )
     logger.info(
         "adopted step=%s from %s into %s (data stays remote)", step, remote.config.url, tier.root
@@ -476,10 +523,12 @@ def hydrate_step(
                     f"the local {step} in {tier.root} is another save ({here.save_id}) than the "
                     f"remote copy being read ({m.save_id}); they are never mixed"
                 )
-            manifest_bytes = backend.read_file(step, layout.MANIFEST_NAME)
-            metadata_bytes = backend.read_file(step, layout.DCP_METADATA_NAME)
+            meta = {}
             for name in backend.list_files(step):
-                if name in names or name in (layout.MANIFEST_NAME, layout.DCP_METADATA_NAME):
+                if layout.is_step_metadata(name):
+                    meta[name] = backend.read_file(step, name)
+                    continue
+                if name in names:
                     continue
                 if not backend.is_regular_file(step, name):
                     raise ManifestError(
@@ -488,10 +537,10 @@ def hydrate_step(
                     )
                 keep.append(name)
         else:
-            manifest_bytes = remote.get_bytes(keys.manifest)
-            if manifest.parse(manifest_bytes, where=remote.url(keys.manifest)).save_id != m.save_id:
+            there, meta = read_manifest_files(remote, keys, m.loaded)
+            if there.save_id != m.save_id:
                 raise ManifestError(f"the remote {step} changed while it was being read")
-            metadata_bytes = remote.get_bytes(keys.metadata)
+            meta[layout.DCP_METADATA_NAME] = remote.get_bytes(keys.metadata)
 
         def fill(tmp: str) -> None:
             for name in keep:
@@ -512,8 +561,7 @@ def hydrate_step(
             step,
             f"h{uuid.uuid4().hex[:11]}",
             fill,
-            manifest_bytes,
-            metadata_bytes,
+            {**_sections_for(remote, keys, m, meta), **meta},
             what="hydration",
         )
     finally:

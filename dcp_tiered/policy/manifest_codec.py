@@ -1,0 +1,167 @@
+"""Compact encodings the manifest uses, so that its size and parse time grow with the state's
+shape, not with the number of ranks. Pure: no I/O.
+
+- Runs: ``[[value, count], ...]`` for lists with repeats (the sizes of a tensor's shards).
+- Progressions: ``[[start, step, count], ...]`` for lists of ranks (FSDP's chunk ``i`` is
+  written by rank ``i``: one triple for all of them).
+- Chunk grids: a tensor sharded as a grid (FSDP, TP, both) is stored as each dimension's
+  split sizes; any other chunk list is stored explicitly.
+- Sealing: the checksum of a JSON document's own bytes appended as its last member, so a
+  manifest is serialised once and verified without re-encoding it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import ManifestError
+from . import integrity
+
+_SEAL_KEY = "manifest_checksum"
+# ,"manifest_checksum":"0123abcd"}  -- a fixed-length tail, found without parsing
+_SEAL_LEN = len(f',"{_SEAL_KEY}":"') + 8 + 2
+
+
+def runs(values: Sequence[int]) -> list[list[int]]:
+    out: list[list[int]] = []
+    for v in values:
+        if out and out[-1][0] == v:
+            out[-1][1] += 1
+        else:
+            out.append([v, 1])
+    return out
+
+
+def unruns(encoded: Any, what: str) -> list[int]:
+    out: list[int] = []
+    for pair in _list(encoded, what):
+        value, count = _ints(pair, 2, what)
+        out.extend([value] * count)
+    return out
+
+
+def progressions(values: Sequence[int]) -> list[list[int]]:
+    out: list[list[int]] = []
+    for v in values:
+        if out:
+            start, step, count = out[-1]
+            if count == 1:
+                out[-1] = [start, v - start, 2]
+                continue
+            if start + step * count == v:
+                out[-1][2] += 1
+                continue
+        out.append([v, 0, 1])
+    return out
+
+
+def unprogressions(encoded: Any, what: str) -> list[int]:
+    out: list[int] = []
+    for triple in _list(encoded, what):
+        start, step, count = _ints(triple, 3, what, signed=True)
+        if count < 0:
+            raise ManifestError(f"{what}: negative count")
+        out.extend(range(start, start + step * count, step) if step else [start] * count)
+    return out
+
+
+def encode_chunks(size: Sequence[int], chunks: Sequence[tuple[Sequence[int], Sequence[int]]]):
+    """``{"grid": [runs of split sizes per dim]}`` when the chunks, in order, are the row-major
+    product of per-dimension splits that tile the tensor; else ``{"chunks": [[*offsets,
+    *sizes], ...]}``."""
+    splits = [_splits(d, n, chunks) for d, n in enumerate(size)] if size else None
+    if splits is not None and all(s is not None for s in splits):
+        grid = itertools.product(*[_with_offsets(s) for s in splits])  # type: ignore[arg-type]
+        expected = 0
+        for expected, (want, (offsets, sizes)) in enumerate(zip(grid, chunks), start=1):
+            if tuple(o for o, _ in want) != tuple(offsets) or tuple(s for _, s in want) != tuple(
+                sizes
+            ):
+                break
+        else:
+            if expected == len(chunks) == _product(len(s) for s in splits):  # type: ignore[arg-type]
+                return {"grid": [runs(s) for s in splits]}  # type: ignore[arg-type]
+    return {"chunks": [[*offsets, *sizes] for offsets, sizes in chunks]}
+
+
+def decode_chunks(encoded: Any, ndim: int, what: str) -> list[tuple[list[int], list[int]]]:
+    if not isinstance(encoded, dict):
+        raise ManifestError(f"{what}: bad chunk list {encoded!r}")
+    if "grid" in encoded:
+        dims = _list(encoded["grid"], what)
+        if len(dims) != ndim:
+            raise ManifestError(f"{what}: grid has {len(dims)} dimensions, tensor {ndim}")
+        splits = [_with_offsets(unruns(d, what)) for d in dims]
+        return [([o for o, _ in cell], [s for _, s in cell]) for cell in itertools.product(*splits)]
+    out = []
+    for row in _list(encoded.get("chunks"), what):
+        values = _ints(row, 2 * ndim, what)
+        out.append((values[:ndim], values[ndim:]))
+    return out
+
+
+def seal(body: dict[str, Any]) -> bytes:
+    """Compact JSON of ``body`` with the CRC32C of those bytes appended as its last member."""
+    raw = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+    crc = integrity.format_checksum(integrity.checksum(raw))
+    return raw[:-1] + f',"{_SEAL_KEY}":"{crc}"}}'.encode()
+
+
+def is_sealed(data: bytes) -> bool:
+    return data.endswith(b'"}') and data[-_SEAL_LEN:].startswith(f',"{_SEAL_KEY}":"'.encode())
+
+
+def unseal(data: bytes) -> bool:
+    """Whether sealed ``data`` still has the checksum it was sealed with."""
+    if not is_sealed(data):
+        return False
+    raw = data[:-_SEAL_LEN] + b"}"
+    return integrity.format_checksum(integrity.checksum(raw)) == data[-10:-2].decode("ascii")
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _splits(dim: int, length: int, chunks: Sequence[tuple[Sequence[int], Sequence[int]]]):
+    """The sizes of the distinct pieces chunks cut dimension ``dim`` into, if they tile it."""
+    pieces = sorted({(offsets[dim], sizes[dim]) for offsets, sizes in chunks})
+    pos = 0
+    for offset, piece in pieces:
+        if offset != pos or piece <= 0:
+            return None
+        pos += piece
+    return [piece for _, piece in pieces] if pos == length else None
+
+
+def _with_offsets(sizes: list[int]) -> list[tuple[int, int]]:
+    out, pos = [], 0
+    for size in sizes:
+        out.append((pos, size))
+        pos += size
+    return out
+
+
+def _product(values: Any) -> int:
+    total = 1
+    for v in values:
+        total *= v
+    return total
+
+
+def _list(value: Any, what: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise ManifestError(f"{what}: expected a list, got {type(value).__name__}")
+    return value
+
+
+def _ints(value: Any, n: int, what: str, *, signed: bool = False) -> list[int]:
+    if (
+        not isinstance(value, list)
+        or len(value) != n
+        or not all(type(v) is int and (signed or v >= 0) for v in value)
+    ):
+        raise ManifestError(f"{what}: expected {n} non-negative integers, got {value!r}")
+    return value
