@@ -29,7 +29,7 @@ from .config import RemoteConfig
 from .errors import IntegrityError
 from .reader import TieredStorageReader
 
-BATCH_BYTES = 64 * 2**20  # small tensors share one read_data call (and its coalesced GETs)
+BATCH_BYTES = 16 * 2**20  # small tensors share one read_data call (and its coalesced GETs)
 
 
 class StepItems:

@@ -4,6 +4,9 @@ file:// remote and the moto S3 server; a 2-rank FSDP2 step for tensors split int
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -246,3 +249,46 @@ def test_export_assembles_tensors_sharded_across_ranks(tmp_path, capsys):
     assert sorted(got) == sorted(full)
     assert all(_bitwise_equal(got[k], full[k]) for k in full)
     assert main(["diff", str(root), "step-2", "step-2"]) == 0
+
+
+_PEAK = """
+import sys
+import dcp_tiered.cli_data, dcp_tiered.cli_export, safetensors.torch  # all imports done
+from dcp_tiered.cli import main
+
+
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # resets the peak (VmHWM) to the current resident size
+before = status("VmRSS:")
+code = main(sys.argv[1:])
+print(status("VmHWM:") - before, code)
+"""
+
+
+def test_export_streams_a_step_tensor_by_tensor(tmp_path):
+    """A 128 MiB state in one shard: the export's memory grows by a batch of tensors (16 MiB),
+    not by the state, nor by the shard."""
+    state = {f"layer{i}.w": torch.full((512, 1024), float(i)) for i in range(64)}  # 2 MiB each
+    root = tmp_path / "root"
+    _save(root, "step-1", state)
+    del state
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-c", _PEAK, "export", str(root), "step-1", str(out), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    grew, code = proc.stdout.strip().splitlines()[-1].split()
+    assert int(code) == 0, proc.stderr[-2000:]
+    assert len(json.loads("\n".join(proc.stdout.splitlines()[:-1]))["files"]) == 1
+    assert int(grew) < 64 * 2**20, f"export grew by {int(grew) / 2**20:.0f} MiB"
+    got = safetensors_torch.load_file(str(out / "model-00001-of-00001.safetensors"))
+    assert all(bool((got[f"layer{i}.w"] == i).all()) for i in range(64))
