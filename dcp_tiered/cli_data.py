@@ -188,7 +188,7 @@ def cmd_verify_remote(run: Run) -> int:
         total = sum(int(f["size"]) for f in m.files.values())
         if remote.stat(keys.metadata) is None:
             problems.append(f"{layout.DCP_METADATA_NAME}: missing")
-        with progress(total if args.read_back else 0, f"verify {name}", run) as bar:
+        with progress(total, f"verify {name}", run) as bar:
             for file, info in sorted(m.files.items()):
                 key, size = keys.file(file), int(info["size"])
                 stat = remote.stat(key)
@@ -203,7 +203,7 @@ def cmd_verify_remote(run: Run) -> int:
                 else:
                     crc = remote_tier.remote_checksum(remote, key, size, read_back=True)
                     how, read_bytes = "read", read_bytes + size
-                    bar.update(size)
+                bar.update(size)
                 checked[how] += 1
                 if crc is None:
                     problems.append(f"{file}: the store's own checksum fails on read")
