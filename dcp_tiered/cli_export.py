@@ -122,6 +122,11 @@ def cmd_export(run: Run) -> int:
     parent = os.path.dirname(out)
     if not os.path.isdir(parent):
         raise ConfigError(f"{parent} is not a directory: OUT's parent must exist")
+    root = os.path.realpath(run.tier.root)
+    if os.path.commonpath([os.path.realpath(out), root]) in (root, os.path.realpath(out)):
+        raise ConfigError(  # --force would replace a step, or the whole tier
+            f"{out} is inside the tier root {root} (or holds it): export outside it"
+        )
     if os.path.lexists(out) and not args.force:
         raise CheckpointExistsError(
             f"{out} exists: nothing was written. Give another OUT, or --force to replace it"
