@@ -1,4 +1,4 @@
-"""Command line: ``dcp-tiered ls|verify|status|inspect|pull|rm|prune|convert``.
+"""Command line: ``dcp-tiered ls|verify|status|inspect|diff|export|pull|rm|prune|convert``.
 
 Exit status, every command: 0 done; 1 a problem was found in the data (a corrupt or missing
 file, a manifest that does not parse); 2 usage or configuration error, or a refusal (nothing was
@@ -117,6 +117,20 @@ def _parser() -> argparse.ArgumentParser:
     command("ls", "list steps with sizes and state")
     verify = command("verify", "check every file against its manifest checksum")
     verify.add_argument("step", nargs="?", help="a step name or 'latest' (default: all steps)")
+    verify.add_argument(
+        "--remote",
+        nargs="?",
+        const="",
+        metavar="URL",
+        help="check the remote copy instead: sizes, and checksums where the store recorded "
+        "them at upload (no download); other objects are read back (URL: default the one "
+        "recorded in ROOT; give STEP before --remote)",
+    )
+    verify.add_argument(
+        "--read-back",
+        action="store_true",
+        help="with --remote: read every object back and checksum its bytes",
+    )
     status = command(
         "status",
         "steps of every tier (memory, local, remote) and their durability",
@@ -135,6 +149,35 @@ def _parser() -> argparse.ArgumentParser:
         default="latest",
         help="a step name or 'latest' (default), local or remote",
     )
+    diff = command(
+        "diff",
+        "which tensors and values of two steps differ, and by how much "
+        "(every item verified; exit 1 when they differ)",
+        remote=remote_help,
+    )
+    diff.add_argument("step_a", help="a step name or 'latest'")
+    diff.add_argument("step_b", help="a step name or 'latest'")
+    export = command(
+        "export",
+        "a step's tensors as Hugging Face style sharded safetensors (or torch.save "
+        "shards) with an index, streamed from any tier, every item verified",
+        remote=remote_help,
+    )
+    export.add_argument("step", help="a step name or 'latest'")
+    export.add_argument("out", help="the directory to create (must not exist, unless --force)")
+    export.add_argument("--format", choices=["safetensors", "torch"], default="safetensors")
+    export.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        metavar="SIZE",
+        help="largest output file (a larger tensor gets its own): 5GB (default), 500MiB, bytes",
+    )
+    export.add_argument(
+        "--prefix",
+        help="export only the tensors whose name starts with PREFIX, named without it "
+        "(e.g. 'app.model.')",
+    )
+    export.add_argument("--force", action="store_true", help="replace an existing OUT")
     pull = command(
         "pull",
         "copy a durable remote step to the local tier: every file "
@@ -266,7 +309,7 @@ def _run(args: argparse.Namespace, fields: dict[str, Any], errors: list[dict[str
         print(f"dcp-tiered: {message}", file=sys.stderr)
         errors.append({"type": "ConfigError", "message": message})
         return USAGE
-    from . import cli_ops, cli_steps
+    from . import cli_data, cli_export, cli_ops, cli_steps
     from .errors import (
         DcpTieredError,
         IntegrityError,
@@ -279,15 +322,21 @@ def _run(args: argparse.Namespace, fields: dict[str, Any], errors: list[dict[str
     log = logging.getLogger("dcp_tiered")
     shown = logging.StreamHandler(sys.stderr)
     shown.setFormatter(logging.Formatter("dcp-tiered: %(message)s"))
-    shown.setLevel(logging.INFO if args.command in ("pull", "rm", "prune") else logging.WARNING)
+    shown.setLevel(
+        logging.INFO if args.command in ("pull", "rm", "prune", "export") else logging.WARNING
+    )
     log.addHandler(shown)
     level = log.level
     log.setLevel(min(level or logging.WARNING, shown.level))
     handler = {
         "ls": cli_steps.cmd_ls,
-        "verify": cli_steps.cmd_verify,
+        "verify": cli_data.cmd_verify_remote
+        if getattr(args, "remote", None) is not None
+        else cli_steps.cmd_verify,
         "status": cli_steps.cmd_status,
         "inspect": cli_steps.cmd_inspect,
+        "diff": cli_data.cmd_diff,
+        "export": cli_export.cmd_export,
         "pull": cli_ops.cmd_pull,
         "rm": cli_ops.cmd_rm,
         "prune": cli_ops.cmd_prune,

@@ -15,7 +15,7 @@ from .backends.local import LocalBackend
 from .backends.remote import RemoteBackend, remote_backend
 from .cli import OK, PROBLEM, UNREADABLE, error_entry
 from .config import RemoteConfig, RetryConfig
-from .errors import ConfigError, ManifestError, TierUnavailableError
+from .errors import CheckpointNotFoundError, ConfigError, ManifestError, TierUnavailableError
 from .policy import integrity, layout, manifest
 from .tiers import catalog
 from .tiers import memory as memory_tier
@@ -269,9 +269,20 @@ def read_step_manifest(run: Run, step: str) -> tuple[manifest.Manifest, str]:
             return remote_tier.merge_sections(remote, keys, m, m.sections), "local+remote"
         return m, "local"
     assert remote is not None  # resolve found it on some tier
-    keys = remote_tier.keys_of_step(remote, name)
-    assert keys is not None
-    return remote_tier.read_manifest(remote, keys), "remote"
+    return read_remote_manifest(remote, name)[0], "remote"
+
+
+def read_remote_manifest(
+    remote: RemoteBackend, step: str
+) -> tuple[manifest.Manifest, layout.RemoteKeys]:
+    """The manifest of the save committed as ``step`` on ``remote``, and its keys."""
+    keys = remote_tier.keys_of_step(remote, step)
+    if keys is None:
+        raise CheckpointNotFoundError(
+            f"step {step!r} is not committed on {remote.config.url}; "
+            f"`dcp-tiered status ROOT --remote {remote.config.url}` lists the steps there"
+        )
+    return remote_tier.read_manifest(remote, keys), keys
 
 
 def cmd_inspect(run: Run) -> int:

@@ -18,9 +18,14 @@ PACKAGE = Path(__file__).resolve().parents[1] / "dcp_tiered"
 # Layers are packages where the tree has them (policy/, backends/, tiers/, shims/), and these
 # modules beside them: formats and helpers every layer may use count as policy.
 POLICY = {"config", "errors", "safe_unpickle", "rank_state", "agreement"}
-DCP = {"writer", "reader", "staging"}  # torch's StorageWriter/StorageReader, and staging
+DCP = {
+    "writer",
+    "reader",
+    "staging",
+    "step_items",
+}  # torch's StorageWriter/StorageReader, and staging
 LIFECYCLE = {"lifecycle"}  # what every entry point shares around a save and a restore
-ENTRY_POINTS = {"manager", "cli", "cli_steps", "cli_ops"}
+ENTRY_POINTS = {"manager", "cli", "cli_steps", "cli_ops", "cli_data", "cli_export"}
 
 
 def imports_of(path: Path) -> set[str]:
