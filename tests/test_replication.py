@@ -1,0 +1,225 @@
+"""Peer replication with real processes: 3 simulated nodes x 2 gloo ranks on one machine.
+
+Each node is a torchrun of its own (``--nnodes 3 --node-rank K``), with its own local root and
+its own memory root in /dev/shm; the node id comes from torchrun's GROUP_RANK. One job runs
+with replication in a ring (node 0 -> 1 -> 2 -> 0), saves through step 13 (memory every step,
+disk every 5, remote every 10: steps 11-13 live in host memory only), waits until step 13 is
+replicated, trains on to the end without saving (the uninterrupted continuation, logged), and
+then every rank is SIGKILLed. Each test takes a copy of what the killed job left, breaks it
+(a node gone, two partners gone, a corrupt copy) and resumes on fresh processes: every rank's
+restored state must equal, bit for bit, the state the killed job logged at that step, and every
+loss after it the killed job's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from dcp_tiered.tiers import memory as memory_tier
+from tests.conftest import REPO, WORKERS
+from tests.s3server import free_port
+
+pytestmark = pytest.mark.multirank
+NODES, PER_NODE, STEPS, PAUSE = 3, 2, 17, 13
+
+
+def _launch(run: dict, log: Path, *extra: str) -> list[subprocess.Popen]:
+    """One torchrun per node, as on a cluster (static rendezvous on 127.0.0.1)."""
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                f"--nnodes={NODES}",
+                f"--node-rank={node}",
+                f"--nproc-per-node={PER_NODE}",
+                "--master-addr=127.0.0.1",
+                f"--master-port={port}",
+                "--max-restarts=0",
+                str(WORKERS / "replicated_train.py"),
+                "--memory",
+                str(run["shm"]),
+                "--disk",
+                str(run["disk"]),
+                "--remote",
+                f"file://{run['remote']}",
+                "--steps",
+                str(STEPS),
+                "--records",
+                str(log),
+                *extra,
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for node in range(NODES)
+    ]
+
+
+def _wait(procs: list[subprocess.Popen], timeout: float = 150) -> str:
+    """Wait for every node; their output, or fail the test with it."""
+    outputs = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=timeout)
+            outputs.append(out)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    text = "\n".join(f"--- node {n}\n{o[-6000:]}" for n, o in enumerate(outputs))
+    assert all(p.returncode == 0 for p in procs), text
+    return text
+
+
+def _records(log: Path) -> dict[int, list[dict]]:
+    return {
+        r: [json.loads(line) for line in Path(f"{log}.rank{r}").read_text().splitlines()]
+        for r in range(NODES * PER_NODE)
+    }
+
+
+def _paths(base: Path, tag: str) -> dict:
+    return {
+        "shm": Path("/dev/shm") / f"dcp-tiered-repl-{tag}-{uuid.uuid4().hex[:8]}",
+        "disk": base / "disk",
+        "remote": base / "remote",
+    }
+
+
+def _shm(run: dict, node: int) -> Path:
+    return Path(f"{run['shm']}-node-{node}")
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """The job, SIGKILLed on every rank after step 13 was snapshotted and replicated."""
+    base = tmp_path_factory.mktemp("replicated")
+    run = _paths(base, "killed")
+    log = base / "killed.log"
+    procs = _launch(run, log, "--pause-at", str(PAUSE))
+    try:
+        deadline = time.monotonic() + 150
+        ready = [Path(f"{log}.ready{r}") for r in range(NODES * PER_NODE)]
+        committed = run["remote"] / "step-10" / "_COMMITTED.json"
+        while not (all(f.exists() for f in ready) and committed.exists()):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                for p in procs:
+                    if p.poll() is None:
+                        os.killpg(p.pid, signal.SIGKILL)
+                out = "\n".join(p.communicate()[0][-4000:] for p in procs)
+                raise AssertionError(f"the job never paused at step {PAUSE}:\n{out}")
+            time.sleep(0.05)
+        records = _records(log)
+        for r in records:  # SIGKILL every rank, then the launchers
+            os.kill(records[r][0]["pid"], signal.SIGKILL)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    yield run, _records(log)
+    for node in range(NODES):
+        shutil.rmtree(_shm(run, node), ignore_errors=True)
+
+
+def _copy(killed_run: dict, base: Path, tag: str) -> dict:
+    """A copy of what the killed job left, for one test to break."""
+    run = _paths(base, tag)
+    shutil.copytree(killed_run["disk"], run["disk"], symlinks=True)
+    shutil.copytree(killed_run["remote"], run["remote"], symlinks=True)
+    for node in range(NODES):
+        shutil.copytree(_shm(killed_run, node), _shm(run, node))
+    return run
+
+
+@pytest.fixture
+def broken(killed, tmp_path):
+    runs = []
+
+    def make(tag: str) -> dict:
+        runs.append(_copy(killed[0], tmp_path, tag))
+        return runs[-1]
+
+    yield make
+    for run in runs:
+        for node in range(NODES):
+            shutil.rmtree(_shm(run, node), ignore_errors=True)
+
+
+def _lose_node(run: dict, node: int) -> None:
+    """The node is gone: its host memory and its local disk with it."""
+    shutil.rmtree(_shm(run, node))
+    shutil.rmtree(run["disk"] / f"node-{node}")
+
+
+def _assert_resumed_exactly(before: dict[int, list[dict]], after: dict[int, list[dict]]) -> int:
+    """Every rank restored the state the killed job had at that step, and went on with the
+    same losses and states; returns the step restored."""
+    restored = {r: rec[1] for r, rec in after.items()}  # rec[0] is the pid line
+    steps = {r["restored"] for r in restored.values()}
+    assert len(steps) == 1, restored
+    step = steps.pop()
+    assert step is not None
+    for r, records in before.items():
+        logged = {e["step"]: e for e in records if "step" in e}
+        assert restored[r]["digest"] == logged[step]["digest"], f"rank {r}: state differs"
+        resumed = [e for e in after[r] if "step" in e]
+        assert [e["step"] for e in resumed] == list(range(step + 1, STEPS))
+        for e in resumed:
+            assert (e["loss"], e["digest"]) == (
+                logged[e["step"]]["loss"],
+                logged[e["step"]]["digest"],
+            ), f"rank {r} step {e['step']}"
+    return step
+
+
+def _events(run: dict, node: int, kind: str) -> list[dict]:
+    path = run["disk"] / f"node-{node}" / ".dcp-tiered-events.jsonl"
+    return [e for e in map(json.loads, path.read_text().splitlines()) if e["event"] == kind]
+
+
+def test_the_killed_job_left_step_13_only_in_memory_and_on_partner_nodes(killed):
+    run, _ = killed
+    for node in range(NODES):
+        own = memory_tier.list_steps(_shm(run, node))
+        assert "step-13" in own and sorted(own["step-13"]) == [2 * node, 2 * node + 1], own
+        source = (node - 1) % NODES  # ring: node k keeps node k-1's copies
+        for index in range(PER_NODE):
+            store = memory_tier.MemoryTier(
+                _shm(run, node), 2 * source + index, directory=f"replica-{2 * source + index}"
+            )
+            assert "step-13" in store.steps()
+    assert not (run["remote"] / "step-13").exists()
+    assert not any((run["disk"] / f"node-{n}" / "step-13").exists() for n in range(NODES))
+
+
+def test_a_lost_node_is_replaced_and_resumes_from_its_partner_bit_exact(killed, broken, tmp_path):
+    run = broken("lost")
+    _lose_node(run, 0)
+    log = tmp_path / "resumed.log"
+    _wait(_launch(run, log))
+    step = _assert_resumed_exactly(killed[1], _records(log))
+    assert step == PAUSE
+    restored = _events(run, 0, "restored")
+    assert {e["tier"] for e in restored} == {"memory"}
+    fetched = _events(run, 0, "restored_from_partner")
+    assert sorted((e["rank"], e["holder"]) for e in fetched) == [(0, 2), (1, 3)]
