@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from dcp_tiered.tiers import memory as memory_tier
-from tests.conftest import REPO, WORKERS
+from tests.conftest import REPO, WORKERS, read_json, torchrun
 from tests.s3server import free_port
 
 pytestmark = pytest.mark.multirank
@@ -223,3 +223,54 @@ def test_a_lost_node_is_replaced_and_resumes_from_its_partner_bit_exact(killed, 
     assert {e["tier"] for e in restored} == {"memory"}
     fetched = _events(run, 0, "restored_from_partner")
     assert sorted((e["rank"], e["holder"]) for e in fetched) == [(0, 2), (1, 3)]
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+    """tests/workers/replica_cases.py, once: what each rank restored in each case."""
+    base = tmp_path_factory.mktemp("cases")
+    memory = f"/dev/shm/dcp-tiered-repl-cases-{uuid.uuid4().hex[:8]}"
+    try:
+        torchrun("replica_cases.py", 3, "--memory", memory, "--base", str(base), timeout=240)
+    finally:
+        for path in Path("/dev/shm").glob(f"{Path(memory).name}-*"):
+            shutil.rmtree(path, ignore_errors=True)
+
+    def result(case: str) -> tuple[list[dict], list[dict]]:
+        events = []
+        for rank in range(3):
+            path = base / case / f"n{rank}" / ".dcp-tiered-events.jsonl"
+            events += [json.loads(line) for line in path.read_text().splitlines()]
+        return [read_json(base / f"{case}.rank{r}.json") for r in range(3)], events
+
+    return result
+
+
+def test_partners_lost_together_fall_back_to_the_remote_tier_and_say_which_steps(cases):
+    results, events = cases("partners")
+    # Rank 0's copies of steps 6 and 7 were on n1, lost with n0: step 5 (remote) is restored.
+    assert [r["restored"] for r in results] == [5, 5, 5], results
+    assert all(r["exact"] and r["step"] == 5 for r in results), results
+    lost = [e for e in events if e["event"] == "lost"]
+    assert len(lost) == 1 and lost[0]["steps"] == ["step-6", "step-7"], lost
+    assert lost[0]["ranks"] == [0], lost
+    assert "6, 7 were lost" in lost[0]["reason"] and "n0" in lost[0]["reason"], lost
+    assert {e["tier"] for e in events if e["event"] == "restored"} == {"local"}
+
+
+def test_a_corrupt_own_snapshot_is_replaced_by_the_partners_copy(cases):
+    results, events = cases("own")
+    assert [r["restored"] for r in results] == [7, 7, 7], results
+    assert all(r["exact"] and r["step"] == 7 for r in results), results
+    fetched = [e for e in events if e["event"] == "restored_from_partner"]
+    assert [(e["rank"], e["holder"]) for e in fetched] == [(1, 2)], fetched
+
+
+def test_a_corrupt_copy_is_detected_and_an_older_whole_copy_used(cases):
+    results, events = cases("replica")
+    # n0 is gone and n1's copy of rank 0's step 7 fails its checksum: step 6 (the other
+    # slot of n1's copies) is the newest step every rank can get whole.
+    assert [r["restored"] for r in results] == [6, 6, 6], results
+    assert all(r["exact"] and r["step"] == 6 for r in results), results
+    fetched = [e for e in events if e["event"] == "restored_from_partner"]
+    assert sorted(e["step"] for e in fetched if e["rank"] == 0) == ["step-6"], fetched
