@@ -705,6 +705,33 @@ class CheckpointManager:
 
     # ------------------------------------------------------------ shutdown and status
 
+    def copies(self) -> dict[str, dict[str, Any]]:
+        """Collective: where each step's copies are, newest first: ``memory`` (ranks holding it
+        in their own memory), ``partners`` (rank -> the ranks on other nodes holding a copy of
+        its snapshot), ``local`` (this node's disk) and ``remote``."""
+        self.wait()
+        survey = self._replica.survey() if self._replica is not None else None
+        own = self._memory.steps() if self._memory is not None else {}
+        mine = self._agree.gather(sorted(own))
+        out: dict[str, dict[str, Any]] = {}
+
+        def entry(name: str) -> dict[str, Any]:
+            return out.setdefault(
+                name, {"memory": [], "partners": {}, "local": False, "remote": False}
+            )
+
+        for rank, steps in enumerate(mine):
+            for name in steps:
+                entry(name)["memory"].append(rank)
+        for name in survey.steps() if survey is not None else []:
+            for rank in range(len(survey.own)):
+                held = [h for h in survey.copies(name, rank) if h != "own"]
+                if held:
+                    entry(name)["partners"][rank] = held
+        for s in list_steps(self._local.local_tier, self._remote):
+            entry(s.name).update(local=s.local, remote=s.remote)
+        return dict(sorted(out.items(), key=lambda kv: -(layout.step_number(kv[0]) or -1)))
+
     def close(self, timeout_secs: float | None = None) -> None:
         """Wait for in-flight saves, uploads and retention; raise SaveFailedError on every
         rank if any of them failed on any rank.

@@ -237,6 +237,8 @@ def cases(tmp_path_factory):
             shutil.rmtree(path, ignore_errors=True)
 
     def result(case: str) -> tuple[list[dict], list[dict]]:
+        if case == "copies":
+            return read_json(base / "copies.json"), []
         events = []
         for rank in range(3):
             path = base / case / f"n{rank}" / ".dcp-tiered-events.jsonl"
@@ -274,3 +276,13 @@ def test_a_corrupt_copy_is_detected_and_an_older_whole_copy_used(cases):
     assert all(r["exact"] and r["step"] == 6 for r in results), results
     fetched = [e for e in events if e["event"] == "restored_from_partner"]
     assert sorted(e["step"] for e in fetched if e["rank"] == 0) == ["step-6"], fetched
+
+
+def test_status_shows_where_each_steps_copies_are(cases):
+    where, _ = cases("copies")
+    assert list(where)[:3] == ["step-7", "step-6", "step-5"], where
+    for step in ("step-7", "step-6"):  # in every rank's memory, and each copied to the next node
+        assert where[step]["memory"] == [0, 1, 2], where[step]
+        assert where[step]["partners"] == {"0": [1], "1": [2], "2": [0]}, where[step]
+        assert not where[step]["local"] and not where[step]["remote"]
+    assert where["step-5"]["local"] and where["step-5"]["memory"] == []
