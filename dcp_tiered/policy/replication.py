@@ -35,15 +35,21 @@ class Replication:
         node_key: the environment variable naming this process's node. Default: the first of
             ``GROUP_RANK`` (torchrun), ``NODE_RANK``, ``SLURM_NODEID`` that is set, else the
             host name.
+        min_interval_secs: start a round at most this often (0: as soon as the previous one
+            ends and a newer snapshot exists). Bounds the CPU and network the copies take, at
+            the cost of older copies: a node lost loses the steps since the last round.
     """
 
     factor: int = 1
     grouping: str = "ring"
     node_key: str | None = None
+    min_interval_secs: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.factor, int) or self.factor < 1:
             raise ConfigError(f"Replication(factor={self.factor!r}): factor must be an int >= 1")
+        if not self.min_interval_secs >= 0:
+            raise ConfigError("Replication(min_interval_secs=...) must be >= 0")
         if self.grouping not in GROUPINGS:
             raise ConfigError(
                 f"Replication(grouping={self.grouping!r}): grouping must be one of {GROUPINGS}"
@@ -131,15 +137,16 @@ class Survey:
     nodes: list[str]
 
     def copies(self, step: str, rank: int) -> list[str | int]:
-        """Where rank ``rank`` can get ``step`` from, nearest first: "own", then holder ranks
-        (those on other nodes; a copy on the rank's own node died with it if the node did)."""
+        """Where rank ``rank`` can get ``step`` from, nearest first: "own", then the ranks
+        holding a copy."""
         out: list[str | int] = ["own"] if step in self.own[rank] else []
         return out + [h for h in range(len(self.held)) if step in self.held[h].get(rank, [])]
 
     def steps(self) -> list[str]:
         """Every step with a copy anywhere, newest first."""
+        world = len(self.own)  # copies of ranks this job no longer has do not count
         names = {s for own in self.own for s in own} | {
-            s for held in self.held for steps in held.values() for s in steps
+            s for held in self.held for r, steps in held.items() if r < world for s in steps
         }
         return sorted(
             (n for n in names if layout.step_number(n) is not None),

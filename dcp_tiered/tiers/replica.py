@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._priority import lower_this_thread
 from ..backends.local import LocalBackend
 from ..distributed import replication_group
 from ..errors import CheckpointNotFoundError, ConfigError, DcpTieredError, IntegrityError, describe
@@ -157,10 +158,19 @@ class Replicator:
         return self._offered is not None and self._offered[0] > self.replicated
 
     def _run(self) -> None:
+        lower_this_thread()  # training keeps priority over the copies
+        last = -float("inf")
         while True:
             with self._cv:
                 while not self._closing and not self._pending():
                     self._cv.wait()
+                # At most one round per min_interval_secs (every rank waits alike).
+                while (
+                    not self._closing
+                    and (left := last + self.config.min_interval_secs - time.monotonic()) > 0
+                ):
+                    self._cv.wait(left)
+                last = time.monotonic()
                 if not self._pending():
                     return
                 assert self._offered is not None
