@@ -71,6 +71,7 @@ def main() -> None:
     for step in range(STEPS):
         state[f"rank_{rank}"] = {"w": torch.full((1000,), rank * 1000.0 + step), "step": step}
         mgr.save(step, state)
+        mgr.wait()  # copied before the next step: which steps the copies hold is then fixed
     where = mgr.copies()  # status: where each step's copies are
     if rank == 0:
         common.write_json(base / "copies.json", where)
