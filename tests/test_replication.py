@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from dcp_tiered.cli import main
 from dcp_tiered.tiers import memory as memory_tier
 from tests.conftest import REPO, WORKERS, read_json, torchrun
 from tests.s3server import free_port
@@ -197,7 +198,7 @@ def _events(run: dict, node: int, kind: str) -> list[dict]:
     return [e for e in map(json.loads, path.read_text().splitlines()) if e["event"] == kind]
 
 
-def test_the_killed_job_left_step_13_only_in_memory_and_on_partner_nodes(killed):
+def test_the_killed_job_left_step_13_only_in_memory_and_on_partner_nodes(killed, capsys):
     run, _ = killed
     for node in range(NODES):
         own = memory_tier.list_steps(_shm(run, node))
@@ -209,6 +210,13 @@ def test_the_killed_job_left_step_13_only_in_memory_and_on_partner_nodes(killed)
             )
             assert "step-13" in store.steps()
     assert not (run["remote"] / "step-13").exists()
+    # Node 1's status: its own snapshots of 13 and the copies it keeps for node 0's ranks.
+    assert (
+        main(["status", str(run["disk"] / "node-1"), "--memory", str(_shm(run, 1)), "--json"]) == 0
+    )
+    steps = {s["step"]: s for s in json.loads(capsys.readouterr().out)["steps"]}
+    assert steps["step-13"]["memory"] and steps["step-13"]["copies_of_ranks"] == [0, 1]
+    assert steps["step-10"]["durability"] == "durable-remote"
     assert not any((run["disk"] / f"node-{n}" / "step-13").exists() for n in range(NODES))
 
 

@@ -370,3 +370,16 @@ class Replicator:
 def _wait(works: list[Any]) -> None:
     for work in works:
         work.wait()
+
+
+def list_copies(root: str | os.PathLike[str]) -> dict[str, list[int]]:
+    """Step name -> ranks whose copies of it this memory root holds (for other nodes)."""
+    found: dict[str, list[int]] = {}
+    for entry in LocalBackend(root).list_names():
+        if entry.startswith(PREFIX) and entry[len(PREFIX) :].isdigit():
+            source = int(entry[len(PREFIX) :])
+            copies = MemoryTier(root, source, directory=entry)
+            for step in copies.steps():
+                found.setdefault(step, []).append(source)
+            copies.close()
+    return {step: sorted(ranks) for step, ranks in found.items()}
