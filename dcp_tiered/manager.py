@@ -323,7 +323,9 @@ class CheckpointManager:
         if tier == "memory":
             assert self._memory is not None
             # Two slots, allocated once in tmpfs (which is RAM), then reused.
-            new = 0 if self._memory.buffers_ready() else 2 * nbytes
+            # With replication, as many again per partner whose copies this rank keeps.
+            copies = 1 + (self._replica.config.factor if self._replica is not None else 0)
+            new = 0 if self._memory.buffers_ready() else 2 * nbytes * copies
             headroom = Headroom(
                 self._ranks_on_node,
                 new_tier_bytes=new,
