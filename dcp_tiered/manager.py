@@ -131,6 +131,8 @@ class CheckpointManager:
         allow_pickle: bool = False,
         replication: Replication | None = None,
     ) -> None:
+        if replication is not None and memory is None:
+            raise ConfigError("replication copies memory snapshots: it needs memory=...")
         self.policy = policy or SavePolicy()
         self.retention = retention or Retention()
         self.admission = admission or Admission()
@@ -168,8 +170,6 @@ class CheckpointManager:
         self._events = EventLog(
             os.path.join(self._local.root, layout.EVENTS_LOG) if events == "default" else events
         )
-        if replication is not None and self._memory is None:
-            raise ConfigError("replication copies memory snapshots: it needs memory=...")
         self._replica = (
             Replicator(
                 self._memory,

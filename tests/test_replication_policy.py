@@ -129,3 +129,14 @@ def test_a_received_copy_is_verified_before_its_header_commits_it(tmp_path):
         copy.receive(header, lambda buffer: None, step="step-2")
     mine.close()
     copy.close()
+
+
+def test_replication_without_a_memory_tier_or_without_other_nodes_is_refused(tmp_path):
+    from dcp_tiered import CheckpointManager
+
+    with pytest.raises(ConfigError, match="needs memory="):
+        CheckpointManager(local=tmp_path / "a", replication=Replication())
+    with pytest.raises(ConfigError, match="several nodes"):
+        CheckpointManager(
+            local=tmp_path / "b", memory=tmp_path / "m", replication=Replication(), events=None
+        )
