@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from .manager import CheckpointManager
     from .policy.admission import Admission
     from .policy.cadence import Every, SavePolicy
+    from .policy.replication import Replication
     from .policy.retention import Retention, RetentionPolicy
     from .rank_state import RankState
     from .reader import TieredStorageReader
@@ -79,6 +80,7 @@ _PUBLIC = {
     "Admission": "policy.admission",
     "Every": "policy.cadence",
     "SavePolicy": "policy.cadence",
+    "Replication": "policy.replication",
     "Retention": "policy.retention",
     "RetentionPolicy": "policy.retention",
     "RankState": "rank_state",
@@ -166,6 +168,7 @@ __all__ = [
     "PermanentTierError",
     "RankState",
     "RemoteConfig",
+    "Replication",
     "Retention",
     "RetentionPolicy",
     "RetryConfig",

@@ -17,7 +17,7 @@ from .cli import OK, PROBLEM, UNREADABLE, error_entry
 from .config import RemoteConfig, RetryConfig
 from .errors import CheckpointNotFoundError, ConfigError, ManifestError, TierUnavailableError
 from .policy import integrity, layout, manifest
-from .tiers import catalog
+from .tiers import catalog, replica
 from .tiers import memory as memory_tier
 from .tiers import remote as remote_tier
 from .tiers.local import LocalTier
@@ -197,6 +197,8 @@ def cmd_status(run: Run) -> int:
     rows: dict[str, dict] = {}
     for name in memory_tier.list_steps(memory) if memory else {}:
         rows.setdefault(name, {})["memory"] = True
+    for name, ranks in replica.list_copies(memory).items() if memory else ():
+        rows.setdefault(name, {})["copies_of_ranks"] = ranks  # peer replication
     unreadable: dict[str, str] = {}
     try:
         listed = catalog.list_steps(tier, remote, strict=True)
@@ -222,6 +224,8 @@ def cmd_status(run: Run) -> int:
             if row.get("local")
             else "memory"
             if row.get("memory")
+            else "copies"
+            if row.get("copies_of_ranks")
             else "staged"
         )
         if row.get("promote"):
@@ -240,11 +244,13 @@ def cmd_status(run: Run) -> int:
         run.say("no steps")
         return status
     width = max(len(k) for k, _ in ordered)
-    run.say(f"{'step':<{width}}  memory  local  remote  durability")
+    run.say(f"{'step':<{width}}  memory  copies  local  remote  durability")
     mark = {True: "yes", False: "-", None: "?" if unreadable else "-"}
     for name, row in ordered:
         run.say(
-            f"{name:<{width}}  {mark[row.get('memory')]:<6}  {mark[row.get('local')]:<5}  "
+            f"{name:<{width}}  {mark[row.get('memory')]:<6}  "
+            f"{','.join(map(str, row.get('copies_of_ranks', []))) or '-':<6}  "
+            f"{mark[row.get('local')]:<5}  "
             f"{mark[row.get('remote')]:<6}  {row['durability']}"
         )
     return status

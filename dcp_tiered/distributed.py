@@ -30,6 +30,12 @@ def agreement_group(timeout_secs: float = 1800.0) -> dist.ProcessGroup | None:
     return _group("agreement", timeout_secs)
 
 
+def replication_group(timeout_secs: float = 1800.0) -> dist.ProcessGroup | None:
+    """The gloo group peer replication sends snapshots on, from a background thread of its
+    own: apart from every other group, so its rounds never interleave with theirs."""
+    return _group("replication", timeout_secs)
+
+
 def is_job_leader() -> bool:
     """Global rank 0, or the only process."""
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0

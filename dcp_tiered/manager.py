@@ -49,6 +49,7 @@ from .policy import cadence, layout
 from .policy.admission import Admission, Headroom, shortfall
 from .policy.cadence import Decision, SavePolicy
 from .policy.memory_format import first_refused
+from .policy.replication import Replication, describe_lost
 from .policy.retention import Retention
 from .rank_state import RankState
 from .reader import TieredStorageReader
@@ -56,6 +57,7 @@ from .staging import state_bytes
 from .tiers import housekeeping, uploads
 from .tiers.catalog import list_steps
 from .tiers.memory import MemoryTier
+from .tiers.replica import Replicator
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +110,9 @@ class CheckpointManager:
             trust: a pickle can run arbitrary code. Without it, a state holding a value that
             ``weights_only`` loading refuses (an ``io.BytesIO``, a custom class) is refused at
             its first save, on every rank, instead of saving what could never be restored.
+        replication: copy each memory snapshot to partner nodes' host memory
+            (:class:`Replication`), so a node lost before its upload loses nothing; needs
+            ``memory``. A restore takes each rank's snapshot from its own memory or a partner.
     """
 
     def __init__(
@@ -124,7 +129,10 @@ class CheckpointManager:
         collective_timeout_secs: float = 600.0,
         writer_options: Mapping[str, Any] | None = None,
         allow_pickle: bool = False,
+        replication: Replication | None = None,
     ) -> None:
+        if replication is not None and memory is None:
+            raise ConfigError("replication copies memory snapshots: it needs memory=...")
         self.policy = policy or SavePolicy()
         self.retention = retention or Retention()
         self.admission = admission or Admission()
@@ -161,6 +169,16 @@ class CheckpointManager:
         )
         self._events = EventLog(
             os.path.join(self._local.root, layout.EVENTS_LOG) if events == "default" else events
+        )
+        self._replica = (
+            Replicator(
+                self._memory,
+                replication,
+                timeout_secs=collective_timeout_secs,
+                emit=self._events.emit,
+            )
+            if replication is not None and self._memory is not None
+            else None
         )
         self._last: dict[str, float] = {t: time.time() for t in ("memory", "local", "remote")}
         self._in_flight: list[_InFlight] = []
@@ -305,7 +323,9 @@ class CheckpointManager:
         if tier == "memory":
             assert self._memory is not None
             # Two slots, allocated once in tmpfs (which is RAM), then reused.
-            new = 0 if self._memory.buffers_ready() else 2 * nbytes
+            # With replication, as many again per partner whose copies this rank keeps.
+            copies = 1 + (self._replica.config.factor if self._replica is not None else 0)
+            new = 0 if self._memory.buffers_ready() else 2 * nbytes * copies
             headroom = Headroom(
                 self._ranks_on_node,
                 new_tier_bytes=new,
@@ -350,6 +370,8 @@ class CheckpointManager:
         else:
             assert self._memory is not None
             future = self._start_memory(name, app_state)
+            if self._replica is not None:  # in the background, once committed
+                self._replica.offer(step, name, future)
             stage_s, nbytes = self._memory.last_copy_secs, self._memory.last_bytes
         stall = time.perf_counter() - t0
         self.last_stall_secs = stall
@@ -382,6 +404,8 @@ class CheckpointManager:
         on in the background). Their failures are raised at the next ``save`` or ``close``."""
         for rec in list(self._in_flight):
             self._wait(rec)
+        if self._replica is not None:
+            self._replica.drain()
         self._reap()
 
     def _wait(self, rec: _InFlight) -> None:
@@ -556,6 +580,8 @@ class CheckpointManager:
                 else self._load_dcp(name, app_state)
             )
 
+        if self._replica is not None:  # what every rank holds, for _candidates and load
+            self._replica.survey()
         chosen = self._lifecycle.restore(
             lambda with_remote: self._candidates(step, self._remote if with_remote else None),
             load,
@@ -565,12 +591,14 @@ class CheckpointManager:
             abandon=self._abandon,
         )
         if chosen is None:
+            self._report_lost(-1, None)
             if step is not None:
                 raise CheckpointNotFoundError(f"step {step} is in no tier of this manager")
             return None
         name, tier = chosen
         number = layout.step_number(name)
         assert number is not None
+        self._report_lost(number, f"{name} from the {tier} tier")
         self.restored_step = number
         logger.info("restored %s from the %s tier", name, tier)
         self._events.emit("restored", step=number, tier=tier, rank=self.rank)
@@ -583,6 +611,21 @@ class CheckpointManager:
                 time.perf_counter(),
             )
         return number + 1
+
+    def _report_lost(self, restored: int, what: str | None) -> None:
+        """Warn (rank 0) about newer steps some rank had no copy of anywhere in memory."""
+        survey = self._replica.survey_ if self._replica is not None else None
+        lost = survey.lost(restored) if survey is not None else {}
+        if lost and survey is not None and self.rank == 0:
+            message = describe_lost(survey, lost, what)
+            logger.warning("%s", message)
+            self._events.emit(
+                "lost",
+                steps=sorted(lost, key=layout.step_number),
+                ranks=sorted({r for ranks in lost.values() for r in ranks}),
+                restored=what,
+                reason=message,
+            )
 
     def _abandon(self, skipped: list[tuple[str, str]], chosen: tuple[str, str]) -> None:
         """Steps newer than the one restored are abandoned: training saves them again."""
@@ -610,7 +653,10 @@ class CheckpointManager:
         return None
 
     def _load_memory(self, name: str, app_state: dict[str, Any]) -> str | None:
-        """This rank's own snapshot (ranks agree on the outcome in the restore loop)."""
+        """This rank's own snapshot (ranks agree on the outcome in the restore loop), or with
+        replication, a partner's copy when its own is missing or fails verification."""
+        if self._replica is not None:
+            return self._replica.load(name, app_state)  # collective
         assert self._memory is not None
         try:
             self._memory.load(name, app_state)
@@ -622,7 +668,11 @@ class CheckpointManager:
         """(step name, tier) pairs to try, newest first, nearest tier first."""
         found: list[tuple[int, int, str, str]] = []
         order = {"memory": 0, "local": 1}
-        if self._memory is not None:
+        if self._replica is not None and self._replica.survey_ is not None:
+            # Steps every rank can get from its own memory or a partner's copy.
+            for name in self._replica.survey_.whole():
+                found.append((layout.step_number(name) or -1, 0, name, "memory"))
+        elif self._memory is not None:
             for name, committed_at in self._memory.steps().items():
                 found.append((layout.step_number(name) or -1, committed_at, name, "memory"))
         for s in list_steps(self._local.local_tier, remote, strict=True):
@@ -657,6 +707,33 @@ class CheckpointManager:
 
     # ------------------------------------------------------------ shutdown and status
 
+    def copies(self) -> dict[str, dict[str, Any]]:
+        """Collective: where each step's copies are, newest first: ``memory`` (ranks holding it
+        in their own memory), ``partners`` (rank -> the ranks on other nodes holding a copy of
+        its snapshot), ``local`` (this node's disk) and ``remote``."""
+        self.wait()
+        survey = self._replica.survey() if self._replica is not None else None
+        own = self._memory.steps() if self._memory is not None else {}
+        mine = self._agree.gather(sorted(own))
+        out: dict[str, dict[str, Any]] = {}
+
+        def entry(name: str) -> dict[str, Any]:
+            return out.setdefault(
+                name, {"memory": [], "partners": {}, "local": False, "remote": False}
+            )
+
+        for rank, steps in enumerate(mine):
+            for name in steps:
+                entry(name)["memory"].append(rank)
+        for name in survey.steps() if survey is not None else []:
+            for rank in range(len(survey.own)):
+                held = [h for h in survey.copies(name, rank) if h != "own"]
+                if held:
+                    entry(name)["partners"][rank] = held
+        for s in list_steps(self._local.local_tier, self._remote):
+            entry(s.name).update(local=s.local, remote=s.remote)
+        return dict(sorted(out.items(), key=lambda kv: -(layout.step_number(kv[0]) or -1)))
+
     def close(self, timeout_secs: float | None = None) -> None:
         """Wait for in-flight saves, uploads and retention; raise SaveFailedError on every
         rank if any of them failed on any rank.
@@ -671,6 +748,8 @@ class CheckpointManager:
         deadline = None if timeout_secs is None else time.monotonic() + timeout_secs
         for rec in list(self._in_flight):
             self._wait(rec)
+        if self._replica is not None:
+            self._replica.drain(timeout_secs)
         try:
             while True:
                 self._reap()
@@ -698,6 +777,8 @@ class CheckpointManager:
 
     def _release(self) -> None:
         self._housekeeper.shutdown()
+        if self._replica is not None:
+            self._replica.close(0)
         if self._memory is not None:
             self._memory.close()
         self._lifecycle.release()  # close() above waited (bounded) already

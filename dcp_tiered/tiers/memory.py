@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -48,12 +50,21 @@ class MemoryTier:
     """One rank's two snapshot slots under ``root/rank-<rank>``."""
 
     def __init__(
-        self, root: str | os.PathLike[str], rank: int, *, allow_pickle: bool = False
+        self,
+        root: str | os.PathLike[str],
+        rank: int,
+        *,
+        allow_pickle: bool = False,
+        directory: str | None = None,
     ) -> None:
         self.root = str(LocalBackend(root).root)
-        self.rank = rank
+        self.rank = rank  # whose snapshots these are
         self.allow_pickle = allow_pickle  # non-tensor values load with full pickle (trusted)
-        self.backend = LocalBackend(os.path.join(self.root, f"rank-{rank}"))
+        # ``directory``: another rank's copies kept here (peer replication), same format.
+        self.backend = LocalBackend(os.path.join(self.root, directory or f"rank-{rank}"))
+        # A slot being sent to a partner is leased: no save overwrites it until released.
+        self._lock = threading.Lock()
+        self._leased: int | None = None
         self._buffers: dict[int, tuple[tuple[Any, ...], torch.Tensor]] = {}
         self._pool = ThreadPoolExecutor(
             1, thread_name_prefix="dcp-tiered-memory", initializer=lower_this_thread
@@ -84,8 +95,7 @@ class MemoryTier:
             else:
                 objects[fmt.key(path)] = leaf
         regions, size = fmt.layout(tensors)
-        slot = self._slot_to_write()
-        self.backend.remove_file(_header(slot))  # uncommit first: the copy tears it
+        slot = self._uncommit_a_slot()
         buffer = self._buffer(slot, regions, size)
         with torch.no_grad():
             for (_, src), region in zip(tensors, regions):
@@ -96,13 +106,22 @@ class MemoryTier:
         self._pending = self._pool.submit(self._commit, step, slot, buffer, regions, size, blob)
         return self._pending
 
-    def _slot_to_write(self) -> int:
-        if self._next_slot is None:  # a new process: keep the newest snapshot of the last one
-            committed = read_headers(self.backend)
-            newest = max(committed, key=lambda s: committed[s].committed_at_ns, default=1)
-            self._next_slot = 1 - newest
-        slot, self._next_slot = self._next_slot, 1 - self._next_slot
-        return slot
+    def _uncommit_a_slot(self) -> int:
+        """The slot to write next, its header removed first (the copy tears it)."""
+        with self._lock:
+            if self._next_slot is None:  # a new process: keep the newest snapshot of the last
+                committed = read_headers(self.backend)
+                newest = max(committed, key=lambda s: committed[s].committed_at_ns, default=1)
+                self._next_slot = 1 - newest
+            slot = self._next_slot
+            if slot == self._leased:
+                # The older snapshot is being sent to a partner: overwrite the newer one
+                # instead of waiting. The leased one stays committed, so a crash now still
+                # leaves a whole snapshot.
+                slot = 1 - slot
+            self._next_slot = 1 - slot
+            self.backend.remove_file(_header(slot))
+            return slot
 
     def _buffer(self, slot: int, regions: list[fmt.Region], size: int) -> torch.Tensor:
         sig = (size, fmt.signature(regions))
@@ -135,6 +154,60 @@ class MemoryTier:
         self.backend.replace_root_file(_header(slot), header)
         logger.debug("memory tier: %s committed in slot %d of %s", step, slot, self.backend.root)
         return {"write_s": write_done - started, "commit_s": time.perf_counter() - write_done}
+
+    # ------------------------------------------------------------ peer replication
+
+    def lease(self, step: str) -> tuple[bytes, torch.Tensor] | None:
+        """The committed snapshot of ``step`` (header bytes, data), kept from being overwritten
+        until :meth:`release`; None if no slot holds it."""
+        with self._lock:
+            found = [(s, h) for s, h in read_headers(self.backend).items() if h.step == step]
+            if not found:
+                return None
+            slot, header = max(found, key=lambda sh: sh[1].committed_at_ns)
+            data = self.backend.read_file(_header(slot))
+            self._leased = slot
+        cached = self._buffers.get(slot)
+        buffer = (
+            cached[1]
+            if cached is not None and cached[1].numel() == header.data_size
+            else self._file(slot, header.data_size)
+        )
+        return data, buffer[: header.data_size]
+
+    def release(self) -> None:
+        with self._lock:
+            self._leased = None
+
+    def receive(
+        self, header_bytes: bytes, fill: Callable[[torch.Tensor], None], *, step: str
+    ) -> None:
+        """Commit a copy of rank :attr:`rank`'s snapshot of ``step``: ``fill`` writes its data
+        into a slot, which is verified against the header's checksums before the header (the
+        sender's, as it was) is written last. Raises ManifestError or IntegrityError."""
+        where = f"replica of rank {self.rank}'s {step} in {self.backend.root}"
+        header = fmt.decode_header(header_bytes, where=where)
+        if header.rank != self.rank or header.step != step:
+            raise IntegrityError(f"{where}: the header is rank {header.rank}'s {header.step}")
+        slot = self._uncommit_a_slot()
+        buffer = self._buffer(slot, header.regions, header.data_size)
+        fill(buffer)
+        verify(header, buffer, where)
+        self.backend.replace_root_file(_header(slot), header_bytes)
+
+    def raw(self, step: str) -> tuple[bytes, torch.Tensor] | None:
+        """The newest copy of ``step`` as stored (header bytes, data), unverified: the reader
+        verifies it."""
+        found = [(s, h) for s, h in read_headers(self.backend).items() if h.step == step]
+        if not found:
+            return None
+        slot, header = max(found, key=lambda sh: sh[1].committed_at_ns)
+        return self.backend.read_file(_header(slot)), self._file(slot, header.data_size)
+
+    def _file(self, slot: int, size: int) -> torch.Tensor:
+        return torch.from_file(
+            self.backend.path_of(_data(slot)), shared=False, size=size, dtype=torch.uint8
+        )
 
     def wait(self) -> None:
         """Wait for the commit in flight; its error, if any, was reported by its future."""
@@ -170,25 +243,36 @@ class MemoryTier:
         where = f"memory-tier {step} of rank {self.rank} ({self.backend.path_of(_data(slot))})"
         if self.backend.file_size(_data(slot)) != header.data_size:
             raise IntegrityError(f"{where}: data file has the wrong size")
-        buffer = torch.from_file(
-            self.backend.path_of(_data(slot)),
-            shared=False,
-            size=header.data_size,
-            dtype=torch.uint8,
-        )
-        tensors = {}
-        for region, expected in zip(header.regions, header.checksums):
-            if fmt.region_checksum(buffer, region) != expected:
-                raise IntegrityError(f"{where}: {region.key} fails its checksum")
-            tensors[region.key] = fmt.view(buffer, region)
-        objects = fmt.decode_objects(header.objects, allow_pickle=self.allow_pickle)
-        for name, value in app_state.items():
-            if hasattr(value, "state_dict") and hasattr(value, "load_state_dict"):
-                value.load_state_dict(
-                    fmt.fill(value.state_dict(), tensors, objects, where, (name,))
-                )
-            else:
-                app_state[name] = fmt.fill(value, tensors, objects, where, (name,))
+        buffer = self._file(slot, header.data_size)
+        verify(header, buffer, where)
+        fill_state(header, buffer, app_state, where, allow_pickle=self.allow_pickle)
+
+
+def verify(header: fmt.Header, buffer: torch.Tensor, where: str) -> None:
+    """Raises IntegrityError unless every tensor of ``buffer`` matches the header's checksum."""
+    if buffer.numel() < header.data_size:
+        raise IntegrityError(f"{where}: {buffer.numel()} bytes, the header says {header.data_size}")
+    for region, expected in zip(header.regions, header.checksums):
+        if fmt.region_checksum(buffer, region) != expected:
+            raise IntegrityError(f"{where}: {region.key} fails its checksum")
+
+
+def fill_state(
+    header: fmt.Header,
+    buffer: torch.Tensor,
+    app_state: dict[str, Any],
+    where: str,
+    *,
+    allow_pickle: bool = False,
+) -> None:
+    """Load a verified snapshot into ``app_state`` (Stateful objects get ``load_state_dict``)."""
+    tensors = {r.key: fmt.view(buffer, r) for r in header.regions}
+    objects = fmt.decode_objects(header.objects, allow_pickle=allow_pickle)
+    for name, value in app_state.items():
+        if hasattr(value, "state_dict") and hasattr(value, "load_state_dict"):
+            value.load_state_dict(fmt.fill(value.state_dict(), tensors, objects, where, (name,)))
+        else:
+            app_state[name] = fmt.fill(value, tensors, objects, where, (name,))
 
 
 def read_headers(backend: LocalBackend) -> dict[int, fmt.Header]:
