@@ -351,7 +351,7 @@ def handshake_ops(nodes: int, built: manifest.Built) -> dict[str, Any]:
         before, got_before = dict(store.ops), store.bytes_get
         done = threading.Event()
         t = commit.Handshake(store, "scale", 60).follow_in_background(
-            1, lambda m, d: None, done.set, lambda why: done.set()
+            1, lambda index, shared, own: None, done.set, lambda why: done.set()
         )
         t.join(30)
         per = {k: store.ops[k] - before[k] for k in before}
@@ -596,8 +596,9 @@ def run_ours(
         commit.write_step_files(coord.local_tier.backend, tmp.name, files, sync=False)
         hs = handshake_ops(nodes, built)
         out["commit_s"] = time.perf_counter() - started
-    sections = [len(b) for b in built.sections.values()]
-    manifest_bytes = len(built.index) + sum(sections)
+    shared = len(built.sections[manifest.SHARED])
+    sections = [len(b) for n, b in built.sections.items() if n != manifest.SHARED]
+    manifest_bytes = len(built.index) + shared + sum(sections)
     out["coordinator_peak_bytes"] = mem.peak
     out.update(
         manifest_build_s=build_s,
@@ -605,11 +606,12 @@ def run_ours(
         manifest_bytes=manifest_bytes,
         manifest_index_bytes=len(built.index),
         manifest_section_bytes_max=max(sections),
+        manifest_shared_section_bytes=shared,
         metadata_bytes=len(metadata_bytes),
         # The coordinator's node: index, every section, .metadata; any other: index, its own.
         manifest_bytes_all_node_copies=manifest_bytes
         + len(metadata_bytes)
-        + sum(len(built.index) + n for n in sections[1:]),
+        + sum(len(built.index) + shared + n for n in sections[1:]),
         items=len(locations),
         handshake=hs,
     )
@@ -635,7 +637,9 @@ def run_ours(
             parsed = manifest.parse_section(parsed, node, built.sections[node], where="scale")
         out["reader_plan_s"] = time.perf_counter() - started
     out["reader_sections_read"] = len(needed)
-    out["restore_metadata_bytes_per_rank"] = len(built.index) + sum(sections[n] for n in needed)
+    out["restore_metadata_bytes_per_rank"] = len(built.index) + sum(
+        len(built.sections[n]) for n in needed
+    )
     out["reader_peak_bytes"] = rmem.peak
     out["reader_read_items"] = len(load_plan.items)
     for w in writers:

@@ -754,8 +754,12 @@ class TieredStorageWriter(StorageWriter):
             LocalBackend.unlock(lock)
             raise ConfigError("ranks on several local roots need torch.distributed initialised")
 
-        def prepare(index: bytes, section: bytes) -> None:
-            files = {layout.manifest_section_name(save.node): section, layout.MANIFEST_NAME: index}
+        def prepare(index: bytes, shared: bytes, own: bytes) -> None:
+            files = {
+                layout.manifest_section_name(manifest.SHARED): shared,
+                layout.manifest_section_name(save.node): own,
+                layout.MANIFEST_NAME: index,  # last, as the coordinator writes it
+            }
             commit.write_step_files(backend, save.tmp, files, sync=self.sync_files)
 
         def publish() -> None:

@@ -53,10 +53,11 @@ def tamper(
     *,
     edit_index: Callable[[dict[str, Any]], None] | None = None,
     edit_section: Callable[[dict[str, Any]], None] | None = None,
-    node: int = 0,
+    node: int = -1,
     reseal: bool = True,
 ) -> None:
-    """Edit node ``node``'s section and/or the index; with ``reseal`` the index names the
+    """Edit node ``node``'s section (default: the shared one, which holds every item of a
+    single-process save) and/or the index; with ``reseal`` the index names the
     edited section's new size and CRC32C and carries a valid checksum of its own."""
     body = index(step_dir)
     if edit_section is not None:

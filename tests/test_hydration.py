@@ -75,7 +75,12 @@ def test_hydration_fills_an_adopted_step_atomically(tmp_path, s3, tmpfs, monkeyp
     root = disk / "run"
     adopt_remote_step(LocalTier(LocalBackend(root)), RemoteBackend(remote), "step-1")
     adopted = {n: (root / "step-1" / n).read_bytes() for n in os.listdir(root / "step-1")}
-    assert sorted(adopted) == [".metadata", "manifest.json", "manifest.node-0.json"]
+    assert sorted(adopted) == [
+        ".metadata",
+        "manifest.json",
+        "manifest.node-0.json",
+        "manifest.shared.json",
+    ]
     caplog.set_level(logging.WARNING)
     with monkeypatch.context() as m:  # the space check is told a roomy figure: ENOSPC mid-way
         m.setattr(LocalBackend, "free_bytes", lambda self: 2**40)

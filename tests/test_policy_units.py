@@ -149,7 +149,9 @@ def test_manifest_sections_are_checked_against_the_index():
     md, locs = _metadata([(4, 2)])
     built = _build(md, locs, world_size=2, nodes=[[0], [1]])
     m = manifest.parse(built.index, where="m.json")
-    assert not m.complete and m.nodes_holding(locs) == {0}
+    sharded = [i for i in locs if i.fqn != "extra"]
+    assert not m.complete and m.nodes_holding(sharded) == {0}
+    assert m.nodes_holding([manifest.MetadataIndex("extra")]) == {manifest.SHARED}
     tampered = built.sections[0].replace(b"deadbeef", b"deadbeee")
     with pytest.raises(ManifestError, match="does not match the index"):
         manifest.parse_section(m, 0, tampered, where="node-0")

@@ -11,7 +11,7 @@ from typing import Any
 from ..errors import ConfigError
 
 MANIFEST_NAME = "manifest.json"  # the index; each node's items are in its own section
-_SECTION_RE = re.compile(r"manifest\.node-(0|[1-9][0-9]{0,6})\.json")
+_SECTION_RE = re.compile(r"manifest\.(shared|node-(0|[1-9][0-9]{0,6}))\.json")
 DCP_METADATA_NAME = ".metadata"
 LATEST = "latest"
 # Hidden (dot-prefixed) so that no listing of committed steps can ever pick them up.
@@ -111,7 +111,8 @@ def parse_hidden_dir(name: str) -> tuple[str, str, str] | None:
 
 
 def manifest_section_name(node: int) -> str:
-    return f"manifest.node-{node}.json"
+    """Node ``node``'s manifest section; node -1 is the section every node holds."""
+    return "manifest.shared.json" if node == -1 else f"manifest.node-{node}.json"
 
 
 def is_step_metadata(name: str) -> bool:

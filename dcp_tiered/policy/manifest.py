@@ -38,6 +38,7 @@ from ..errors import ManifestError
 from . import integrity, layout, manifest_codec, manifest_v1
 from .manifest_types import (
     FORMAT,
+    SHARED,
     ItemLocation,
     Manifest,
     SectionRef,
@@ -47,7 +48,15 @@ from .manifest_types import (
 )
 
 __all__ = ["FORMAT", "SECTION_FORMAT", "VERSION", "Built", "ItemLocation", "Manifest"]
-__all__ += ["SectionRef", "build", "chunk_ordinal", "needed_sections", "parse", "parse_section"]
+__all__ += [
+    "SHARED",
+    "SectionRef",
+    "build",
+    "chunk_ordinal",
+    "needed_sections",
+    "parse",
+    "parse_section",
+]
 
 VERSION = 2
 SECTION_FORMAT = "dcp-tiered-manifest-section"
@@ -64,7 +73,7 @@ class Built:
 
     def files_for(self, node: int | None) -> dict[str, bytes]:
         """The manifest files a node's directory holds (``None``: all, as the remote does)."""
-        nodes = self.sections if node is None else [node]
+        nodes = self.sections if node is None else [SHARED, node]
         out = {layout.manifest_section_name(n): self.sections[n] for n in nodes}
         out[layout.MANIFEST_NAME] = self.index  # last: a reader trusts sections through it
         return out
@@ -103,10 +112,17 @@ def build(
             raise ManifestError(f"item {index.fqn!r} at {index.offset} is not in the metadata")
         writers[index.fqn][ordinal[key]] = loc.rank
         by_file.setdefault(loc.relative_path, []).append((tid[index.fqn], ordinal[key], loc))
-    files_of: dict[int, list[dict[str, Any]]] = {n: [] for n in range(len(nodes))}
+    # Items every rank reads (one-chunk tensors and bytes items: replicated state that DCP
+    # spread over the ranks) go in the shared section, the chunks of sharded tensors in the
+    # writer's node's section: so a rank reads the shared section and its own node's.
+    files_of: dict[int, list[dict[str, Any]]] = {n: [] for n in [SHARED, *range(len(nodes))]}
     for name in sorted(by_file):
         rows = sorted(by_file[name], key=lambda r: r[2].offset)
-        files_of[node_of[rows[0][2].rank]].append(_encode_file(name, rows))
+        shared = [r for r in rows if len(writers[fqns[r[0]]]) == 1]
+        own = [r for r in rows if len(writers[fqns[r[0]]]) != 1]
+        for node, part in ((SHARED, shared), (node_of[rows[0][2].rank], own)):
+            if part:
+                files_of[node].append(_encode_file(name, part))
     sections = {
         node: json.dumps(
             {
@@ -191,12 +207,14 @@ def _encode_file(name: str, rows: list[tuple[int, int, ItemLocation]]) -> dict[s
         "crcs": "".join(r[2].checksum for r in rows),
         "raw": [-1 if r[2].raw_offset is None else r[2].raw_offset for r in rows],
     }
-    pos, offsets = 0, []
+    pos, offsets = first.offset, []
     for _, _, loc in rows:
         offsets.append(loc.offset)
         pos = loc.offset + loc.length if pos == loc.offset else -1
     if pos < 0:  # not back to back: say where each item starts
         entry["offsets"] = offsets
+    elif first.offset:
+        entry["start"] = first.offset
     return entry
 
 
@@ -248,7 +266,7 @@ def _decode_index(body: dict[str, Any]) -> Manifest:
         raise ManifestError(f"nodes {nodes} do not cover ranks 0..{world_size - 1}")
     sections = {}
     for node, name, size, checksum in body["sections"]:
-        if name != layout.manifest_section_name(node) or not 0 <= node < len(nodes):
+        if name != layout.manifest_section_name(node) or not SHARED <= node < len(nodes):
             raise ManifestError(f"section {name!r} of node {node} is not a section name")
         sections[int(node)] = SectionRef(int(node), str(name), int(size), str(checksum))
     metadata = Metadata(
@@ -344,9 +362,11 @@ def _decode_file(
     name, size, rank = str(entry["name"]), int(entry["size"]), int(entry["rank"])
     if "/" in name or name.startswith(".") or name in files:
         raise ManifestError(f"unsafe or repeated file name {name!r}")
-    if rank not in m.nodes[node] or size < 0:
+    if not (0 <= rank < m.world_size if node == SHARED else rank in m.nodes[node]) or size < 0:
         raise ManifestError(f"file {name!r} of rank {rank} (size {size}) is not node {node}'s")
     checksum = str(entry["checksum"])
+    if name in m.files and (m.files[name]["size"], m.files[name]["checksum"]) != (size, checksum):
+        raise ManifestError(f"file {name!r} has another size or checksum in another section")
     files[name] = {"size": size, "checksum": checksum, "rank": rank}
     ids, chunks, lengths, raws = entry["ids"], entry["chunks"], entry["lengths"], entry["raw"]
     crcs = str(entry["crcs"])
@@ -356,13 +376,13 @@ def _decode_file(
         raise ManifestError(f"file {name!r}: item columns of different lengths")
     if offsets is not None and len(offsets) != count:
         raise ManifestError(f"file {name!r}: item columns of different lengths")
-    pos = 0
+    pos = int(entry.get("start", 0))
     for i in range(count):
         fqn = m.fqns[ids[i]] if 0 <= ids[i] < len(m.fqns) else None
         if fqn is None or not 0 <= chunks[i] < len(m.writers[fqn]):
             raise ManifestError(f"file {name!r}: item {i} names no chunk of the index")
-        if m.writers[fqn][chunks[i]] != rank:
-            raise ManifestError(f"file {name!r}: {fqn!r} was not written by rank {rank}")
+        if m.writers[fqn][chunks[i]] != rank or (len(m.writers[fqn]) == 1) != (node == SHARED):
+            raise ManifestError(f"file {name!r}: {fqn!r} was not written by rank {rank} here")
         md = m.metadata.state_dict_metadata[fqn]
         offset = int(offsets[i]) if offsets is not None else pos
         length, raw = int(lengths[i]), int(raws[i])

@@ -13,6 +13,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from ..errors import ManifestError
 
 FORMAT = "dcp-tiered-manifest"
+SHARED = -1  # the section of the items every rank reads, whatever its node
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,9 @@ class Manifest:
             writers = self.writers.get(index.fqn)
             if not writers:
                 raise ManifestError(f"item {index.fqn!r} is not in the manifest of {self.step}")
+            if len(writers) == 1:  # replicated (one chunk) or bytes: in the shared section
+                out.add(SHARED)
+                continue
             rank = writers[chunk_ordinal(self.metadata, index)]
             if rank >= 0:
                 out.add(node_of[rank])

@@ -13,7 +13,7 @@ handshake through the c10d store, which never interleaves with DCP's collectives
                                           ◀─  done/n = ok | error
     return (so dcp.save returns on every rank only after every node has published)
 
-Each node receives the manifest's index and its own section only (the coordinator's node keeps
+Each node receives the manifest's index, the shared section and its own section only (the coordinator's node keeps
 every section and DCP's ``.metadata``), so the bytes through the store grow with the state, not
 with nodes x ranks. The coordinator's store traffic is batched: one ``multi_set`` of the
 sections, and per phase one ``wait`` and one ``multi_get`` over every node's key.
@@ -30,6 +30,7 @@ from typing import Any
 from ..backends.local import LocalBackend
 from ..errors import CheckpointExistsError, CommitError
 from ..policy import layout
+from ..policy.manifest_types import SHARED
 
 logger = logging.getLogger(__name__)
 
@@ -167,11 +168,12 @@ class Handshake:
     ) -> None:
         decided = False
         try:
-            keys = [f"section/{n}" for n in other_nodes]
+            nodes = [SHARED, *other_nodes]
+            keys = [f"section/{n}" for n in nodes]
             if self._has_batches():
-                self._store.multi_set(self._keys(keys), [sections[n] for n in other_nodes])
+                self._store.multi_set(self._keys(keys), [sections[n] for n in nodes])
             else:
-                for key, n in zip(keys, other_nodes):
+                for key, n in zip(keys, nodes):
                     self._set(key, sections[n])
             self._set("index", index)
             failures = self._failures("prepared", other_nodes)
@@ -198,14 +200,16 @@ class Handshake:
     def follow_in_background(
         self,
         node: int,
-        prepare: Callable[[bytes, bytes], None],
+        prepare: Callable[[bytes, bytes, bytes], None],
         publish: Callable[[], None],
         abandon: Callable[[str], None],
     ) -> threading.Thread:
         def run() -> None:
             try:
-                index, section = self._get_all(["index", f"section/{node}"])
-                self._report(f"prepared/{node}", lambda: prepare(index, section))
+                index, shared, own = self._get_all(
+                    ["index", f"section/{SHARED}", f"section/{node}"]
+                )
+                self._report(f"prepared/{node}", lambda: prepare(index, shared, own))
                 if self._get("decision") == b"commit":
                     self._report(f"done/{node}", publish)
                 else:
