@@ -81,7 +81,8 @@ class Uploader:
             try:
                 tmp = layout.tmp_dir_name(step, save_id)
                 where = (tmp,) if backend.exists(tmp, name) else (step,)  # committed meanwhile
-                key = layout.RemoteKeys(step, save_id, self.remote.config.prefix_strategy).file(
+                cfg = self.remote.config
+                key = layout.RemoteKeys(step, save_id, cfg.prefix_strategy, cfg.hash_prefixes).file(
                     name
                 )
                 upload_verified(self.tier, self.remote, where, name, key, checksum)
