@@ -185,6 +185,15 @@ def test_hash_prefixes_are_configurable_and_recorded_for_readers(tmp_path, s3):
     other = config(s3, url=cfg.url, prefix_strategy="hash", hash_prefixes=16)
     got, reader = load(tmp_path / "fresh", other)
     assert equal(got, state(1)) and reader.files_read_remotely
+    # Orphans of a killed save are found in every bucket there is, whatever the count now.
+    orphans = ["data/2f/step-1/abcdef/__0_0.distcp", "step-1/abcdef/_nodes/node-0.json"]
+    for key in orphans:
+        fs.pipe_file(f"{base}/{key}", b"x")
+    remote_tier.remove_orphan_saves(RemoteBackend(other), "step-1", keep=set())
+    left = {k[len(base) + 1 :] for k in fs.find(base)}
+    assert not left & set(orphans)
+    got, _ = load(tmp_path / "fresh2", other)
+    assert equal(got, state(1))
 
 
 def zlib_bucket(name: str, n: int) -> int:

@@ -311,14 +311,17 @@ def remove_orphan_saves(
     (killed or lost uploads), except the saves in ``keep``; with ``older_than`` (epoch s),
     only saves whose newest object is older than that (younger ones may still be uploading).
     Layout-1 objects (directly under the step) are left alone: they may be a quarantined step's."""
-    prefixes = layout.remote_step_prefixes(step, remote.config.hash_prefixes)
+    prefixes = [f"{step}/"]
+    if remote.config.prefix_strategy == "hash":  # every bucket there is, whatever the count
+        buckets = remote.children(f"{layout.HASHED_DATA}/")
+        prefixes += [f"{layout.HASHED_DATA}/{b}/{step}/" for b in buckets]
     # The save ids under each prefix (one delimited listing each), then only the orphans' own
     # objects: never a listing of the kept saves' objects, which grow with the job.
     candidates = {
         prefix: [
             sid for sid in remote.children(prefix) if layout.is_save_id(sid) and sid not in keep
         ]
-        for prefix in (prefixes if remote.config.prefix_strategy == "hash" else prefixes[:1])
+        for prefix in prefixes
     }
     if not any(candidates.values()):
         return
