@@ -126,10 +126,10 @@ def test_a_save_never_lists_its_own_objects(tmp_path, s3, fault_proxy):
         if key.endswith(".distcp"):
             data[key.rpartition("/")[2]][kind] += 1
     for name, count in data.items():
-        # An early upload racing the promotion may send a file twice (both verified): count
-        # per upload. Minimum per upload: its PUT, or CREATE + parts + COMPLETE.
+        # Each file once: an early upload and the promotion never both send it. Minimum per
+        # upload: its PUT, or CREATE + parts + COMPLETE.
         uploads = count["PUT"] + count["COMPLETE"]
-        assert uploads >= 1 and count["GET"] == uploads, (name, count)  # one GET read-back
+        assert uploads == 1 and count["GET"] == uploads, (name, count)  # one GET read-back
         extra = sum(count.values()) - count["PUT"] - count["CREATE"] - count["PART"]
         extra -= count["COMPLETE"]
         assert extra <= 2 * uploads + 1, (name, count)  # HEAD + GET each, a promotion's HEAD

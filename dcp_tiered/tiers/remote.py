@@ -150,6 +150,8 @@ class Promotion:
             # incomplete multipart upload of it is a leftover of an interrupted attempt.
             self.remote.abort_multipart_uploads(key, only={key})
             upload_verified(self.tier, self.remote, (self.step,), name, key, checksum)
+            if lock is not None:  # an early upload of it still queued skips it
+                backend.write_file(area, f"{name}.done", b"", sync=False)
         finally:
             if lock is not None:
                 backend.unlock(lock)
