@@ -379,17 +379,24 @@ def s3_model(
     *,
     part_size: int = 16 * MiB,
     prefix_strategy: str = "none",
+    hash_prefixes: int = 16,
     verify_uploads: bool = True,
     retained_steps: int = 5,
     read_range: int = 64 * MiB,
+    shared_resolve: bool = False,
 ) -> dict[str, Any]:
     """S3 requests of one save and one restore, by kind, derived from the code (see
     docs/scale.md "S3 requests"): writer.upload_early/tiers.uploads, tiers.remote.Promotion,
-    reader.TieredStorageReader and tiers.catalog. Assumes every early upload succeeds, every
-    node record is found on the coordinator's first poll, and the restore is of ``latest``
-    on fresh nodes (nothing local) at the same world size."""
+    reader.TieredStorageReader and tiers.catalog; tests/test_s3_requests.py counts them on
+    the wire for a small save. Assumes every early upload succeeds (so promotion trusts its
+    ``.done`` records and sends nothing per file), the coordinator's first poll finds every
+    node record, no orphan saves, and a restore of ``latest`` on fresh nodes (nothing
+    local) at the same world size. ``shared_resolve``: 'latest' resolved by one rank and
+    shared (``catalog.resolve(share=...)``), else by every rank. ``retained_steps`` no
+    longer matters: nothing lists the steps while the ``latest`` pointer is valid."""
     nodes = -(-world // RANKS_PER_NODE)
-    objects = len(file_sizes) + nodes + 3  # data, node records, manifest, .metadata, marker
+    # data, node records, manifest, .metadata, marker (+ the root's latest pointer, shared)
+    objects = len(file_sizes) + nodes + 3
     pages = lambda n: max(1, -(-n // 1000))
     save: dict[str, int] = {
         "PUT": 0,
@@ -408,29 +415,27 @@ def s3_model(
             save["multipart_create"] += 1
             save["multipart_parts"] += -(-size // part_size)
             save["multipart_complete"] += 1
-        if verify_uploads:  # remote_checksum(read_back=True): HEAD + 16 MiB ranged GETs
+        if verify_uploads:  # remote_checksum(read_back=True): HEAD + one streamed GET
             save["HEAD"] += 1
-            save["GET"] += max(1, -(-size // (16 * MiB)))
+            save["GET"] += 1
     save["GET"] += world  # each rank's uploader reads the marker once (upload_early)
-    # Promotion.run on each node's leader: marker GET, one listing of the save, node record.
+    # Promotion.run on each node's leader: marker GET, no listing, its node record.
     save["GET"] += nodes
-    listed = pages(objects) if prefix_strategy == "none" else 17 * pages(-(-objects // 16))
-    save["LIST"] += nodes * listed
     save["PUT"] += nodes
-    # The coordinator's node commits: polls node records (>= nodes-1 GETs), manifest and
-    # .metadata PUTs, exclusive marker PUT; remove_orphan_saves: marker GET, quarantine LIST,
-    # one more listing of the step.
-    save["GET"] += (nodes - 1) + 1
-    save["PUT"] += 3
-    save["LIST"] += 1 + (pages(objects) if prefix_strategy == "none" else 17)
+    # The coordinator's node commits: one LIST of _nodes/ per poll round, manifest and
+    # .metadata PUTs, the latest pointer (GET + conditional PUT), the exclusive marker PUT;
+    # remove_orphan_saves: one delimited listing per step prefix, nothing more without orphans.
+    save["LIST"] += pages(nodes)
+    save["PUT"] += 2 + 1 + 1
+    save["GET"] += 1
+    save["LIST"] += 1 + (hash_prefixes if prefix_strategy == "hash" else 0)
     restore: dict[str, int] = {"GET": 0, "LIST": 0, "HEAD": 0}
-    # Per rank: probe (LIST, MaxKeys=1); committed_steps() = glob("*/_COMMITTED.json"), which
-    # s3fs walks as one listing of the root plus one per top-level entry (steps, "data");
-    # list_steps reads each committed step's marker; _load_manifest reads the marker again and
-    # the whole manifest; the first remote data read reads the marker once more.
-    top = retained_steps + (1 if prefix_strategy == "hash" else 0)
-    restore["LIST"] += world * (1 + 1 + top)
-    restore["GET"] += world * (retained_steps + 1 + 1 + 1)
+    # Per rank: the start-up probe (LIST, MaxKeys=1); 'latest': pointer + its marker (once per
+    # job when shared); the reader's _load_manifest reads the marker again and the manifest;
+    # the first remote data read reads the marker once more.
+    resolvers = 1 if shared_resolve else world
+    restore["LIST"] += world
+    restore["GET"] += resolvers * 2 + world * (1 + 1 + 1)
     data_gets = sum(max(1, -(-size // read_range)) for size in file_sizes)
     restore["GET"] += data_gets  # each rank's own files, coalesced ranges <= 64 MiB
     restore_bytes_metadata = world * manifest_len
@@ -443,12 +448,25 @@ def s3_model(
         "save_requests_total": save_total,
         "save_requests_per_gib": save_total / max(data / GiB, 1e-9),
         "save_requests_minimum_for_part_size": minimum + 3,
+        "save_requests_vs_minimum": save_total / (minimum + 3),
         "restore_requests": restore,
         "restore_requests_total": sum(restore.values()),
         "restore_metadata_bytes_all_ranks": restore_bytes_metadata,
         "restore_metadata_bytes_per_rank": manifest_len,
         "restore_data_bytes_per_rank": data // world,
         "metadata_object_bytes": manifest_len + metadata_len,
+    }
+
+
+def prefixes_needed(
+    nodes: int, node_bandwidth: float, part_size: int, read_range: int = 64 * MiB
+) -> dict[str, int]:
+    """RemoteConfig.hash_prefixes's sizing rule: the parts all nodes send per second over
+    S3's 3,500 PUTs per second per prefix; a restore's ranged GETs over its 5,500 GETs."""
+    rate = nodes * node_bandwidth
+    return {
+        "put": math.ceil(rate / part_size / 3500),
+        "get": math.ceil(rate / read_range / 5500),
     }
 
 
@@ -759,6 +777,7 @@ def run_config(
                 ours["metadata_bytes"],
                 part_size=args.part_size_mib * MiB,
                 prefix_strategy=strategy,
+                hash_prefixes=args.hash_prefixes,
                 retained_steps=args.retained_steps,
             )
             for strategy in ("none", "hash")
@@ -892,6 +911,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shardings", default="fsdp2", help="fsdp2 and/or fsdp2+tp8")
     ap.add_argument("--thread-count", type=int, default=2, help="the writer's files per rank")
     ap.add_argument("--part-size-mib", type=int, default=16)
+    ap.add_argument("--hash-prefixes", type=int, default=16, help="RemoteConfig.hash_prefixes")
     ap.add_argument(
         "--retained-steps",
         type=int,

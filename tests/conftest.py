@@ -185,6 +185,19 @@ def injected_faults(proxy_url: str) -> dict:
         return json.loads(r.read())
 
 
+def proxied_requests(proxy_url: str, *, reset: bool = False) -> list[tuple[str, str]]:
+    """(kind, key) of every request the proxy passed on since it started or was last reset;
+    with ``reset``, the count starts again after this."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{proxy_url}/__requests__", timeout=10) as r:
+        found = [tuple(x) for x in json.loads(r.read())]
+    if reset:
+        req = urllib.request.Request(f"{proxy_url}/__requests__", method="POST", data=b"")
+        urllib.request.urlopen(req, timeout=10).close()
+    return found
+
+
 @pytest.fixture
 def fault_proxy(s3):
     """Start a fault proxy in front of the S3 server; returns a function (rate, seed) -> URL."""

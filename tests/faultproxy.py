@@ -8,6 +8,10 @@ Usage: python tests/faultproxy.py --port P --upstream http://127.0.0.1:Q --rate 
        [--deny __1_]   (403 AccessDenied for every write of a key containing "__1_")
        [--corrupt .distcp --corrupt-count N]   (flip one byte in the body of the first N
                         writes of keys containing ".distcp": the store keeps corrupt data)
+
+GET /__requests__ answers how many requests of each S3 kind reached the proxy (LIST, HEAD,
+GET, PUT, CREATE/PART/COMPLETE/ABORT of multipart uploads, LIST_UPLOADS, DELETE, POST), and
+how many of them named a key containing each ``?key=`` substring; POST /__requests__ resets.
 """
 
 from __future__ import annotations
@@ -35,6 +39,25 @@ INTERNAL = (
 HOP = {"transfer-encoding", "connection", "keep-alive", "content-length", "content-encoding"}
 
 
+def request_kind(method: str, query: dict, key: str) -> str:
+    """The S3 operation a request is, from its method and query (path-style addressing)."""
+    if method == "GET" and "uploads" in query:
+        return "LIST_UPLOADS"
+    if method == "GET" and ("list-type" in query or "prefix" in query or "delimiter" in query):
+        return "LIST"
+    if method == "POST" and "uploads" in query:
+        return "CREATE"
+    if method == "PUT" and "partNumber" in query:
+        return "PART"
+    if method == "POST" and "uploadId" in query:
+        return "COMPLETE"
+    if method == "DELETE" and "uploadId" in query:
+        return "ABORT"
+    if method == "GET" and "/" not in key:  # the bucket itself, without a listing query
+        return "LIST"
+    return method
+
+
 def build_app(
     upstream: str,
     rate: float,
@@ -48,10 +71,19 @@ def build_app(
     rng = random.Random(seed)
     counts = {f: 0 for f in FAULTS} | {"ok": 0, "denied": 0, "corrupted": 0}
     session: dict[str, ClientSession] = {}
+    requests: list[tuple[str, str]] = []  # (kind, key) of every S3 request, in arrival order
 
     async def handle(request: web.Request) -> web.StreamResponse:
         if request.path == "/__faults__":  # the test asks what was injected
             return web.json_response(counts)
+        if request.path == "/__requests__":  # the test counts requests (POST: start again)
+            if request.method == "POST":
+                requests.clear()
+                return web.json_response({})
+            return web.json_response([list(r) for r in requests])
+        key = request.path.lstrip("/").partition("/")[2]
+        kind = request_kind(request.method, dict(request.query), key)
+        requests.append((kind, request.query.get("prefix", key) if kind == "LIST" else key))
         body = await request.read()
         if deny and deny in request.path and request.method in ("PUT", "POST"):
             counts["denied"] += 1  # a permanent failure for the writes of chosen keys

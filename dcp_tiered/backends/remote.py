@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import fsspec
+from fsspec.asyn import sync
 
 from .. import _retry
 from ..config import RemoteConfig, RetryConfig
@@ -294,9 +295,81 @@ class RemoteBackend:
             )
         return len(uploads)
 
+    def put_if(self, key: str, data: bytes, tag: str | None) -> bool:
+        """Write ``key`` only if it still is the version ``tag`` (from :meth:`get_tagged`;
+        None: only if absent). False if another writer got there first. S3: If-Match /
+        If-None-Match; stores without conditional writes: a plain write (the caller re-reads)."""
+        if tag is None:
+            return self.create_exclusive(key, data)
+        if self.protocol not in ("s3", "s3a"):
+            self.put_bytes(key, data)
+            return True
+        bucket, _, obj = self.path(key).partition("/")
+        try:
+            self._call(
+                "put",
+                key,
+                lambda: self.fs.call_s3(
+                    "put_object", Bucket=bucket, Key=obj, Body=data, IfMatch=tag
+                ),
+            )
+        except (FileExistsError, FileNotFoundError):  # 412: changed since; 404: removed since
+            return False
+        return True
+
     # ------------------------------------------------------------ reads
 
+    def get_tagged(self, key: str) -> tuple[bytes, str | None] | None:
+        """The bytes of ``key`` and its version tag (S3: the ETag, for :meth:`put_if`), with
+        one GET; None if it does not exist."""
+        try:
+            if self.protocol in ("s3", "s3a"):
+                bucket, _, obj = self.path(key).partition("/")
+
+                def get() -> tuple[bytes, str | None]:
+                    resp = self.fs.call_s3("get_object", Bucket=bucket, Key=obj)
+                    body = resp["Body"]
+                    try:
+                        return sync(self.fs.loop, body.read), resp.get("ETag")
+                    finally:
+                        body.close()
+
+                return self._call("get", key, get)
+            return self._call("get", key, lambda: self.fs.cat_file(self.path(key))), ""
+        except FileNotFoundError:
+            return None
+
+    def fold_object(self, key: str, span: int, fold: Callable[[T, bytes], T], init: T) -> T:
+        """Read all of ``key`` with one GET (S3: one request whatever its size), handing its
+        body to ``fold`` in chunks of at most ``span`` bytes (memory: one chunk). Retried
+        whole from ``init`` on a transient error."""
+        path = self.path(key)
+
+        def run() -> T:
+            acc = init
+            if self.protocol in ("s3", "s3a"):
+                bucket, _, obj = path.partition("/")
+                resp = self.fs.call_s3("get_object", Bucket=bucket, Key=obj)
+                body = resp["Body"]
+                try:
+                    while chunk := sync(self.fs.loop, body.read, span):
+                        acc = fold(acc, chunk)
+                finally:
+                    body.close()
+                return acc
+            with self.fs.open(path, "rb") as f:
+                while chunk := f.read(span):
+                    acc = fold(acc, chunk)
+            return acc
+
+        return self._call("get", key, run)
+
     def get_bytes(self, key: str) -> bytes:
+        if self.protocol in ("s3", "s3a"):  # one GET (s3fs may HEAD first, or list if absent)
+            got = self.get_tagged(key)
+            if got is None:
+                raise FileNotFoundError(f"{self.url(key)}: not found")
+            return got[0]
         return self._call("get", key, lambda: self.fs.cat_file(self.path(key)))
 
     def get_range(self, key: str, start: int, end: int) -> bytes:

@@ -39,8 +39,16 @@ REMOTE_MARKER = "_COMMITTED.json"
 REMOTE_QUARANTINE = "_quarantined"  # STEP/_quarantined/<save id>.json: a marker moved aside
 NODE_RECORDS = "_nodes"
 REMOTE_LAYOUT = 2  # objects of a save under STEP/<save id>/ (layout 1: directly under STEP/)
-_HASH_PREFIXES = 16
+# Hashed data prefixes: the count is RemoteConfig.hash_prefixes, recorded in each marker
+# (markers without one were written with 16), so a reader never guesses.
+DEFAULT_HASH_PREFIXES = 16
+_HASH_PREFIXES = DEFAULT_HASH_PREFIXES
+MAX_HASH_PREFIXES = 4096
 HASHED_DATA = "data"  # remote prefix of hashed data keys: never a step name
+# The remote root's pointer to its newest committed step (hidden: never a step name). Written
+# after the step's marker, moved only forward in `newest`'s order; restores read it instead of
+# listing the root, and fall back to listing when it is missing or names no committed save.
+REMOTE_LATEST = ".dcp-tiered-latest.json"
 
 _STEP_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # fullmatch: no trailing newline
 _SAVE_ID_RE = re.compile(r"[0-9a-f]{1,32}")
@@ -163,6 +171,7 @@ class RemoteKeys:
     step: str
     save_id: str | None
     prefix_strategy: str = "none"
+    hash_prefixes: int = DEFAULT_HASH_PREFIXES
 
     @property
     def _base(self) -> str:
@@ -171,7 +180,7 @@ class RemoteKeys:
     def file(self, name: str) -> str:
         """Key of a data file; data may be spread over hashed prefixes."""
         if self.prefix_strategy == "hash" and name.endswith(".distcp"):
-            bucket = zlib.crc32(f"{self.step}/{name}".encode()) % _HASH_PREFIXES
+            bucket = zlib.crc32(f"{self.step}/{name}".encode()) % self.hash_prefixes
             return f"{HASHED_DATA}/{bucket:x}/{self._base}{name}"
         return f"{self._base}{name}"
 
@@ -193,9 +202,16 @@ class RemoteKeys:
     def node_record(self, node: int) -> str:
         return f"{self._base}{NODE_RECORDS}/node-{node}.json"
 
+    @property
+    def node_records_prefix(self) -> str:
+        """The prefix of this save's node records (one listing polls them all)."""
+        return f"{self._base}{NODE_RECORDS}/"
+
     def prefixes(self) -> list[str]:
         """Every prefix that may hold this save's objects (layout 1: the whole step's)."""
-        return [self._base] + [f"{HASHED_DATA}/{b:x}/{self._base}" for b in range(_HASH_PREFIXES)]
+        return [self._base] + [
+            f"{HASHED_DATA}/{b:x}/{self._base}" for b in range(self.hash_prefixes)
+        ]
 
     def owns(self, key: str) -> bool:
         """Whether ``key`` is one of this save's objects (never the step's marker). In layout 1
@@ -212,15 +228,43 @@ class RemoteKeys:
 
 
 def marker_body(
-    step: str, save_id: str, committed_at_ns: int, prefix_strategy: str
+    step: str,
+    save_id: str,
+    committed_at_ns: int,
+    prefix_strategy: str,
+    hash_prefixes: int = DEFAULT_HASH_PREFIXES,
 ) -> dict[str, Any]:
     return {
         "step": step,
         "save_id": save_id,
         "committed_at_ns": committed_at_ns,
         "prefix_strategy": prefix_strategy,
+        "hash_prefixes": hash_prefixes,
         "layout": REMOTE_LAYOUT,
     }
+
+
+def hash_prefixes_of(marker: Mapping[str, Any]) -> int:
+    """How many hashed data prefixes a marker's save spreads over (16 before it was recorded)."""
+    value = marker.get("hash_prefixes", DEFAULT_HASH_PREFIXES)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"hash_prefixes {value!r} is not an integer")  # noqa: TRY004 - callers catch ValueError for a bad marker
+    if not 1 <= value <= MAX_HASH_PREFIXES:
+        raise ValueError(f"hash_prefixes {value} is outside 1..{MAX_HASH_PREFIXES}")
+    return value
+
+
+def latest_body(step: str, marker: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``latest`` pointer's content: the step and the marker that committed it."""
+    return {"step": step, "marker": dict(marker)}
+
+
+def is_newer(step: str, committed_at_ns: int, than: tuple[str, int] | None) -> bool:
+    """Whether ``step`` comes after ``than`` (a ``(step, committed_at_ns)``) in `newest`'s
+    order, or is the same step name (committed again: its marker is the one that counts)."""
+    if than is None or than[0] == step:
+        return True
+    return newest([than, (step, committed_at_ns)]) == step
 
 
 def keys_of_marker(step: str, marker: Mapping[str, Any]) -> RemoteKeys:
@@ -229,28 +273,32 @@ def keys_of_marker(step: str, marker: Mapping[str, Any]) -> RemoteKeys:
     strategy = str(marker.get("prefix_strategy", "none"))
     if strategy not in ("none", "hash"):
         raise ValueError(f"unknown prefix_strategy {strategy!r}")
+    prefixes = hash_prefixes_of(marker)
     if marker.get("layout", 1) == 1:
-        return RemoteKeys(step, None, strategy)
+        return RemoteKeys(step, None, strategy, prefixes)
     if marker.get("layout") != REMOTE_LAYOUT or not is_save_id(marker.get("save_id")):
         raise ValueError(
             f"unsupported marker (layout {marker.get('layout')!r}, save id "
             f"{marker.get('save_id')!r})"
         )
-    return RemoteKeys(step, str(marker["save_id"]), strategy)
+    return RemoteKeys(step, str(marker["save_id"]), strategy, prefixes)
 
 
 def quarantine_record_key(step: str, save_id: str) -> str:
     return f"{step}/{REMOTE_QUARANTINE}/{save_id}.json"
 
 
-def remote_step_prefixes(step: str) -> list[str]:
+def remote_step_prefixes(step: str, hash_prefixes: int = DEFAULT_HASH_PREFIXES) -> list[str]:
     """Every prefix that may hold objects of ``step`` (for cleanup confined to that step)."""
-    return [f"{step}/"] + [f"{HASHED_DATA}/{b:x}/{step}/" for b in range(_HASH_PREFIXES)]
+    return [f"{step}/"] + [f"{HASHED_DATA}/{b:x}/{step}/" for b in range(hash_prefixes)]
 
 
 def save_id_of_key(step: str, key: str) -> str | None:
     """The save id whose layout-2 prefix holds ``key`` of ``step``, or None."""
-    for prefix in remote_step_prefixes(step):
+    if key.startswith(f"{HASHED_DATA}/"):  # data/<h>/STEP/...: any count of prefixes
+        bucket, _, rest = key[len(HASHED_DATA) + 1 :].partition("/")
+        key = rest if bucket and rest else key
+    for prefix in (f"{step}/",):
         if key.startswith(prefix):
             head = key[len(prefix) :].split("/", 1)
             return head[0] if len(head) == 2 and is_save_id(head[0]) else None

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..backends.remote import RemoteBackend
 from ..errors import CheckpointNotFoundError, ConfigError, TierError, TierUnavailableError
 from ..policy import layout
+from . import remote as remote_tier
 from .local import LocalTier
 
 logger = logging.getLogger(__name__)
@@ -33,78 +35,159 @@ def list_steps(
         s.name: StepLocation(s.name, s.committed_at_ns, True, False, s.verified_format)
         for s in tier.steps()
     }
-    remote_steps: list[str] = []
+    listed: list[tuple[str, int]] = []
     if remote is not None:
         try:
-            remote_steps = remote.committed_steps()
-        except TierError as e:
+            listed = remote_steps(remote)
+        except TierUnavailableError as e:
             if strict:
-                raise TierUnavailableError(
-                    f"cannot read the remote tier {remote.config.url}: {e}. Which steps exist "
-                    "there is unknown, so nothing was restored: fix the remote's address, "
-                    "credentials or reachability (the cause above) and restore again"
-                ) from e
-            logger.warning(
-                "remote tier %s unavailable, looking at %s only: %s",
-                remote.config.url,
-                tier.root,
-                e,
-            )
-            remote = None
-    for name in remote_steps:
-        assert remote is not None
-        try:
-            marker = json.loads(remote.get_bytes(f"{name}/{layout.REMOTE_MARKER}"))
-            committed_at = int(marker["committed_at_ns"])
-        except (FileNotFoundError, ValueError, KeyError, TypeError) as e:
-            logger.warning("ignoring remote step %s with an unreadable marker: %s", name, e)
-            continue
-        local = found.get(name)
-        found[name] = StepLocation(
-            name,
-            max(committed_at, local.committed_at_ns) if local else committed_at,
-            local is not None,
-            True,
-            local.verified_format if local else True,
-        )
+                raise
+            logger.warning("looking at %s only: %s", tier.root, e)
+    for name, committed_at in listed:
+        _add_remote(found, name, committed_at)
     return sorted(found.values(), key=lambda s: s.committed_at_ns)
 
 
-def resolve(
-    tier: LocalTier, remote: RemoteBackend | None, checkpoint_id: str | os.PathLike[str] | None
-) -> StepLocation:
-    """Map 'latest' (or None) or a step name to a committed step on some tier, or raise."""
-    where = tier.root + (f" or {remote.config.url}" if remote is not None else "")
+def _add_remote(found: dict[str, StepLocation], name: str, committed_at: int) -> None:
+    local = found.get(name)
+    found[name] = StepLocation(
+        name,
+        max(committed_at, local.committed_at_ns) if local else committed_at,
+        local is not None,
+        True,
+        local.verified_format if local else True,
+    )
+
+
+def _unavailable(remote: RemoteBackend, e: Exception) -> TierUnavailableError:
+    return TierUnavailableError(
+        f"cannot read the remote tier {remote.config.url}: {e}. Which steps exist "
+        "there is unknown, so nothing was restored: fix the remote's address, "
+        "credentials or reachability (the cause above) and restore again"
+    )
+
+
+def remote_steps(remote: RemoteBackend) -> list[tuple[str, int]]:
+    """``(step, committed_at_ns)`` of every step committed on the remote: one listing of the
+    root (and one per step prefix, as s3fs globs) and a GET per marker. TierUnavailableError
+    if the remote cannot be read."""
     try:
-        steps = list_steps(tier, remote, strict=True)
-    except TierUnavailableError as e:
-        steps = list_steps(tier, None)
-        if not steps:  # "no checkpoint" would be a guess: say what is wrong instead
-            raise
-        logger.warning(
-            "remote tier unavailable (%s); resolving %r among the local steps of %s",
-            e,
-            checkpoint_id or layout.LATEST,
-            tier.root,
+        names = remote.committed_steps()
+    except TierError as e:
+        raise _unavailable(remote, e) from e
+    out = []
+    for name in names:
+        try:
+            marker = json.loads(remote.get_bytes(f"{name}/{layout.REMOTE_MARKER}"))
+            out.append((name, int(marker["committed_at_ns"])))
+        except (FileNotFoundError, ValueError, KeyError, TypeError) as e:
+            logger.warning("ignoring remote step %s with an unreadable marker: %s", name, e)
+        except TierError as e:
+            raise _unavailable(remote, e) from e
+    return out
+
+
+def remote_latest(remote: RemoteBackend) -> tuple[str, int] | None:
+    """The newest committed step on the remote as ``(step, committed_at_ns)``, or None.
+
+    Two GETs: the root's ``latest`` pointer and the marker of the step it names. Only when
+    the pointer is missing (a root written before it existed), unreadable, or stale (its step
+    has no marker of the save it names: quarantined, deleted, or a save that never committed)
+    is the root listed, as :func:`remote_steps` does. TierUnavailableError if the remote
+    cannot be read. The result is plain data, so one rank can resolve it for all."""
+    try:
+        got = remote_tier.read_latest(remote)
+        if got is not None and got[0] is not None:
+            name, named = str(got[0]["step"]), got[0]["marker"]
+            marker = remote_tier.read_marker(remote, name)
+            if marker is not None and marker.get("save_id") == named.get("save_id"):
+                return name, int(marker["committed_at_ns"])
+            logger.info("the latest pointer of %s is stale (%s): listing", remote, name)
+    except (ValueError, KeyError, TypeError) as e:
+        logger.warning("unreadable marker behind the latest pointer of %s: %s", remote, e)
+    except TierError as e:
+        raise _unavailable(remote, e) from e
+    listed = remote_steps(remote)
+    name = layout.newest(listed)
+    return None if name is None else next(s for s in listed if s[0] == name)
+
+
+def resolve(
+    tier: LocalTier,
+    remote: RemoteBackend | None,
+    checkpoint_id: str | os.PathLike[str] | None,
+    share: Callable[[Callable[[], tuple[str, int] | None]], tuple[str, int] | None] | None = None,
+) -> StepLocation:
+    """Map 'latest' (or None) or a step name to a committed step on some tier, or raise.
+
+    On the remote, 'latest' costs two GETs (:func:`remote_latest`), a step name one (its
+    marker); the root is listed only for a root without a valid ``latest`` pointer, or to
+    name the committed steps when the one asked for is missing. ``share(fn)``, if given, runs
+    ``fn`` (the remote's answer for 'latest') on one rank and returns its result on every
+    rank, so a job resolves 'latest' with O(1) requests, not O(ranks)."""
+    where = tier.root + (f" or {remote.config.url}" if remote is not None else "")
+    latest = checkpoint_id is None or checkpoint_id == layout.LATEST
+    if not latest and not isinstance(checkpoint_id, str):
+        raise ConfigError(
+            f"checkpoint_id must be a step name or 'latest', got {checkpoint_id!r}; "
+            "the directory is given to the reader's constructor"
         )
-    if checkpoint_id is None or checkpoint_id == layout.LATEST:
+    if not latest:
+        layout.validate_step_name(checkpoint_id)
+    found = {s.name: s for s in list_steps(tier, None)}
+    if remote is not None:
+        try:
+            if latest:
+                top = share(lambda: remote_latest(remote)) if share else remote_latest(remote)
+                if top is not None:
+                    _add_remote(found, *top)
+            else:
+                assert isinstance(checkpoint_id, str)
+                marker = _marker(remote, checkpoint_id)
+                if marker is not None:
+                    _add_remote(found, checkpoint_id, marker)
+        except TierUnavailableError as e:
+            if not found:  # "no checkpoint" would be a guess: say what is wrong instead
+                raise
+            logger.warning(
+                "remote tier unavailable (%s); resolving %r among the local steps of %s",
+                e,
+                checkpoint_id or layout.LATEST,
+                tier.root,
+            )
+    steps = sorted(found.values(), key=lambda s: s.committed_at_ns)
+    if latest:
         name = layout.newest((s.name, s.committed_at_ns) for s in steps)
         if name is None:
             raise CheckpointNotFoundError(
                 f"no committed step in {where}: nothing to load for 'latest'. Check the paths, "
                 "or save a checkpoint first."
             )
-        return next(s for s in steps if s.name == name)
-    if not isinstance(checkpoint_id, str):
-        raise ConfigError(
-            f"checkpoint_id must be a step name or 'latest', got {checkpoint_id!r}; "
-            "the directory is given to the reader's constructor"
-        )
-    layout.validate_step_name(checkpoint_id)
-    for s in steps:
-        if s.name == checkpoint_id:
-            return s
+        return found[name]
+    assert isinstance(checkpoint_id, str)
+    if checkpoint_id in found:
+        return found[checkpoint_id]
+    try:  # the error names what there is: one listing, on this path only
+        steps = list_steps(tier, remote)
+    except TierError:
+        pass
     existing = ", ".join(s.name for s in steps) or "none"
     raise CheckpointNotFoundError(
         f"step {checkpoint_id!r} not found in {where}. Committed steps: {existing}."
     )
+
+
+def _marker(remote: RemoteBackend, name: str) -> int | None:
+    """The commit time of remote step ``name`` from its marker (one GET), None if it has none."""
+    try:
+        marker = remote_tier.read_marker(remote, name)
+    except TierError as e:
+        raise _unavailable(remote, e) from e
+    except ValueError as e:
+        logger.warning("ignoring remote step %s with an unreadable marker: %s", name, e)
+        return None
+    try:
+        return None if marker is None else int(marker["committed_at_ns"])
+    except (KeyError, TypeError, ValueError) as e:
+        logger.warning("ignoring remote step %s with an unreadable marker: %s", name, e)
+        return None

@@ -8,8 +8,14 @@ step is committed by this protocol, so partial uploads are never visible:
    and checksum), then writes its completion record ``STEP/_nodes/node-K.json``;
 2. the coordinator's node (the one holding rank 0's files and every manifest section) waits
    for every node's record, then writes the sections, ``.metadata`` and the manifest's index;
-3. last, it creates the commit marker ``STEP/_COMMITTED.json`` exclusively (If-None-Match).
-Readers trust only steps with a marker.
+3. it moves the root's ``latest`` pointer forward to this step (compare-and-set), then, last,
+   creates the commit marker ``STEP/_COMMITTED.json`` exclusively (If-None-Match).
+Readers trust only steps with a marker. The pointer is written before the marker so that no
+step is ever committed while the pointer names an older one: a pointer whose step has no
+marker of the save it names is stale, and readers then list the root instead.
+
+Requests: a node HEADs only its own keys (none for files its early uploads recorded done),
+never lists the save; the coordinator polls the node records with one LIST per round.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from .._daemon_pool import DaemonPool
 from ..backends.remote import RemoteBackend
 from ..errors import (
     CheckpointNotFoundError,
+    ConfigError,
     InsufficientSpaceError,
     IntegrityError,
     ManifestError,
@@ -105,16 +112,9 @@ class Promotion:
         present = set(self.tier.backend.list_files(self.step)) & set(m.files)
         node = node_of_local_files(m, present)
         mine = sorted(n for n in present if int(m.files[n]["rank"]) in m.nodes[node])
-        # One listing tells what an earlier, interrupted attempt already uploaded.
-        existing: dict[str, int] = {}
-        for prefix in keys.prefixes()[
-            : 1 if self.remote.config.prefix_strategy != "hash" else None
-        ]:
-            existing.update(self.remote.sizes(prefix))
-        jobs = [
-            self._pool.submit(self._upload, m, n, keys.file(n), existing.get(keys.file(n)))
-            for n in mine
-        ]
+        # What an earlier, interrupted attempt already uploaded: each file's own HEAD (no
+        # listing of the whole save, whose pages grow with every node's objects).
+        jobs = [self._pool.submit(self._upload, m, n, keys.file(n)) for n in mine]
         for fut in jobs:
             fut.result()
         record = {"save_id": m.save_id, "files": {n: m.files[n] for n in mine}}
@@ -132,9 +132,10 @@ class Promotion:
             self._commit(m, keys)
 
     def keys(self, m: Manifest) -> layout.RemoteKeys:
-        return layout.RemoteKeys(self.step, m.save_id, self.remote.config.prefix_strategy)
+        cfg = self.remote.config
+        return layout.RemoteKeys(self.step, m.save_id, cfg.prefix_strategy, cfg.hash_prefixes)
 
-    def _upload(self, m: Manifest, name: str, key: str, remote_size: int | None) -> None:
+    def _upload(self, m: Manifest, name: str, key: str) -> None:
         size, checksum = int(m.files[name]["size"]), str(m.files[name]["checksum"])
         backend, area = self.tier.backend, layout.upload_area_name(self.step, m.save_id)
         # An upload started before the commit (by any rank of this node) holds this lock.
@@ -142,13 +143,15 @@ class Promotion:
         try:
             if lock is not None and backend.exists(area, f"{name}.done"):
                 return
-            if remote_size == size and remote_checksum(self.remote, key, size) == checksum:
+            if remote_checksum(self.remote, key, size) == checksum:
                 logger.debug("skip %s: already uploaded", key)
                 return
             # Holding the lock, no upload of this key from this node is in flight: any
             # incomplete multipart upload of it is a leftover of an interrupted attempt.
             self.remote.abort_multipart_uploads(key, only={key})
             upload_verified(self.tier, self.remote, (self.step,), name, key, checksum)
+            if lock is not None:  # an early upload of it still queued skips it
+                backend.write_file(area, f"{name}.done", b"", sync=False)
         finally:
             if lock is not None:
                 backend.unlock(lock)
@@ -158,13 +161,10 @@ class Promotion:
         pending = set(range(1, len(m.nodes)))
         delay = 0.05
         while pending:
-            for node in sorted(pending):
-                try:
-                    rec = json.loads(self.remote.get_bytes(keys.node_record(node)))
-                except FileNotFoundError:
-                    continue
-                if rec.get("save_id") == m.save_id:
-                    pending.discard(node)
+            # One listing per round (a page per 1,000 nodes), not a GET per node: the records
+            # sit under this save's own prefix STEP/<save id>/, so one there is this save's.
+            listed = set(self.remote.sizes(keys.node_records_prefix))
+            pending -= {n for n in pending if keys.node_record(n) in listed}
             if pending:
                 if time.monotonic() > deadline:
                     raise UploadFailedError(
@@ -186,9 +186,11 @@ class Promotion:
             self.remote.put_bytes(keys.section(node), backend.read_file(self.step, name))
         self.remote.put_bytes(keys.metadata, backend.read_file(self.step, layout.DCP_METADATA_NAME))
         self.remote.put_bytes(keys.manifest, backend.read_file(self.step, layout.MANIFEST_NAME))
+        cfg = self.remote.config
         marker = layout.marker_body(
-            self.step, m.save_id, m.committed_at_ns, self.remote.config.prefix_strategy
+            self.step, m.save_id, m.committed_at_ns, cfg.prefix_strategy, cfg.hash_prefixes
         )
+        advance_latest(self.remote, self.step, marker)
         if not self.remote.create_exclusive(
             f"{self.step}/{layout.REMOTE_MARKER}", json.dumps(marker).encode()
         ):
@@ -270,12 +272,10 @@ def remote_checksum(
         read_back = remote.config.verify_uploads or stat[1] is None
     if not read_back:
         return stat[1]
-    crc = 0
-    try:
-        span = _chunk_bytes(remote)
-        for start in range(0, size, span):
-            end = min(size, start + span)
-            crc = integrity.checksum(remote.get_range(key, start, end), crc)
+    try:  # one GET for the whole object (a ranged GET per part would double the requests)
+        crc = remote.fold_object(
+            key, _chunk_bytes(remote), lambda c, b: integrity.checksum(b, c), 0
+        )
     except IntegrityError as e:  # the store's own checksum of it disagrees with its bytes
         logger.warning("%s", e)
         return None
@@ -322,17 +322,31 @@ def remove_orphan_saves(
     (killed or lost uploads), except the saves in ``keep``; with ``older_than`` (epoch s),
     only saves whose newest object is older than that (younger ones may still be uploading).
     Layout-1 objects (directly under the step) are left alone: they may be a quarantined step's."""
+    prefixes = [f"{step}/"]
+    if remote.config.prefix_strategy == "hash":  # every bucket there is, whatever the count
+        buckets = remote.children(f"{layout.HASHED_DATA}/")
+        prefixes += [f"{layout.HASHED_DATA}/{b}/{step}/" for b in buckets]
+    # The save ids under each prefix (one delimited listing each), then only the orphans' own
+    # objects: never a listing of the kept saves' objects, which grow with the job.
+    candidates = {
+        prefix: [
+            sid for sid in remote.children(prefix) if layout.is_save_id(sid) and sid not in keep
+        ]
+        for prefix in prefixes
+    }
+    if not any(candidates.values()):
+        return
     marker = read_marker(remote, step)
     keep = (
         keep | quarantined_saves(remote, step) | ({str(marker.get("save_id"))} if marker else set())
     )
     newest: dict[str, float] = {}
     found: dict[str, list[str]] = {}
-    prefixes = layout.remote_step_prefixes(step)
-    for prefix in prefixes if remote.config.prefix_strategy == "hash" else prefixes[:1]:
-        for key, mtime in remote.modified(prefix).items():
-            sid = layout.save_id_of_key(step, key)
-            if sid is not None and sid not in keep:
+    for prefix, sids in candidates.items():
+        for sid in sids:
+            if sid in keep:
+                continue
+            for key, mtime in remote.modified(f"{prefix}{sid}/").items():
                 found.setdefault(sid, []).append(key)
                 newest[sid] = max(newest.get(sid, 0.0), mtime)
     for sid, keys in sorted(found.items()):
@@ -340,6 +354,48 @@ def remove_orphan_saves(
             continue
         for key in sorted(keys):
             remote.remove(key, reason=f"orphan of step {step}: save {sid} was never committed")
+
+
+def read_latest(remote: RemoteBackend) -> tuple[dict[str, Any] | None, str | None] | None:
+    """The root's ``latest`` pointer and its version tag (for compare-and-set), None if there
+    is none; the pointer is None if it is unreadable (readers then list the root)."""
+    got = remote.get_tagged(layout.REMOTE_LATEST)
+    if got is None:
+        return None
+    try:
+        body = json.loads(got[0])
+        layout.validate_step_name(body["step"])
+        int(body["marker"]["committed_at_ns"])
+        layout.keys_of_marker(body["step"], body["marker"])
+    except (ValueError, KeyError, TypeError, ConfigError) as e:
+        logger.warning("ignoring %s: %s", remote.url(layout.REMOTE_LATEST), e)
+        return None, got[1]
+    return body, got[1]
+
+
+def advance_latest(remote: RemoteBackend, step: str, marker: dict[str, Any]) -> None:
+    """Move the ``latest`` pointer to ``step`` unless it names a newer step (in
+    `layout.newest`'s order) that is committed, or about to be. Compare-and-set: two saves
+    racing re-read and retry, so the pointer only ever moves forward. A pointer naming a step
+    whose marker is another save's, or missing while no save of it is running, is replaced."""
+    body = json.dumps(layout.latest_body(step, marker)).encode()
+    for _ in range(16):
+        current = read_latest(remote)
+        if current is not None and current[0] is not None:
+            cur = current[0]
+            there = (str(cur["step"]), int(cur["marker"]["committed_at_ns"]))
+            if not layout.is_newer(step, int(marker["committed_at_ns"]), there):
+                found = read_marker(remote, there[0])
+                if found is not None and found.get("save_id") == cur["marker"].get("save_id"):
+                    return  # a newer step is committed: it stays latest
+                if time.time_ns() - there[1] < remote.config.durable_timeout_secs * 1e9:
+                    return  # a newer save still committing: its marker comes soon
+        if remote.put_if(layout.REMOTE_LATEST, body, None if current is None else current[1]):
+            return
+    raise UploadFailedError(
+        f"{remote.url(layout.REMOTE_LATEST)} kept changing under 16 attempts to move it to "
+        f"{step!r}: many saves commit into this prefix at once; the step is retried"
+    )
 
 
 def sweep_orphans(tier: LocalTier, remote: RemoteBackend) -> None:

@@ -63,25 +63,33 @@ class Uploader:
         upload with the rest of the save. Best effort: whatever does not finish here is
         uploaded by the promotion after the commit.
         """
+        try:  # now, so that a promotion starting before the upload does waits on its lock
+            self.tier.backend.make_dir(layout.upload_area_name(step, save_id))
+        except OSError as e:
+            logger.debug("early upload of %s/%s deferred to the promotion: %s", step, name, e)
+            return
         self._files.submit(self._upload_early, step, save_id, name, checksum)
 
     def _upload_early(self, step: str, save_id: str, name: str, checksum: str) -> None:
         backend, area = self.tier.backend, layout.upload_area_name(step, save_id)
         try:
-            with self._lock:
-                free = self._remote_step_free.get((step, save_id))
-            if free is None:  # remote steps are immutable: never write under a committed one
-                free = read_marker(self.remote, step) is None
-                with self._lock:
-                    self._remote_step_free[(step, save_id)] = free
-            if not free:
-                return
             backend.make_dir(area)
             lock = backend.lock_exclusive(area, f"{name}.lock")
             try:
+                if backend.exists(area, f"{name}.done"):  # the promotion got there first
+                    return
+                with self._lock:
+                    free = self._remote_step_free.get((step, save_id))
+                if free is None:  # remote steps are immutable: never write under a committed one
+                    free = read_marker(self.remote, step) is None
+                    with self._lock:
+                        self._remote_step_free[(step, save_id)] = free
+                if not free:
+                    return
                 tmp = layout.tmp_dir_name(step, save_id)
                 where = (tmp,) if backend.exists(tmp, name) else (step,)  # committed meanwhile
-                key = layout.RemoteKeys(step, save_id, self.remote.config.prefix_strategy).file(
+                cfg = self.remote.config
+                key = layout.RemoteKeys(step, save_id, cfg.prefix_strategy, cfg.hash_prefixes).file(
                     name
                 )
                 upload_verified(self.tier, self.remote, where, name, key, checksum)
