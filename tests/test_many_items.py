@@ -1,0 +1,135 @@
+"""Many small tensors: the data path's cost follows bytes, not items (issue 21), and every item
+is still a torch.save record at its byte range, verified on load."""
+
+from __future__ import annotations
+
+import json
+
+import crc32c
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+
+from dcp_tiered import TieredStorageReader, TieredStorageWriter
+from dcp_tiered.backends.local import LocalBackend
+from dcp_tiered.errors import IntegrityError
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+COUNT = 400
+
+
+def small_state() -> dict[str, torch.Tensor]:
+    """Every dtype a model holds, tiny to a few KiB, with a few large ones between them."""
+    torch.manual_seed(21)
+    state: dict[str, torch.Tensor] = {}
+    for i in range(COUNT):
+        kind = i % 8
+        if kind == 0:
+            t = torch.randn(1 + i % 37)
+        elif kind == 1:
+            t = torch.randn(i % 13 + 1, 3).to(torch.bfloat16)
+        elif kind == 2:
+            t = torch.randint(-9, 9, (i % 5 + 1,), dtype=torch.int64)
+        elif kind == 3:
+            t = torch.rand(7) > 0.5  # bool
+        elif kind == 4:
+            t = torch.tensor(float(i))  # 0-dim, 4 bytes
+        elif kind == 5:
+            t = torch.zeros(16)  # as many zero bytes as torch.save's own padding
+        elif kind == 6:
+            t = torch.randn(i % 300 + 1, dtype=torch.float64)
+        else:
+            t = torch.randn(3000) if i % 80 == 7 else torch.empty(0)
+        state[f"p{i}"] = t
+    return state
+
+
+def save(root, step: str, state: dict) -> None:
+    writer = TieredStorageWriter(root, sync_files=False)
+    dcp.save(state, storage_writer=writer, checkpoint_id=step, no_dist=True)
+
+
+def load(root, step: str, state: dict) -> dict:
+    out = {k: torch.full_like(v, 7) for k, v in state.items()}
+    dcp.load(out, storage_reader=TieredStorageReader(root), checkpoint_id=step, no_dist=True)
+    return out
+
+
+def test_small_tensors_are_placed_in_place_and_load_bit_exact(tmp_path):
+    src = small_state()
+    save(tmp_path, "step-1", src)
+    items = json.loads((tmp_path / "step-1" / "manifest.json").read_text())["items"]
+    placed = {i["index"][0] for i in items if "raw_offset" in i}
+    nonempty = {k for k, v in src.items() if v.numel()}
+    assert placed == nonempty  # every non-empty tensor, however small, is located
+    for reader in (TieredStorageReader(tmp_path), FileSystemReader(tmp_path / "step-1")):
+        out = {k: torch.full_like(v, 7) for k, v in src.items()}
+        dcp.load(out, storage_reader=reader, no_dist=True)
+        for k, v in src.items():
+            assert out[k].dtype == v.dtype and torch.equal(out[k], v), k
+
+
+def test_item_and_file_checksums_are_those_of_the_bytes_on_disk(tmp_path):
+    save(tmp_path, "step-1", small_state())
+    body = json.loads((tmp_path / "step-1" / "manifest.json").read_text())
+    data = {name: (tmp_path / "step-1" / name).read_bytes() for name in body["files"]}
+    for name, entry in body["files"].items():
+        assert int(entry["size"]) == len(data[name])
+        assert entry["checksum"] == f"{crc32c.crc32c(data[name]):08x}"
+    for item in body["items"]:
+        raw = data[item["file"]][item["offset"] : item["offset"] + item["length"]]
+        assert item["checksum"] == f"{crc32c.crc32c(raw):08x}", item["index"]
+
+
+def test_a_flipped_byte_in_a_small_tensor_is_caught(tmp_path):
+    src = small_state()
+    save(tmp_path, "step-1", src)
+    items = json.loads((tmp_path / "step-1" / "manifest.json").read_text())["items"]
+    entry = next(i for i in items if i["index"][0] == "p9")  # a bf16 tensor of a few bytes
+    path = tmp_path / "step-1" / entry["file"]
+    data = bytearray(path.read_bytes())
+    data[entry["offset"] + entry["raw_offset"]] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointException) as e:
+        load(tmp_path, "step-1", src)
+    (failure,) = e.value.failures.values()
+    failure = failure[0] if isinstance(failure, tuple) else failure  # (exception, traceback)
+    assert isinstance(failure, IntegrityError) and "'p9'" in str(failure)
+
+
+def test_a_restore_reads_many_small_items_in_few_reads(tmp_path, monkeypatch):
+    """One read per run of neighbouring items, not one (or three) per item."""
+    src = small_state()
+    save(tmp_path, "step-1", src)
+    reads = []
+    original = LocalBackend.read_range_into
+
+    def counting(f, offset, buffer):
+        reads.append(len(buffer))
+        return original(f, offset, buffer)
+
+    monkeypatch.setattr(LocalBackend, "read_range_into", staticmethod(counting))
+    out = load(tmp_path, "step-1", src)
+    assert all(torch.equal(out[k], v) for k, v in src.items())
+    assert 0 < len(reads) <= 8, len(reads)
+
+
+def test_a_partial_restore_of_a_few_items_reads_only_near_them(tmp_path, monkeypatch):
+    src = small_state()
+    save(tmp_path, "step-1", src)
+    reads = []
+    original = LocalBackend.read_range_into
+
+    def counting(f, offset, buffer):
+        reads.append(len(buffer))
+        return original(f, offset, buffer)
+
+    monkeypatch.setattr(LocalBackend, "read_range_into", staticmethod(counting))
+    wanted = {k: torch.zeros_like(src[k]) for k in ("p0", "p399")}
+    dcp.load(wanted, storage_reader=TieredStorageReader(tmp_path), no_dist=True)
+    assert torch.equal(wanted["p0"], src["p0"]) and torch.equal(wanted["p399"], src["p399"])
+    total = sum(f.stat().st_size for f in (tmp_path / "step-1").glob("__*"))
+    assert sum(reads) < total / 4, (sum(reads), total)
