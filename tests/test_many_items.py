@@ -133,3 +133,38 @@ def test_a_partial_restore_of_a_few_items_reads_only_near_them(tmp_path, monkeyp
     assert torch.equal(wanted["p0"], src["p0"]) and torch.equal(wanted["p399"], src["p399"])
     total = sum(f.stat().st_size for f in (tmp_path / "step-1").glob("__*"))
     assert sum(reads) < total / 4, (sum(reads), total)
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        [[10, 9 * 2**20], [300, 2**20, 5]],  # folded (>= 8 MiB), passed through, buffered
+        [[7] * 3000, [0], [4096, 2**20 - 1], [3 * 2**20]],  # flushes between items
+    ],
+)
+def test_checksumming_writer_crcs_match_the_bytes(sizes):
+    """Item and file CRCs stay those of the bytes, however writes are buffered or folded."""
+    import io
+    import random
+
+    from dcp_tiered.policy import integrity
+
+    rnd = random.Random(21)
+    raw = io.BytesIO()
+    out = integrity.ChecksummingWriter(raw)
+    out.BUFFER_BYTES = 64 * 2**10  # flush often
+    items = []
+    for item in sizes:
+        chunks = [rnd.randbytes(n) for n in item]
+        start = out.start_item()
+        for c in chunks:
+            out.write(c)
+        items.append((start, out.position - start, out.item_crc))
+    out.close()
+    data = raw.getvalue()
+    assert len(data) == out.position and out.file_crc == crc32c.crc32c(data)
+    for start, length, crc in items:
+        assert crc == crc32c.crc32c(data[start : start + length])
+    for n1, n2 in [(0, 0), (0, 5), (5, 0), (100, 2**20), (7, 3 * 2**20 + 13)]:
+        a, b = rnd.randbytes(n1), rnd.randbytes(n2)
+        assert integrity.combine(crc32c.crc32c(a), crc32c.crc32c(b), n2) == crc32c.crc32c(a + b)

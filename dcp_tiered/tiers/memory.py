@@ -54,7 +54,8 @@ class MemoryTier:
         self.rank = rank
         self.allow_pickle = allow_pickle  # non-tensor values load with full pickle (trusted)
         self.backend = LocalBackend(os.path.join(self.root, f"rank-{rank}"))
-        self._buffers: dict[int, tuple[tuple[Any, ...], torch.Tensor]] = {}
+        # slot -> (structure of the state, (regions, size, buffer, a view per tensor))
+        self._buffers: dict[int, tuple[tuple[Any, ...], Any]] = {}
         self._pool = ThreadPoolExecutor(
             1, thread_name_prefix="dcp-tiered-memory", initializer=lower_this_thread
         )
@@ -83,13 +84,12 @@ class MemoryTier:
                 tensors.append((path, leaf))
             else:
                 objects[fmt.key(path)] = leaf
-        regions, size = fmt.layout(tensors)
         slot = self._slot_to_write()
         self.backend.remove_file(_header(slot))  # uncommit first: the copy tears it
-        buffer = self._buffer(slot, regions, size)
+        regions, size, buffer, views = self._buffer(slot, tensors)
         with torch.no_grad():
-            for (_, src), region in zip(tensors, regions):
-                fmt.view(buffer, region).copy_(src)
+            for (_, src), dst in zip(tensors, views):
+                dst.copy_(src)
         blob = fmt.encode_objects(objects)  # values may change once we return
         self.last_copy_secs = time.perf_counter() - started
         self.last_bytes = sum(r.nbytes for r in regions)
@@ -104,11 +104,19 @@ class MemoryTier:
         slot, self._next_slot = self._next_slot, 1 - self._next_slot
         return slot
 
-    def _buffer(self, slot: int, regions: list[fmt.Region], size: int) -> torch.Tensor:
-        sig = (size, fmt.signature(regions))
+    def _buffer(
+        self, slot: int, tensors: list[tuple[fmt.Path, torch.Tensor]]
+    ) -> tuple[list[fmt.Region], int, torch.Tensor, list[torch.Tensor]]:
+        """The slot's layout, buffer and one view per tensor, made once per state structure:
+        a snapshot every step then costs one copy per tensor and nothing else per item."""
+        sig = tuple((path, t.dtype, t.shape) for path, t in tensors)
         cached = self._buffers.get(slot)
         if cached is None or cached[0] != sig:
-            self._buffers[slot] = (sig, self.backend.map_file(_data(slot), size))
+            self._buffers.pop(slot, None)  # drop the old mapping before making the new one
+            regions, size = fmt.layout(tensors)
+            buffer = self.backend.map_file(_data(slot), size)
+            views = fmt.views(buffer, regions)
+            self._buffers[slot] = (sig, (regions, size, buffer, views))
         return self._buffers[slot][1]
 
     def _commit(
@@ -121,7 +129,7 @@ class MemoryTier:
         blob: bytes,
     ) -> dict[str, float]:
         started = time.perf_counter()
-        checksums = [fmt.region_checksum(buffer, r) for r in regions]
+        checksums = fmt.region_checksums(buffer, regions)
         header = fmt.encode_header(
             step=step,
             rank=self.rank,
@@ -176,11 +184,11 @@ class MemoryTier:
             size=header.data_size,
             dtype=torch.uint8,
         )
-        tensors = {}
-        for region, expected in zip(header.regions, header.checksums):
-            if fmt.region_checksum(buffer, region) != expected:
+        actual = fmt.region_checksums(buffer, header.regions)
+        for region, expected, got in zip(header.regions, header.checksums, actual):
+            if got != expected:
                 raise IntegrityError(f"{where}: {region.key} fails its checksum")
-            tensors[region.key] = fmt.view(buffer, region)
+        tensors = {r.key: v for r, v in zip(header.regions, fmt.views(buffer, header.regions))}
         objects = fmt.decode_objects(header.objects, allow_pickle=self.allow_pickle)
         for name, value in app_state.items():
             if hasattr(value, "state_dict") and hasattr(value, "load_state_dict"):
