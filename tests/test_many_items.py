@@ -168,3 +168,41 @@ def test_checksumming_writer_crcs_match_the_bytes(sizes):
     for n1, n2 in [(0, 0), (0, 5), (5, 0), (100, 2**20), (7, 3 * 2**20 + 13)]:
         a, b = rnd.randbytes(n1), rnd.randbytes(n2)
         assert integrity.combine(crc32c.crc32c(a), crc32c.crc32c(b), n2) == crc32c.crc32c(a + b)
+
+
+def test_memory_tier_snapshots_reuse_their_layout_and_stay_exact(tmp_path):
+    """Snapshots into reused slots take each save's values; a new structure gets a new
+    layout; a flipped byte in a small tensor fails its restore."""
+    from dcp_tiered.tiers.memory import MemoryTier
+
+    src = small_state()
+    tier = MemoryTier(tmp_path / "shm", 0)
+    try:
+        for n in range(4):  # both slots twice: the second round reuses their views
+            state = {k: v + n if v.dtype != torch.bool else v ^ bool(n % 2) for k, v in src.items()}
+            tier.save(f"step-{n}", {"model": state, "n": n}).result()
+            out = {"model": {k: torch.full_like(v, 7) for k, v in src.items()}, "n": -1}
+            tier.load(f"step-{n}", out)
+            assert out["n"] == n
+            assert all(torch.equal(out["model"][k], v) for k, v in state.items())
+        grown = {**src, "p0": torch.randn(99)}  # another shape: another layout
+        tier.save("step-9", {"model": grown}).result()
+        out = {"model": {k: torch.zeros_like(v) for k, v in grown.items()}}
+        tier.load("step-9", out)
+        assert all(torch.equal(out["model"][k], v) for k, v in grown.items())
+    finally:
+        tier.close()
+    rank_dir = tmp_path / "shm" / "rank-0"
+    for slot in (0, 1):
+        header = json.loads((rank_dir / f"slot-{slot}.json").read_text())
+        if header["step"] == "step-9":
+            data = rank_dir / f"slot-{slot}.data"
+            break
+    entry = next(t for t in header["tensors"] if t["key"] == '["model", "p9"]')
+    raw = bytearray(data.read_bytes())
+    raw[entry["offset"]] ^= 0x01
+    data.write_bytes(bytes(raw))
+    with pytest.raises(IntegrityError, match="p9"):
+        MemoryTier(tmp_path / "shm", 0).load(
+            "step-9", {"model": {k: torch.zeros_like(v) for k, v in grown.items()}}
+        )

@@ -86,15 +86,6 @@ def layout(tensors: list[tuple[Path, torch.Tensor]]) -> tuple[list[Region], int]
     return regions, max(offset, ALIGN)
 
 
-def signature(regions: list[Region]) -> tuple[Any, ...]:
-    return tuple((r.key, r.dtype, tuple(r.shape)) for r in regions)
-
-
-def view(buffer: torch.Tensor, r: Region) -> torch.Tensor:
-    """The tensor a region holds, as a view of the uint8 ``buffer``."""
-    return views(buffer, [r])[0]
-
-
 def views(buffer: torch.Tensor, regions: list[Region]) -> list[torch.Tensor]:
     """The tensor each region holds, as views of the uint8 ``buffer``."""
     out = []
