@@ -49,6 +49,11 @@ logger = logging.getLogger(__name__)
 
 _RANGE_MERGE_GAP_BYTES = 1 * 2**20  # fetch a small gap rather than issue another GET
 _RANGE_MAX_BYTES = 64 * 2**20
+# Local reads: neighbouring items share one read of up to a block; a tensor of at least
+# _IN_PLACE_MIN_BYTES is read alone, straight into its target where it can be.
+_LOCAL_BLOCK_BYTES = 8 * 2**20
+_LOCAL_GAP_BYTES = 64 * 2**10  # read across a gap this small rather than issue another read
+_IN_PLACE_MIN_BYTES = 64 * 2**10  # above this, three reads cost less than a copy
 
 
 class TieredStorageReader(StorageReader):
@@ -360,18 +365,16 @@ class TieredStorageReader(StorageReader):
     def _load_local(self, files: list[tuple[str, list[ReadItem]]], planner: LoadPlanner) -> None:
         """Loads items from the local tier, verifying each against its checksum.
 
-        A helper thread reads the next item (across file boundaries) while this one is
-        checksummed and delivered; both release the GIL. A tensor whose raw bytes the manifest
-        locates, and whose target is a plain CPU tensor of the stored shape, is read straight
-        into the target (no staging buffer, no copy). Other items go through one of two
-        reused buffers.
+        Neighbouring items are read together, one read per block of up to
+        ``_LOCAL_BLOCK_BYTES``, and each is checked and delivered from the block: a state of
+        many small tensors costs a few reads, not one (or a thread hand-off) per item. A helper
+        thread reads the next block (across file boundaries) while this one is checksummed and
+        delivered; both release the GIL. A large tensor whose raw bytes the manifest locates,
+        and whose target is a plain CPU tensor of the stored shape, is read on its own straight
+        into the target (no staging buffer, no copy). Blocks use one of two reused buffers.
         """
-        jobs = [
-            _Job(name, index, group)
-            for name, items in files
-            for index, group in _by_storage_index(items)
-        ]
-        if not jobs:
+        reads = self._plan_reads(files)
+        if not reads:
             return
         opened: dict[str, Any] = {}
         # The pool is left first, so a read still in flight finishes before any file closes.
@@ -381,76 +384,126 @@ class TieredStorageReader(StorageReader):
         ):
 
             def read(n: int) -> list[memoryview]:  # runs on the helper thread only
-                job = jobs[n]
-                if job.name not in opened:
-                    opened[job.name] = open_files.enter_context(
-                        self._tier.backend.open_read(*self._dir, job.name)
+                r = reads[n]
+                if r.name not in opened:
+                    opened[r.name] = open_files.enter_context(
+                        self._tier.backend.open_read(*self._dir, r.name)
                     )
-                loc = self._locations[job.index]
-                if job.direct:
-                    parts = self._direct_parts(loc, job.target)
+                if r.direct:
+                    parts = self._direct_parts(self._locations[r.groups[0][0]], r.target)
                 else:
-                    parts = [self._read_buffer(n % 2, loc.length)]
-                offset, filled = loc.offset, []
+                    parts = [self._read_buffer(n % 2, r.end - r.start)]
+                offset, filled = r.start, []
                 for part in parts:
-                    got = self._tier.backend.read_range_into(opened[job.name], offset, part)
+                    got = self._tier.backend.read_range_into(opened[r.name], offset, part)
                     filled.append(got)
                     offset += len(got)
                     if len(got) < len(part):
                         break
                 return filled
 
-            self._resolve_direct(jobs[0], planner)
+            self._resolve_direct(reads[0], planner)
             pending = pool.submit(read, 0)
-            for n, job in enumerate(jobs):
+            for n, r in enumerate(reads):
                 parts = pending.result()
-                if n + 1 < len(jobs):
-                    self._resolve_direct(jobs[n + 1], planner)
+                if n + 1 < len(reads):
+                    self._resolve_direct(reads[n + 1], planner)
                     pending = pool.submit(read, n + 1)
-                loc = self._locations[job.index]
-                problem = self._problem(loc, parts)
-                if problem and self._remote is not None and self._manifest is not None:
-                    logger.warning(
-                        "local copy of %s in step %s is corrupt (%s, item %s); reading it from %s",
-                        job.name,
-                        self.checkpoint_id,
-                        problem,
-                        job.index.fqn,
-                        self._remote.config.url,
-                    )
-                    parts = [memoryview(self._fetch(job.name, loc.offset, loc.offset + loc.length))]
-                    problem = self._problem(loc, parts)
-                    job.direct = False
-                if problem:
-                    raise self._integrity_error(job.name, job.index.fqn, loc, problem)
-                if job.direct:
-                    planner.commit_tensor(job.group[0], job.target)
+                if r.direct:
+                    index, group = r.groups[0]
+                    parts = self._verified(r.name, index, parts)
+                    if len(parts) == 3:  # still the target's own memory: nothing to copy
+                        planner.commit_tensor(group[0], r.target)
+                        continue
+                    self._deliver(group[0], parts[0], planner, r.target)
                     continue
-                for item in job.group:  # not direct: one buffer holds the whole item
-                    self._deliver(item, parts[0], planner, job.target)
+                block = parts[0] if parts else memoryview(b"")
+                for index, group in r.groups:
+                    lo = self._locations[index].offset - r.start
+                    (data,) = self._verified(
+                        r.name, index, [block[lo : lo + self._locations[index].length]]
+                    )
+                    for item in group:
+                        self._deliver(item, data, planner, r.target)
 
-    def _resolve_direct(self, job: _Job, planner: LoadPlanner) -> None:
-        """Sets ``job.target`` when the item can be read straight into its target tensor."""
-        loc = self._locations[job.index]
-        if loc.raw_offset is None or job.index not in self._chunks or len(job.group) != 1:
+    def _verified(
+        self, name: str, index: MetadataIndex, parts: list[memoryview]
+    ) -> list[memoryview]:
+        """The item's local bytes (``parts``) if they match the manifest; else, with a remote
+        tier, its remote bytes (as one part) if those do; else IntegrityError."""
+        loc = self._locations[index]
+        problem = self._problem(loc, parts)
+        if problem and self._remote is not None and self._manifest is not None:
+            logger.warning(
+                "local copy of %s in step %s is corrupt (%s, item %s); reading it from %s",
+                name,
+                self.checkpoint_id,
+                problem,
+                index.fqn,
+                self._remote.config.url,
+            )
+            parts = [memoryview(self._fetch(name, loc.offset, loc.offset + loc.length))]
+            problem = self._problem(loc, parts)
+        if problem:
+            raise self._integrity_error(name, index.fqn, loc, problem)
+        return parts
+
+    def _plan_reads(self, files: list[tuple[str, list[ReadItem]]]) -> list[_Read]:
+        """The local reads for ``files`` (items sorted by offset): each large tensor that may
+        be read in place on its own, every other run of neighbouring items in blocks."""
+        reads: list[_Read] = []
+        for name, items in files:
+            block: _Read | None = None
+            for index, group in _by_storage_index(items):
+                loc = self._locations[index]
+                start, end = loc.offset, loc.offset + loc.length
+                if self._may_read_in_place(index, group):
+                    reads.append(_Read(name, start, end, [(index, group)], in_place=True))
+                    block = None
+                elif (
+                    block is not None
+                    and block.end <= start <= block.end + _LOCAL_GAP_BYTES
+                    and end - block.start <= _LOCAL_BLOCK_BYTES
+                ):
+                    block.end = end
+                    block.groups.append((index, group))
+                else:
+                    block = _Read(name, start, end, [(index, group)])
+                    reads.append(block)
+        return reads
+
+    def _may_read_in_place(self, index: MetadataIndex, group: list[ReadItem]) -> bool:
+        """Whether the saved item is a large tensor wanted whole (its target not yet known)."""
+        loc = self._locations[index]
+        if loc.raw_offset is None or index not in self._chunks or len(group) != 1:
+            return False
+        item = group[0]
+        sizes, dtype = self._chunks[index]
+        return (
+            item.type == LoadItemType.TENSOR
+            and not any(item.storage_offsets)
+            and tuple(item.lengths) == tuple(sizes)  # not part of the chunk (resharding)
+            and math.prod(sizes) * dtype.itemsize >= _IN_PLACE_MIN_BYTES
+        )
+
+    def _resolve_direct(self, r: _Read, planner: LoadPlanner) -> None:
+        """Sets ``r.target`` for a large tensor, and ``r.direct`` when it can be read straight
+        into that target."""
+        if not r.in_place:
             return
-        item = job.group[0]
-        sizes, dtype = self._chunks[job.index]
-        if (
-            item.type != LoadItemType.TENSOR
-            or any(item.storage_offsets)
-            or (tuple(item.lengths) != tuple(sizes))
-        ):
-            return  # only part of the stored chunk is wanted (resharding)
+        index, (item,) = r.groups[0]
+        loc = self._locations[index]
+        sizes, dtype = self._chunks[index]
         target = planner.resolve_tensor(item).detach()
-        job.target = target
-        job.direct = (
+        r.target = target
+        r.direct = (
             type(target) is torch.Tensor
             and target.device.type == "cpu"
             and target.dtype == dtype
             and target.size() == sizes
             and target.is_contiguous()
             and target.layout == torch.strided
+            and loc.raw_offset is not None
             and loc.raw_offset + target.nbytes <= loc.length
         )
 
@@ -597,6 +650,10 @@ class TieredStorageReader(StorageReader):
                 f"{count} x {dtype} past the end of the item's {len(data)} bytes; the manifest "
                 "does not match the data. Restore the step from another tier."
             )
+        if isinstance(data, memoryview) and not data.readonly:  # a local read buffer
+            return torch.frombuffer(data, dtype=dtype, count=count, offset=loc.raw_offset).view(
+                sizes
+            )
         with warnings.catch_warnings():  # bytes from a remote are read-only; we only read them
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             raw = torch.frombuffer(data, dtype=dtype, count=count, offset=loc.raw_offset)
@@ -660,13 +717,16 @@ class TieredStorageReader(StorageReader):
 
 
 @dataclass
-class _Job:
-    """One local read: a saved item and the read items it serves."""
+class _Read:
+    """One local read: a byte range of one file and the saved items in it (with the read
+    items each serves)."""
 
     name: str
-    index: MetadataIndex
-    group: list[ReadItem]
-    target: torch.Tensor | None = None  # resolved ahead of the read
+    start: int
+    end: int
+    groups: list[tuple[MetadataIndex, list[ReadItem]]]
+    in_place: bool = False  # a single large tensor, resolved ahead of its read
+    target: torch.Tensor | None = None
     direct: bool = False  # the read goes straight into ``target``
 
 

@@ -33,8 +33,16 @@ _PROCESS_EXECUTOR = "ThreadPoolExecutor"
 _POOL_THREAD = re.compile(r"^ThreadPoolExecutor-(\d+)_\d+$")
 
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
 def _signature(obj: Any) -> Any:
-    """Structure, shapes and dtypes of a state dict: buffers are reused only if it matches."""
+    """Structure, shapes and dtypes of a state dict: buffers are reused only if it matches.
+    Computed on every save, so plain tensors (nearly every leaf) are tested first."""
+    if type(obj) in _PLAIN_TENSORS:
+        return ("T", obj.shape, obj.dtype)
+    if type(obj) is dict:
+        return tuple([(k, _signature(v)) for k, v in obj.items()])
     if isinstance(obj, DTensor):
         return ("D", tuple(obj.shape), obj.dtype, tuple(obj.to_local().shape), obj.placements)
     if isinstance(obj, ShardedTensor):

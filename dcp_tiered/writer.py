@@ -710,21 +710,24 @@ class TieredStorageWriter(StorageWriter):
         with self._tier.backend.open_write(save.tmp, name, sync=self.sync_files) as f:
             out = integrity.ChecksummingWriter(f)
             for item in items:
-                offset = out.start_item()
                 data = planner.resolve_data(item)
                 raw_offset = None
                 if item.type == WriteItemType.BYTE_IO:
+                    offset = out.start_item()
                     out.write(data.getbuffer())
                 else:
                     tensor = _as_saveable(data)
+                    nbytes = tensor.numel() * tensor.element_size()
+                    offset = out.start_item(nbytes)
                     try:
                         _torch_compat.save_tensor(tensor, out)
                     except RuntimeError as e:
                         if out.error is not None:
                             raise out.error from e
                         raise
-                    raw_offset = out.raw_offset(offset, tensor.numel() * tensor.element_size())
+                    raw_offset = out.raw_offset(offset, nbytes, tensor)
                 placed.append((item.index, offset, out.position - offset, out.item_crc, raw_offset))
+            out.close()
         file_crc = integrity.format_checksum(out.file_crc)
         if self._remote is not None and save.promote:
             uploader = uploads.uploader_for(self._tier, self._remote)

@@ -54,7 +54,17 @@ def leaves(obj: Any, path: Path = ()) -> Iterator[tuple[Path, Any]]:
 
 
 def key(path: Path) -> str:
-    return json.dumps(list(path))
+    """The path as a JSON list (the header's key). Keys of plain ASCII names and ints are
+    built directly: the snapshot and its restore make one per tensor."""
+    parts = []
+    for p in path:
+        if type(p) is int:
+            parts.append(str(p))
+        elif type(p) is str and p.isascii() and p.isprintable() and '"' not in p and "\\" not in p:
+            parts.append(f'"{p}"')
+        else:
+            return json.dumps(list(path))
+    return "[" + ", ".join(parts) + "]"
 
 
 @dataclass(frozen=True)
@@ -76,16 +86,15 @@ def layout(tensors: list[tuple[Path, torch.Tensor]]) -> tuple[list[Region], int]
     return regions, max(offset, ALIGN)
 
 
-def signature(regions: list[Region]) -> tuple[Any, ...]:
-    return tuple((r.key, r.dtype, tuple(r.shape)) for r in regions)
-
-
-def view(buffer: torch.Tensor, r: Region) -> torch.Tensor:
-    """The tensor a region holds, as a view of the uint8 ``buffer``."""
-    dtype = _DTYPES.get(r.dtype)
-    if dtype is None:
-        raise ManifestError(f"unknown dtype {r.dtype!r} for {r.key}")
-    return buffer[r.offset : r.offset + r.nbytes].view(dtype).view(r.shape)
+def views(buffer: torch.Tensor, regions: list[Region]) -> list[torch.Tensor]:
+    """The tensor each region holds, as views of the uint8 ``buffer``."""
+    out = []
+    for r in regions:
+        dtype = _DTYPES.get(r.dtype)
+        if dtype is None:
+            raise ManifestError(f"unknown dtype {r.dtype!r} for {r.key}")
+        out.append(buffer[r.offset : r.offset + r.nbytes].view(dtype).view(r.shape))
+    return out
 
 
 def encode_objects(objects: dict[str, Any]) -> bytes:
@@ -236,9 +245,13 @@ def _checksum(body: dict[str, Any]) -> str:
     return integrity.format_checksum(integrity.checksum(canonical))
 
 
-def region_checksum(buffer: torch.Tensor, r: Region) -> str:
-    data = buffer[r.offset : r.offset + r.nbytes].numpy()
-    return integrity.format_checksum(integrity.checksum(memoryview(data)))
+def region_checksums(buffer: torch.Tensor, regions: list[Region]) -> list[str]:
+    """CRC32C of each region: one view of the buffer, one checksum call per region."""
+    data = memoryview(buffer.numpy())
+    return [
+        integrity.format_checksum(integrity.checksum(data[r.offset : r.offset + r.nbytes]))
+        for r in regions
+    ]
 
 
 def fill(

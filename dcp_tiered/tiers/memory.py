@@ -65,7 +65,8 @@ class MemoryTier:
         # A slot being sent to a partner is leased: no save overwrites it until released.
         self._lock = threading.Lock()
         self._leased: int | None = None
-        self._buffers: dict[int, tuple[tuple[Any, ...], torch.Tensor]] = {}
+        # slot -> (structure of the state, (regions, size, buffer, a view per tensor))
+        self._buffers: dict[int, tuple[Any, tuple[list[fmt.Region], int, torch.Tensor, Any]]] = {}
         self._pool = ThreadPoolExecutor(
             1, thread_name_prefix="dcp-tiered-memory", initializer=lower_this_thread
         )
@@ -94,12 +95,12 @@ class MemoryTier:
                 tensors.append((path, leaf))
             else:
                 objects[fmt.key(path)] = leaf
-        regions, size = fmt.layout(tensors)
         slot = self._uncommit_a_slot()
-        buffer = self._buffer(slot, regions, size)
+        sig = tuple((path, t.dtype, t.shape) for path, t in tensors)
+        regions, size, buffer, views = self._buffer(slot, sig, lambda: fmt.layout(tensors))
         with torch.no_grad():
-            for (_, src), region in zip(tensors, regions):
-                fmt.view(buffer, region).copy_(src)
+            for (_, src), dst in zip(tensors, views):
+                dst.copy_(src)
         blob = fmt.encode_objects(objects)  # values may change once we return
         self.last_copy_secs = time.perf_counter() - started
         self.last_bytes = sum(r.nbytes for r in regions)
@@ -123,11 +124,17 @@ class MemoryTier:
             self.backend.remove_file(_header(slot))
             return slot
 
-    def _buffer(self, slot: int, regions: list[fmt.Region], size: int) -> torch.Tensor:
-        sig = (size, fmt.signature(regions))
+    def _buffer(
+        self, slot: int, sig: Any, make_layout: Callable[[], tuple[list[fmt.Region], int]]
+    ) -> tuple[list[fmt.Region], int, torch.Tensor, list[torch.Tensor]]:
+        """The slot's layout, buffer and one view per tensor, made once per state structure
+        (``sig``): a snapshot every step then costs one copy per tensor and nothing else."""
         cached = self._buffers.get(slot)
         if cached is None or cached[0] != sig:
-            self._buffers[slot] = (sig, self.backend.map_file(_data(slot), size))
+            self._buffers.pop(slot, None)  # drop the old mapping before making the new one
+            regions, size = make_layout()
+            buffer = self.backend.map_file(_data(slot), size)
+            self._buffers[slot] = (sig, (regions, size, buffer, fmt.views(buffer, regions)))
         return self._buffers[slot][1]
 
     def _commit(
@@ -140,7 +147,7 @@ class MemoryTier:
         blob: bytes,
     ) -> dict[str, float]:
         started = time.perf_counter()
-        checksums = [fmt.region_checksum(buffer, r) for r in regions]
+        checksums = fmt.region_checksums(buffer, regions)
         header = fmt.encode_header(
             step=step,
             rank=self.rank,
@@ -169,8 +176,8 @@ class MemoryTier:
             self._leased = slot
         cached = self._buffers.get(slot)
         buffer = (
-            cached[1]
-            if cached is not None and cached[1].numel() == header.data_size
+            cached[1][2]
+            if cached is not None and cached[1][2].numel() == header.data_size
             else self._file(slot, header.data_size)
         )
         return data, buffer[: header.data_size]
@@ -190,7 +197,12 @@ class MemoryTier:
         if header.rank != self.rank or header.step != step:
             raise IntegrityError(f"{where}: the header is rank {header.rank}'s {header.step}")
         slot = self._uncommit_a_slot()
-        buffer = self._buffer(slot, header.regions, header.data_size)
+        sig = (
+            "received",
+            header.data_size,
+            tuple((r.key, r.offset, r.nbytes) for r in header.regions),
+        )
+        _, _, buffer, _ = self._buffer(slot, sig, lambda: (header.regions, header.data_size))
         fill(buffer)
         verify(header, buffer, where)
         self.backend.replace_root_file(_header(slot), header_bytes)
@@ -252,8 +264,9 @@ def verify(header: fmt.Header, buffer: torch.Tensor, where: str) -> None:
     """Raises IntegrityError unless every tensor of ``buffer`` matches the header's checksum."""
     if buffer.numel() < header.data_size:
         raise IntegrityError(f"{where}: {buffer.numel()} bytes, the header says {header.data_size}")
-    for region, expected in zip(header.regions, header.checksums):
-        if fmt.region_checksum(buffer, region) != expected:
+    actual = fmt.region_checksums(buffer, header.regions)
+    for region, expected, got in zip(header.regions, header.checksums, actual):
+        if got != expected:
             raise IntegrityError(f"{where}: {region.key} fails its checksum")
 
 
@@ -266,7 +279,7 @@ def fill_state(
     allow_pickle: bool = False,
 ) -> None:
     """Load a verified snapshot into ``app_state`` (Stateful objects get ``load_state_dict``)."""
-    tensors = {r.key: fmt.view(buffer, r) for r in header.regions}
+    tensors = {r.key: v for r, v in zip(header.regions, fmt.views(buffer, header.regions))}
     objects = fmt.decode_objects(header.objects, allow_pickle=allow_pickle)
     for name, value in app_state.items():
         if hasattr(value, "state_dict") and hasattr(value, "load_state_dict"):
