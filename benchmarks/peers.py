@@ -73,11 +73,14 @@ def medians(samples: dict[str, list[float]]) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
-def cell(med: dict, ours: str, peers: list[str], target: float | None, found: dict) -> dict:
+def cell(
+    med: dict, ours: str, peers: list[str], target: float | None, found: dict, errors: dict
+) -> dict:
     have = [p for p in peers if p in med]
     if ours not in med or not have:
         missing = [NEEDS[p] for p in peers if p in NEEDS and not found.get(NEEDS[p])]
-        return {"text": NOT_INSTALLED if missing else "-"}
+        failed = [NEEDS[p] for p in peers if p in NEEDS and NEEDS[p] in errors]
+        return {"text": NOT_INSTALLED if missing else "failed" if failed else "-"}
     best = min(have, key=lambda p: med[p])
     ratio = med[ours] / med[best]
     out = {"ratio": ratio, "peer": best, "ours_s": med[ours], "peer_s": med[best]}
@@ -91,14 +94,16 @@ def cell(med: dict, ours: str, peers: list[str], target: float | None, found: di
     return out
 
 
-def run(cmd: list[str], what: str) -> None:
+def run(cmd: list[str], what: str) -> bool:
     t = time.perf_counter()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
-        raise SystemExit(f"{what} failed ({proc.returncode})")
+        print(f"  {what}: FAILED ({proc.returncode}), see above; going on", flush=True)
+        return False
     print(f"  {what}: {time.perf_counter() - t:.0f} s", flush=True)
+    return True
 
 
 def start_s3(kind: str) -> tuple[object, str, object]:
@@ -160,7 +165,7 @@ def main() -> None:
     try:
         for name in names:
             out = work / f"local-{name}.json"
-            run(
+            ok = run(
                 [
                     sys.executable,
                     str(HERE / "peers_local.py"),
@@ -176,7 +181,8 @@ def main() -> None:
                 ],
                 f"local figures, {states.NAMES[name]}",
             )
-            local[name] = json.loads(out.read_text())
+            if ok:
+                local[name] = json.loads(out.read_text())
             shutil.rmtree(work / name, ignore_errors=True)
         if s3_kind != "none" and s3_configs:
             proc, endpoint, scratch = start_s3(s3_kind)
@@ -190,7 +196,7 @@ def main() -> None:
                 for config in s3_configs.split(","):
                     name, _, gib = config.partition(":")
                     out = work / f"s3-{config}.json"
-                    run(
+                    ok = run(
                         [
                             sys.executable,
                             str(HERE / "peers_s3.py"),
@@ -211,7 +217,8 @@ def main() -> None:
                         ],
                         f"S3 figures ({s3_kind}), {config}",
                     )
-                    s3[config] = json.loads(out.read_text())
+                    if ok:
+                        s3[config] = json.loads(out.read_text())
             finally:
                 proc.terminate()
                 proc.wait(timeout=30)
@@ -221,7 +228,7 @@ def main() -> None:
             out = work / "train.json"
             size = ["--steps", "4", "--step-secs", "0.01", "--width", "64", "--every", "2"]
             size += ["--no-warm-up"]
-            run(
+            ok = run(
                 [
                     sys.executable,
                     str(HERE / "peers_train.py"),
@@ -235,7 +242,7 @@ def main() -> None:
                 ],
                 "training loops",
             )
-            training = json.loads(out.read_text())
+            training = json.loads(out.read_text()) if ok else None
     finally:
         shutil.rmtree(work, ignore_errors=True)
     info["load_avg_at_end"] = os.getloadavg()
@@ -250,11 +257,14 @@ def summarise(local: dict, s3: dict, training: dict | None, found: dict) -> dict
     rows = []
     for what, ours, peers, target in LOCAL_ROWS:
         cells = {
-            n: cell(medians(r["samples"]), ours, peers, target, found) for n, r in local.items()
+            n: cell(medians(r["samples"]), ours, peers, target, found, r.get("errors", {}))
+            for n, r in local.items()
         }
         rows.append({"figure": what, "target": target, "cells": cells})
     for what, ours, peer, target in S3_ROWS:
-        cells = {c: cell(medians(r["samples"]), ours, [peer], target, found) for c, r in s3.items()}
+        cells = {
+            c: cell(medians(r["samples"]), ours, [peer], target, found, {}) for c, r in s3.items()
+        }
         rows.append({"figure": what, "target": target, "cells": cells, "s3": True})
     train = None
     if training:
@@ -308,6 +318,9 @@ def render(report: dict, local: dict, s3: dict) -> str:
                 ],
             )
         )
+    for name, r in local.items():
+        for peer, error in r.get("errors", {}).items():
+            parts.append(f"\n{states.NAMES[name]}: {peer} failed: {error}")
     train = report["training"]
     if train:
         cells = [f"ours {train['vs_none']['ours']:.3f}"]

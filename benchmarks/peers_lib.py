@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import resource
 import shutil
 import socket
 import time
@@ -30,6 +31,15 @@ def init_single_rank() -> None:
     """A one-rank gloo group: DCP, DLRover and torch-checkpointing all look for one."""
     if dist.is_initialized():
         return
+    # torch-checkpointing stages each tensor in its own shared-memory file and keeps the fd:
+    # 20,000 tensors need more than this machine's default 20,000 descriptors
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    for limit in (max(hard, 262144), hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+            break
+        except (ValueError, OSError):
+            continue
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

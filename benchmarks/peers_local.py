@@ -69,6 +69,7 @@ class Local:
         self.dlrover = DLRover(work / "dlrover") if peers.get("dlrover") else None
         self.tc = TorchCheckpointing() if peers.get("torch-checkpointing") else None
         self.samples: dict[str, list[float]] = {}
+        self.errors: dict[str, str] = {}  # a peer that failed: its figures are left out
         self.seq = 0
 
     def record(self, name: str, secs: float) -> None:
@@ -196,12 +197,12 @@ class Local:
         self.ours_stall()
         self.ours_snapshot()
         if self.dlrover:
-            self.dlrover.memory(self.state)
-            self.dlrover.commit(self.state)
+            self.peer("dlrover", lambda: self.dlrover.commit(self.state))
         if self.tc:
-            path = self.work / "tc-warm"
-            self.tc.save(path, self.state)
-            shutil.rmtree(path)
+            self.peer(
+                "torch-checkpointing", lambda: self.tc.save(self.work / "tc-warm", self.state)
+            )
+            shutil.rmtree(self.work / "tc-warm", ignore_errors=True)
         self.samples.clear()
         for _ in range(runs):
             self.memcpy()
@@ -211,15 +212,29 @@ class Local:
             self.ours_commit_restore()
             self.dcp()
             if self.dlrover:
-                self.dlrover_figures()
+                self.peer("dlrover", self.dlrover_figures)
             if self.tc:
-                self.tc_figures()
+                self.peer("torch-checkpointing", self.tc_figures)
+
+    def peer(self, name: str, figures) -> None:
+        """A peer's failure is reported in the table, and does not end the run."""
+        try:
+            figures()
+        except Exception as e:  # noqa: BLE001 - any failure of a peer is its result here
+            self.errors[name] = f"{type(e).__name__}: {str(e)[:200]}"
+            if name == "dlrover":
+                self.dlrover = None
+            else:
+                self.tc = None
 
     def close(self) -> None:
         self.writer.close()
         self.mgr.close()
         if self.tc:
-            self.tc.close()
+            try:
+                self.tc.close()
+            except Exception as e:  # noqa: BLE001
+                self.errors.setdefault("torch-checkpointing", f"close: {e}")
         shutil.rmtree(self.shm, ignore_errors=True)
 
 
@@ -242,7 +257,7 @@ def main() -> None:
     finally:
         bench.close()
     info = {"tensors": len(states.tensors(state)), "bytes": bench.bytes}
-    Path(a.out).write_text(json.dumps({**info, "samples": bench.samples}))
+    Path(a.out).write_text(json.dumps({**info, "samples": bench.samples, "errors": bench.errors}))
 
 
 if __name__ == "__main__":
