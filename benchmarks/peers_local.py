@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import resource
 import shutil
 import subprocess
 import sys
@@ -67,9 +68,20 @@ class Local:
             policy=SavePolicy(memory=Every(steps=1), local=None, remote=None),
         )
         self.dlrover = DLRover(work / "dlrover") if peers.get("dlrover") else None
-        self.tc = TorchCheckpointing() if peers.get("torch-checkpointing") else None
         self.samples: dict[str, list[float]] = {}
         self.errors: dict[str, str] = {}  # a peer that failed: its figures are left out
+        self.tc = TorchCheckpointing() if peers.get("torch-checkpointing") else None
+        # torch-checkpointing stages each tensor in a shared-memory file whose descriptor it
+        # keeps open: past the process's limit its save fails, and the exhausted descriptors
+        # then fail everyone else's saves in this process too
+        count, limit = len(states.tensors(state)), resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if self.tc and count + 1000 > limit:
+            self.tc.close()
+            self.tc = None
+            self.errors["torch-checkpointing"] = (
+                f"not run: it keeps one open file per staged tensor ({count} tensors) and "
+                f"RLIMIT_NOFILE here is {limit} (hard limit)"
+            )
         self.seq = 0
 
     def record(self, name: str, secs: float) -> None:
