@@ -240,8 +240,11 @@ class Local:
                 self.tc = None
 
     def close(self) -> None:
-        self.writer.close()
-        self.mgr.close()
+        try:
+            self.writer.close()
+            self.mgr.close()
+        finally:  # the memory tier's slots, even after a failure
+            shutil.rmtree(self.shm, ignore_errors=True)
         if self.tc:
             try:
                 self.tc.close()
