@@ -81,3 +81,41 @@ def test_scale_harness_runs_and_writes_every_field(tmp_path):
         assert r["s3"]["hash"]["restore_requests"]["LIST"] > 0
         assert ours["handshake"]["total_ops"] == 0  # one node: no handshake
     assert not list(tmp_path.glob("dcp-tiered-scale-*"))  # scratch removed
+
+
+def test_peer_benchmarks_run_without_the_peers(tmp_path):
+    """benchmarks/peers.py --quick in the test venv, where no peer is installed: every figure
+    of ours is measured, and the peers' columns say "not installed" instead of failing."""
+    out = tmp_path / "peers.json"
+    subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "peers.py"),
+            "--quick",
+            "--states",
+            "2k",
+            "--s3-configs",
+            "2k",
+            "--dir",
+            str(tmp_path),
+            "--out",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    result = json.loads(out.read_text())
+    assert result["local"]["2k"]["tensors"] == 100  # the quick 2,000-tensor state
+    rows = {r["figure"]: r["cells"] for r in result["rows"]}
+    restore = rows["cold restore vs the fastest peer"]["2k"]
+    assert restore["ratio"] > 0 and restore["peer"] == "dcp_restore"  # DCP is always there
+    assert rows["stall vs memcpy into reused buffers"]["2k"]["ratio"] > 0
+    assert rows["memory-tier snapshot (until valid) vs memcpy"]["2k"]["ratio"] > 0
+    if not result["machine"]["peers"]["dlrover"]:
+        assert rows["stall vs DLRover (save to memory)"]["2k"]["text"] == "not installed"
+    if not result["machine"]["peers"]["s3torchconnector"]:
+        assert rows["S3 restore vs s3torchconnector"]["2k"]["text"] == "not installed"
+    assert result["s3"]["2k"]["samples"]["s3_ours_restore"][0] > 0
+    assert result["training"]["vs_none"]["ours"] > 0
+    assert not list(tmp_path.glob("dcp-tiered-peers-*"))  # the work directory is removed

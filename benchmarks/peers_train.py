@@ -1,0 +1,156 @@
+"""Training-loop throughput with each checkpointer against the same loop without one.
+
+The loop of ``bench_manager.py`` (a CPU model, AdamW, a step of about --step-secs). Each
+checkpointer saves as its users would: ours and DLRover to host memory every step and to disk
+every 10; torch-checkpointing (no memory tier) and DCP (``async_save`` + ``FileSystemWriter``)
+to disk every 10 steps, asynchronously. The loops of one run go in a rotating order so that
+drift hits all alike; each figure is the median steps/s over the median without checkpoints.
+The time includes waiting, at the end, for the last save.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE)]
+from bench_manager import Train, calibrate
+from peers_lib import DLRover, TorchCheckpointing, available, init_single_rank
+
+from dcp_tiered import CheckpointManager, Every, SavePolicy
+from dcp_tiered.staging import state_bytes
+
+warnings.filterwarnings("ignore")
+
+
+def step(train: Train, lock) -> None:
+    loss = train.model(train.x).pow(2).mean()
+    train.opt.zero_grad()
+    loss.backward()
+    with lock:  # torch-checkpointing: no update while its async staging reads the state
+        train.opt.step()
+
+
+def loop(name: str, train: Train, steps: int, every: int, work: Path, peers: dict) -> float:
+    work.mkdir(parents=True, exist_ok=True)
+    shm = Path(tempfile.mkdtemp(prefix="dcp-tiered-train-", dir="/dev/shm"))
+    lock = nullcontext()
+    save, finish = (lambda i: None), (lambda: None)
+    if name == "ours":
+        mgr = CheckpointManager(
+            memory=shm,
+            local=work / "ours",
+            events=None,
+            policy=SavePolicy(memory=Every(steps=1), local=Every(steps=every), remote=None),
+        )
+        save, finish = (lambda i: mgr.save(i, train.state())), mgr.close
+    elif name == "dlrover":
+        dl = peers["dlrover"]
+
+        def save(i: int) -> None:
+            if (i + 1) % every == 0:
+                dl.disk_async(train.state())
+            else:
+                dl.memory(train.state())
+
+        def finish() -> None:
+            dl.wait()
+            dl.clear()
+
+    elif name == "torch-checkpointing":
+        tc = peers["torch-checkpointing"]
+        lock = tc.lock()
+
+        def save(i: int) -> None:
+            if (i + 1) % every == 0:
+                tc.save_async(work / f"tc-{i}", train.state())
+
+        finish = tc.wait
+    elif name == "dcp":
+        pending = []
+
+        def save(i: int) -> None:
+            if (i + 1) % every == 0:
+                if pending:
+                    pending.pop().result()
+                path = work / f"dcp-{i}"
+                pending.append(dcp.async_save(train.state(), storage_writer=FileSystemWriter(path)))
+
+        def finish() -> None:
+            if pending:
+                pending.pop().result()
+
+    try:
+        start = time.perf_counter()
+        for i in range(steps):
+            step(train, lock)
+            save(i)
+        finish()
+        return steps / (time.perf_counter() - start)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--step-secs", type=float, default=0.3)
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--every", type=int, default=10, help="disk saves every N steps")
+    p.add_argument("--no-warm-up", action="store_true", help="(the smoke test)")
+    p.add_argument("--dir", required=True)
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    logging.getLogger("dcp_tiered").setLevel(logging.WARNING)
+    torch.set_num_threads(1)
+    init_single_rank()
+    found = available()
+    names = ["none", "ours", "dcp"] + [
+        n for n in ("dlrover", "torch-checkpointing") if found.get(n)
+    ]
+    peers = {}  # one instance of each for the whole run (they keep processes)
+    if found.get("dlrover"):
+        peers["dlrover"] = DLRover(Path(a.dir) / "dlrover-all")
+    if found.get("torch-checkpointing"):
+        peers["torch-checkpointing"] = TorchCheckpointing()
+    train = Train(a.width, a.layers, calibrate(a.width, a.layers, a.step_secs))
+    # one untimed pass of each: processes, shared memory and buffers exist before timing
+    for name in [] if a.no_warm_up else names:
+        loop(name, train, min(a.steps, a.every + 1), a.every, Path(a.dir) / f"w-{name}", peers)
+    rates: dict[str, list[float]] = {n: [] for n in names}
+    for run in range(a.runs):
+        order = names[run % len(names) :] + names[: run % len(names)]
+        for name in order:
+            rates[name].append(loop(name, train, a.steps, a.every, Path(a.dir) / name, peers))
+    if "torch-checkpointing" in peers:
+        peers["torch-checkpointing"].close()
+    base = statistics.median(rates["none"])
+    result = {
+        "state_mib": round(state_bytes(train.state()) / 2**20, 1),
+        "steps": a.steps,
+        "every": a.every,
+        "steps_per_s": rates,
+        "vs_none": {n: statistics.median(r) / base for n, r in rates.items() if n != "none"},
+    }
+    Path(a.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
