@@ -268,7 +268,8 @@ class TieredStorageReader(StorageReader):
         by_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             by_file.setdefault(self._locations[item.storage_index].relative_path, []).append(item)
-        local, remote = [], []
+        local: list[tuple[str, list[ReadItem]]] = []
+        remote: list[tuple[str, list[ReadItem]]] = []
         for name, items in sorted(by_file.items()):
             items.sort(key=lambda i: self._locations[i.storage_index].offset)
             (local if self._valid_locally(name) else remote).append((name, items))
@@ -386,6 +387,7 @@ class TieredStorageReader(StorageReader):
                 if problem:
                     raise self._integrity_error(job.name, job.index.fqn, loc, problem)
                 if job.direct:
+                    assert job.target is not None  # direct: _resolve_direct set it
                     planner.commit_tensor(job.group[0], job.target)
                     continue
                 for item in job.group:  # not direct: one buffer holds the whole item

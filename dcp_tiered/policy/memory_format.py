@@ -238,7 +238,7 @@ def _checksum(body: dict[str, Any]) -> str:
 
 def region_checksum(buffer: torch.Tensor, r: Region) -> str:
     data = buffer[r.offset : r.offset + r.nbytes].numpy()
-    return integrity.format_checksum(integrity.checksum(memoryview(data)))
+    return integrity.format_checksum(integrity.checksum(data.data))
 
 
 def fill(
