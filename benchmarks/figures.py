@@ -141,7 +141,7 @@ class Bench:
         # (untimed) before each load so that every load has to deliver every byte.
         self.target = {k: torch.zeros_like(v) for k, v in self.state.items()}
         self.plan_state = {
-            f"r{self.rank}.p{i:04d}": torch.full((256,), float(i)) for i in range(PLAN_TENSORS)
+            f"r{self.rank}.p{i:04d}": torch.full((256,), float(i)) for i in range(a.plan_tensors)
         }
         self.plan_warm = False
 
@@ -426,6 +426,7 @@ def main() -> None:
         action="store_true",
         help="RemoteConfig(verify_uploads=False): no read-back of uploaded objects",
     )
+    p.add_argument("--plan-tensors", type=int, default=PLAN_TENSORS, help="figures 11 and 12")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     torch.set_num_threads(1)

@@ -89,7 +89,13 @@ def machine(directory: Path) -> dict:
 
 
 def run_config(
-    gib: float, ranks: int, runs: int, work: Path, s3: tuple[str, str] | None, s3_args: list[str]
+    gib: float,
+    ranks: int,
+    runs: int,
+    work: Path,
+    s3: tuple[str, str] | None,
+    s3_args: list[str],
+    plan_tensors: int = 2000,
 ) -> dict:
     out = work / f"figures-{gib}-{ranks}.json"
     cmd = [
@@ -107,6 +113,8 @@ def run_config(
         str(work / f"w-{gib}-{ranks}"),
         "--out",
         str(out),
+        "--plan-tensors",
+        str(plan_tensors),
     ]
     if s3:
         cmd += ["--s3-endpoint", s3[0], "--s3-bucket", s3[1], *s3_args]
@@ -208,6 +216,12 @@ def main() -> None:
         help="measure our S3 figures without the read-back of uploaded objects",
     )
     p.add_argument("--no-training", action="store_true", help="skip figure 9")
+    p.add_argument(
+        "--plan-tensors",
+        type=int,
+        default=2000,
+        help="small tensors saved for figures 11 and 12 (planning time); fewer for a smoke run",
+    )
     p.add_argument("--dir", default=None, help="directory on the disk under test (default: tmp)")
     p.add_argument("--out", default=str(HERE / "results" / "suite.json"))
     a = p.parse_args()
@@ -245,6 +259,7 @@ def main() -> None:
                     use_s3,
                     ["--part-mib", str(a.part_mib), "--concurrency", str(a.concurrency)]
                     + (["--no-verify-uploads"] if a.no_verify_uploads else []),
+                    a.plan_tensors,
                 )
                 configs.append(
                     {

@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import pickle
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -20,8 +21,8 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor  # noqa: F401
 
 # DCP's own CPU-copy helpers understand DTensor and ShardedTensor; re-implementing their
 # reconstruction logic would drift with torch.
+from torch.distributed._state_dict_utils import _copy_state_dict as copy_state_dict  # noqa: F401
 from torch.distributed._state_dict_utils import (  # noqa: F401
-    _copy_state_dict as copy_state_dict,
     _create_cpu_state_dict as create_cpu_state_dict,
 )
 
@@ -38,6 +39,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo 
 from torch.distributed.checkpoint.filesystem import (  # noqa: F401
     _StorageReaderTransforms as StorageReaderTransforms,
 )
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 
 def load_keys(out: dict[str, Any], keys: set[str], storage_reader: Any) -> None:
@@ -55,6 +57,16 @@ def load_keys(out: dict[str, Any], keys: set[str], storage_reader: Any) -> None:
         no_dist=True,
         planner=_EmptyStateDictLoadPlanner(keys=keys),
     )
+
+
+def upload_future(response: Future[Any] | AsyncSaveResponse) -> Future[Any]:
+    """``dcp.async_save``'s future. Our callers pass synchronous stagers (the writer, DCP's
+    default, the shims'): the state is copied when async_save returns, and DCP hands back a plain
+    Future. An AsyncSaveResponse means staging still runs, which these callers do not wait for
+    before the training step changes the state."""
+    if isinstance(response, AsyncSaveResponse):
+        raise TypeError("dcp.async_save staged asynchronously; dcp_tiered expects a plain Future")
+    return response
 
 
 def default_store() -> Any | None:

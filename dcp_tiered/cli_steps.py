@@ -301,7 +301,8 @@ def cmd_inspect(run: Run) -> int:
         r = ranks.setdefault(int(info["rank"]), {"files": 0, "bytes": 0, "items": 0})
         r["files"] += 1
         r["bytes"] += int(info["size"])
-    tensors, objects = [], []
+    tensors: list[dict[str, Any]] = []
+    objects: list[dict[str, Any]] = []
     for fqn, md in sorted(m.metadata.state_dict_metadata.items()):
         if isinstance(md, TensorStorageMetadata):
             chunks = []

@@ -43,6 +43,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from . import _torch_compat
 from .agreement import Agreement
 from .backends.local import LocalBackend
 from .backends.remote import remote_backend
@@ -258,13 +259,15 @@ class Lifecycle:
                     )
                     future = settled()
                 else:
-                    future = dcp.async_save(
-                        state,
-                        checkpoint_id=step,
-                        storage_writer=writer,
-                        planner=planner,
-                        process_group=self.group,
-                        no_dist=single,
+                    future = _torch_compat.upload_future(
+                        dcp.async_save(
+                            state,
+                            checkpoint_id=step,
+                            storage_writer=writer,
+                            planner=planner,
+                            process_group=self.group,
+                            no_dist=single,
+                        )
                     )
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - raised at finish
             future = settled(error=e)

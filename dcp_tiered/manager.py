@@ -24,6 +24,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,7 +33,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
+from typing_extensions import Self  # a dependency of torch itself
 
+from . import _torch_compat
 from .backends.local import available_memory_bytes
 from .backends.remote import RemoteBackend
 from .errors import (
@@ -360,11 +363,13 @@ class CheckpointManager:
         if decision.local:
             if not decision.remote:
                 self._local.keep_local(name)
-            future = dcp.async_save(
-                app_state,
-                checkpoint_id=name,
-                storage_writer=self._local,
-                process_group=self._save_pg,
+            future = _torch_compat.upload_future(
+                dcp.async_save(
+                    app_state,
+                    checkpoint_id=name,
+                    storage_writer=self._local,
+                    process_group=self._save_pg,
+                )
             )
             stage_s, nbytes = self._local.last_stall_secs, self._local.last_staged_bytes
         else:
@@ -409,10 +414,7 @@ class CheckpointManager:
         self._reap()
 
     def _wait(self, rec: _InFlight) -> None:
-        try:
-            rec.future.result()
-        except (Exception, CheckpointException):  # _reap records it
-            pass
+        futures.wait([rec.future])  # without raising: _reap records its failure
 
     def _reap(self) -> None:
         """Collect finished saves and uploads: record failures, emit events, prune tiers."""
@@ -547,7 +549,7 @@ class CheckpointManager:
                 )
             if self.rank == 0 and self._remote is not None and self.retention.remote is not None:
                 housekeeping.prune_remote(self._remote, self.retention.remote)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - a background pass: logged, retried later
             logger.warning("retention pass failed (retried after the next save): %s", e)
 
     # ------------------------------------------------------------ restore
@@ -785,7 +787,7 @@ class CheckpointManager:
         if self._local_keeper is not None:
             self._local.local_tier.backend.unlock(self._local_keeper)
 
-    def __enter__(self) -> CheckpointManager:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -36,7 +36,7 @@ def capture_rng() -> dict[str, Any]:
         },
         "numpy": {
             "kind": np_kind,
-            "keys": torch.from_numpy(np_keys.astype(np.int64)),
+            "keys": torch.from_numpy(np.asarray(np_keys, dtype=np.int64)),
             "pos": int(np_pos),
             "has_gauss": int(np_has_gauss),
             "gauss": float(np_gauss),

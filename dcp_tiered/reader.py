@@ -311,7 +311,8 @@ class TieredStorageReader(StorageReader):
         by_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             by_file.setdefault(self._locations[item.storage_index].relative_path, []).append(item)
-        local, remote = [], []
+        local: list[tuple[str, list[ReadItem]]] = []
+        remote: list[tuple[str, list[ReadItem]]] = []
         for name, items in sorted(by_file.items()):
             items.sort(key=lambda i: self._locations[i.storage_index].offset)
             (local if self._valid_locally(name) else remote).append((name, items))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import io
 import json
 import logging
 import math
@@ -347,6 +348,7 @@ class TieredStorageWriter(StorageWriter):
     def _check_still_ours(self, step: str) -> None:
         """The remote's step must be this writer's save: with ``overwrite=True`` another job
         on the same root may have replaced the local copy before it was uploaded."""
+        assert self._remote is not None  # only asked after uploads to it
         mine = self._save_ids.get(step)
         marker = None if mine is None else remote_tier.read_marker(self._remote, step)
         if marker is not None and marker.get("save_id") != mine:
@@ -559,12 +561,13 @@ class TieredStorageWriter(StorageWriter):
         the full plan DCP cached, so that it agrees with theirs."""
         full = plans
         if not all(getattr(p, "usable", True) for p in plans):
-            full = _torch_compat.cached_global_plan(plans)
-            if full is None:
+            cached = _torch_compat.cached_global_plan(plans)
+            if cached is None:
                 raise ConfigError(
                     f"step {step!r}: DCP's plan caching sent a partial plan whose cached global "
                     "plan cannot be found; save with enable_plan_caching=False"
                 )
+            full = cached
         infos = [p.storage_data for p in full]
         if not all(isinstance(i, _RankInfo) for i in infos):
             raise ConfigError(
@@ -713,9 +716,11 @@ class TieredStorageWriter(StorageWriter):
                 data = planner.resolve_data(item)
                 raw_offset = None
                 if item.type == WriteItemType.BYTE_IO:
+                    assert isinstance(data, io.BytesIO)  # as DCP's FileSystemWriter asserts
                     offset = out.start_item()
                     out.write(data.getbuffer())
                 else:
+                    assert isinstance(data, torch.Tensor)
                     tensor = _as_saveable(data)
                     nbytes = tensor.numel() * tensor.element_size()
                     offset = out.start_item(nbytes)

@@ -12,6 +12,17 @@ REPO = Path(__file__).resolve().parents[1]
 WORKERS = REPO / "tests" / "workers"
 
 
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    """Say how to run what the default marker expression (pyproject.toml: not slow) left out."""
+    deselected = terminalreporter.stats.get("deselected", [])
+    slow = sum(1 for item in deselected if item.get_closest_marker("slow"))
+    if slow and "slow" in (config.option.markexpr or ""):
+        terminalreporter.write_line(
+            f"{slow} slow tests (soaks, full matrices) deselected by -m "
+            f"{config.option.markexpr!r}: run them with `scripts/test -m slow` (-k to pick some)"
+        )
+
+
 def torchrun(
     script: str,
     nproc: int,

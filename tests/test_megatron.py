@@ -230,7 +230,8 @@ def test_facade_keeps_every_step_the_remote_does_not_hold(tmp_path):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("uploads fail: the remote root is under a regular file")
     run = tmp_path / "run"
-    proc = facade(run, "--max-ckpt", "1", "--remote", f"file://{blocker}/remote", check=False)
+    remote = ["--remote", f"file://{blocker}/remote", "--fast-retry"]  # fails without backoff
+    proc = facade(run, "--max-ckpt", "1", *remote, check=False)
     assert proc.returncode != 0  # close() reports that the last checkpoint is not durable
     assert "UploadFailedError" in proc.stderr + proc.stdout
     assert sorted(p for p in os.listdir(run / "ckpt") if p.startswith("iter_")) == [

@@ -8,6 +8,7 @@ or PermanentTierError (not retried; the message says what to fix).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -65,11 +66,11 @@ _CREDENTIAL_ERRORS = {
 _OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "adl"}
 
 
-def _client_error(exc: BaseException) -> Any | None:
+def _client_error(exc: BaseException | None) -> Any | None:
     """The botocore ClientError behind an exception (s3fs keeps it as __cause__)."""
     seen = 0
     while exc is not None and seen < 5:
-        if hasattr(exc, "response") and isinstance(getattr(exc, "response"), dict):
+        if hasattr(exc, "response") and isinstance(exc.response, dict):
             return exc
         exc = exc.__cause__ or exc.__context__
         seen += 1
@@ -289,8 +290,12 @@ class RemoteBackend:
             self._call(
                 "abort upload",
                 prefix,
-                lambda up=up: self.fs.call_s3(
-                    "abort_multipart_upload", Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"]
+                functools.partial(
+                    self.fs.call_s3,
+                    "abort_multipart_upload",
+                    Bucket=bucket,
+                    Key=up["Key"],
+                    UploadId=up["UploadId"],
                 ),
             )
         return len(uploads)

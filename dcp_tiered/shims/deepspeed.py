@@ -528,7 +528,7 @@ def _factory(options: Options, config_params: Any = None, **_: Any) -> TieredChe
     return TieredCheckpointEngine(options, config_params)
 
 
-def _patch_load_checkpoint(cls: type) -> None:
+def _patch_load_checkpoint(cls: type[Any]) -> None:
     original = cls.load_checkpoint
     if getattr(original, "_dcp_tiered", False):
         return
@@ -543,10 +543,10 @@ def _patch_load_checkpoint(cls: type) -> None:
         return original(self, load_dir, tag, *args, **kwargs)
 
     load_checkpoint._dcp_tiered = True  # type: ignore[attr-defined]
-    cls.load_checkpoint = load_checkpoint  # type: ignore[method-assign]
+    cls.load_checkpoint = load_checkpoint
 
 
-def _patch_save_checkpoint(cls: type) -> None:
+def _patch_save_checkpoint(cls: type[Any]) -> None:
     original = cls.save_checkpoint
     if getattr(original, "_dcp_tiered", False):
         return
@@ -569,7 +569,7 @@ def _patch_save_checkpoint(cls: type) -> None:
         return done
 
     save_checkpoint._dcp_tiered = True  # type: ignore[attr-defined]
-    cls.save_checkpoint = save_checkpoint  # type: ignore[method-assign]
+    cls.save_checkpoint = save_checkpoint
 
 
 # ------------------------------------------------------------------ helpers

@@ -134,7 +134,7 @@ def _materialise(save_dir: str, tag: str, out_root: str) -> str:
 
 def _vet_native(tag_dir: str) -> None:
     """Every input file must load without running code before ``ds_to_universal`` opens it."""
-    with torch.serialization.safe_globals(ds_shim.deepspeed_classes()):
+    with torch.serialization.safe_globals(list(ds_shim.deepspeed_classes())):
         for path in sorted(glob.glob(os.path.join(tag_dir, "*.pt"))):
             try:
                 torch.load(path, map_location="cpu", weights_only=True)
@@ -179,7 +179,7 @@ def _to_state(universal: str, tag: str) -> dict[str, Any]:
     trusted = ds_shim.deepspeed_classes()
 
     def load(*parts: str) -> Any:
-        with torch.serialization.safe_globals(trusted):
+        with torch.serialization.safe_globals(list(trusted)):
             return torch.load(
                 os.path.join(universal, *parts), map_location="cpu", weights_only=True
             )

@@ -121,7 +121,7 @@ def wrap(
     )
     trainer._save_checkpoint = tiers.save_checkpoint  # type: ignore[method-assign]
     trainer._load_from_checkpoint = tiers.load_model  # type: ignore[method-assign]
-    trainer._load_optimizer_and_scheduler = tiers.load_optimizer_and_scheduler  # type: ignore
+    trainer._load_optimizer_and_scheduler = tiers.load_optimizer_and_scheduler  # type: ignore[method-assign]
     trainer._load_rng_state = tiers.load_rng_state  # type: ignore[method-assign]
     trainer.train = tiers.train  # type: ignore[method-assign]
     trainer.dcp_tiered = tiers  # type: ignore[attr-defined]
@@ -173,7 +173,9 @@ class TrainerTiers:
 
     @property
     def root(self) -> str:
-        return os.path.abspath(self.trainer.args.output_dir)
+        output_dir = self.trainer.args.output_dir
+        assert output_dir is not None  # TrainingArguments sets a default
+        return os.path.abspath(output_dir)
 
     # ------------------------------------------------------------ saving
 
@@ -209,9 +211,9 @@ class TrainerTiers:
 
     def _state(self) -> dict[str, Any]:
         tr, args = self.trainer, self.trainer.args
-        state: dict[str, Any] = {"model": get_model_state_dict(tr.model)}
+        state: dict[str, Any] = {"model": get_model_state_dict(_model(tr))}
         if not args.save_only_model:
-            state["optim"] = get_optimizer_state_dict(tr.model, _torch_optimizer(tr.optimizer))
+            state["optim"] = get_optimizer_state_dict(_model(tr), _torch_optimizer(tr.optimizer))
             if tr.lr_scheduler is not None:
                 state["scheduler"] = copy.deepcopy(tr.lr_scheduler.state_dict())
             state[_rng_key(args.process_index)] = capture_rng()
@@ -267,7 +269,8 @@ class TrainerTiers:
         remote = remote_backend(self.remote, self.storage_options)
         listed = catalog.list_steps(LocalTier(LocalBackend(self.root)), remote, strict=strict)
         steps = [s.name for s in listed if _STEP_RE.match(s.name)]
-        return sorted(steps, key=lambda n: int(_STEP_RE.match(n).group(1)))  # type: ignore
+        # Every name matched _STEP_RE just above.
+        return sorted(steps, key=lambda n: int(_STEP_RE.match(n).group(1)))  # type: ignore[union-attr]
 
     def latest(self) -> str | None:
         """The step ``train(resume_from_checkpoint=True)`` resumes from, or None."""
@@ -291,38 +294,39 @@ class TrainerTiers:
             )
         return name
 
-    def load_model(self, path: str, model: Any = None) -> None:
+    def load_model(self, resume_from_checkpoint: str, model: Any = None) -> None:
         """Replaces ``Trainer._load_from_checkpoint``."""
-        model = model if model is not None else self.trainer.model
-        state = self._load(os.path.basename(path), {"model": get_model_state_dict(model)})
+        model = model if model is not None else _model(self.trainer)
+        step = os.path.basename(resume_from_checkpoint)
+        state = self._load(step, {"model": get_model_state_dict(model)})
         set_model_state_dict(model, state["model"])
 
-    def load_optimizer_and_scheduler(self, path: str | None) -> None:
+    def load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """Replaces ``Trainer._load_optimizer_and_scheduler``."""
         tr = self.trainer
-        if path is None or tr.args.save_only_model:
+        if checkpoint is None or tr.args.save_only_model:
             return
         opt = _torch_optimizer(tr.optimizer)
-        wanted: dict[str, Any] = {"optim": get_optimizer_state_dict(tr.model, opt)}
+        wanted: dict[str, Any] = {"optim": get_optimizer_state_dict(_model(tr), opt)}
         if tr.lr_scheduler is not None:
             wanted["scheduler"] = tr.lr_scheduler.state_dict()
-        state = self._load(os.path.basename(path), wanted)
-        set_optimizer_state_dict(tr.model, opt, state["optim"])
+        state = self._load(os.path.basename(checkpoint), wanted)
+        set_optimizer_state_dict(_model(tr), opt, state["optim"])
         if tr.lr_scheduler is not None:
             tr.lr_scheduler.load_state_dict(state["scheduler"])
 
-    def load_rng_state(self, path: str | None) -> None:
+    def load_rng_state(self, checkpoint: str | None) -> None:
         """Replaces ``Trainer._load_rng_state``: this rank's generators as saved."""
-        if path is None:
+        if checkpoint is None:
             return
         key = _rng_key(self.trainer.args.process_index)
-        state = self._load(os.path.basename(path), {key: capture_rng()}, partial=True)
+        state = self._load(os.path.basename(checkpoint), {key: capture_rng()}, partial=True)
         if state.get(key) is None:
             logger.info(
                 "no RNG state for process %s in %s: resuming with different randomness "
                 "(was the world size different?)",
                 self.trainer.args.process_index,
-                path,
+                checkpoint,
             )
             return
         restore_rng(state[key])
@@ -353,19 +357,26 @@ class TrainerTiers:
 # ------------------------------------------------------------------ helpers
 
 
+def _model(tr: Trainer) -> torch.nn.Module:
+    assert tr.model is not None  # Trainer(model_init=...) builds it before training starts
+    return tr.model
+
+
 def _torch_optimizer(opt: Any) -> torch.optim.Optimizer:
     return getattr(opt, "optimizer", opt)  # accelerate's AcceleratedOptimizer wraps it
 
 
 def _export_callback_state(tr: Trainer) -> None:
     """What ``Trainer._save_checkpoint`` does for stateful callbacks (early stopping, ...)."""
+    # TrainerState declares a list; its __post_init__ makes it the dict Trainer uses.
+    stateful: dict[str, Any] = tr.state.stateful_callbacks  # type: ignore[assignment]
     for cb in [*tr.callback_handler.callbacks, tr.control]:
         if isinstance(cb, ExportableState):
             name = cb.__class__.__name__
-            if isinstance(tr.state.stateful_callbacks.get(name), list):
-                tr.state.stateful_callbacks[name].append(cb.state())
+            if isinstance(stateful.get(name), list):
+                stateful[name].append(cb.state())
             else:
-                tr.state.stateful_callbacks[name] = cb.state()
+                stateful[name] = cb.state()
 
 
 def _rng_key(process_index: int) -> str:

@@ -219,7 +219,10 @@ class EasyCkpt:
                     sharded_strategy=self.strategy,
                     async_sharded_save=self.async_save,
                 )
-                future = self.strategy.in_flight if request is not None else settled()
+                future = settled()
+                if request is not None:  # async: the strategy's async_save set in_flight
+                    assert self.strategy.in_flight is not None
+                    future = self.strategy.in_flight
             except ConfigError:  # refused on every rank (a state that could not be restored)
                 self._discard(step)
                 raise

@@ -94,7 +94,7 @@ def convert(
             "halves; merging them is not supported yet"
         )
     model = _stack_layers(_merge_tensor_parallel([s["model"] for s in states], files))
-    common = {
+    common: dict[str, Any] = {
         k: states[0][k]
         for k in ("iteration", "checkpoint_version", "opt_param_scheduler")
         if k in states[0]
@@ -166,8 +166,8 @@ def _merge_tensor_parallel(models: list[dict[str, Any]], files: list[str]) -> di
             if key.endswith("._extra_state") and _LAYER.match(key):
                 merged[key] = first  # per layer, replicated across tensor-parallel ranks
             continue
-        shards = [m.get(key) for m in models]
-        if any(not isinstance(s, torch.Tensor) for s in shards):
+        shards = [s for m in models if isinstance(s := m.get(key), torch.Tensor)]
+        if len(shards) != len(models):
             raise IntegrityError(f"{key} is missing from some of {files}")
         dim = 0 if key.endswith(_COLUMN) else 1 if key.endswith(_ROW) else None
         if dim is None or len(shards) == 1:

@@ -34,7 +34,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import AsyncStager
 
+from .. import _torch_compat
 from ..backends.local import LocalBackend
 from ..distributed import checkpoint_process_group
 from ..errors import ConfigError, ForeignPathError
@@ -87,11 +89,11 @@ def split_dir(checkpoint_dir: str | os.PathLike[str]) -> tuple[str, str]:
     return os.path.dirname(path), os.path.basename(path)
 
 
-class _NoStaging:
+class _NoStaging(AsyncStager):
     """``async_stager`` for state already snapshotted: DCP's own stager cannot copy mcore's
     wrapper tensors (``CheckpointableShardedTensor`` refuses tensor operations)."""
 
-    should_synchronize_after_execute = False
+    _synchronize_after_execute = False  # AsyncStager.should_synchronize_after_execute
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         return state_dict
@@ -175,13 +177,15 @@ class TieredSaveShardedStrategy(TorchDistSaveShardedStrategy):
             written = is_main_replica(sh.replica_id) or not self.keep_only_main_replica
             if isinstance(sh, ShardedTensor) and sh.data is not None and written:
                 sh.data = sh.data.detach().to("cpu", copy=True)  # replicas are dropped unsaved
-        future = dcp.async_save(
-            self._pyt_state_dict(sharded_state_dict, checkpoint_dir),
-            checkpoint_id=step,
-            storage_writer=self.writer(root),
-            planner=self._planner(),
-            process_group=self._group,
-            async_stager=_NoStaging(),
+        future = _torch_compat.upload_future(
+            dcp.async_save(
+                self._pyt_state_dict(sharded_state_dict, checkpoint_dir),
+                checkpoint_id=step,
+                storage_writer=self.writer(root),
+                planner=self._planner(),
+                process_group=self._group,
+                async_stager=_NoStaging(),
+            )
         )
         self.in_flight = future
 

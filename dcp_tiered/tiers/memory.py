@@ -22,7 +22,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
@@ -224,10 +224,7 @@ class MemoryTier:
     def wait(self) -> None:
         """Wait for the commit in flight; its error, if any, was reported by its future."""
         if self._pending is not None:
-            try:
-                self._pending.result()
-            except Exception:  # the caller got this future and sees its error there
-                pass
+            wait([self._pending])  # without raising: the caller got this future and its error
             self._pending = None
 
     def close(self) -> None:

@@ -56,6 +56,19 @@ def write_json(path: str | os.PathLike[str], data: Any) -> None:
     os.replace(tmp, path)
 
 
+def remote_arg(url: str | None, storage_options: dict | None, fast_retry: bool) -> Any:
+    """``remote=`` for a shim: the URL, or with ``fast_retry`` a RemoteConfig that gives up on
+    a transient error after 2 attempts 10-20 ms apart. For remotes that fail by design (a
+    file:// URL under a regular file): the default policy spends about a minute backing off
+    before the failure the test asserts on."""
+    if url is None or not fast_retry:
+        return url
+    from dcp_tiered import RemoteConfig, RetryConfig
+
+    retry = RetryConfig(max_attempts=2, initial_backoff_secs=0.01, max_backoff_secs=0.02)
+    return RemoteConfig(url=url, storage_options=dict(storage_options or {}), retry=retry)
+
+
 def finish() -> None:
     """Leave without interpreter teardown, where gloo sometimes aborts ("terminate called
     without an active exception", seen in dcp-cpu-findings) after all work is done."""

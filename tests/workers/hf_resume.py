@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 import torch.distributed as dist
-from common import die_while_writing, finish
+from common import die_while_writing, finish, remote_arg
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -77,6 +77,7 @@ def main() -> None:
     p.add_argument("--mode", default="async")
     p.add_argument("--remote", default=None)
     p.add_argument("--storage-options", default="{}", help="JSON, for an S3 remote")
+    p.add_argument("--fast-retry", action="store_true", help="give up on a failing remote soon")
     p.add_argument(
         "--zero",
         type=int,
@@ -142,7 +143,7 @@ def main() -> None:
             callbacks=[StopAt(4)] if a.phase == "stop" else [],
         ),
         mode=a.mode,
-        remote=a.remote,
+        remote=remote_arg(a.remote, json.loads(a.storage_options), a.fast_retry),
         storage_options=json.loads(a.storage_options),
     )
     if a.phase == "foreign":

@@ -36,7 +36,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from common import die_while_writing, finish, write_json  # also puts the repo on sys.path
+from common import (  # also puts the repo on sys.path
+    die_while_writing,
+    finish,
+    remote_arg,
+    write_json,
+)
 
 from tests import _megatron as mc
 
@@ -269,7 +274,7 @@ def phase_facade(args: argparse.Namespace, rank: int) -> None:
         args.log_file,
         save=args.ckpt or os.path.join(args.out, "ckpt"),
         memory=os.path.join(args.out, "shm"),
-        remote=args.remote,
+        remote=remote_arg(args.remote, json.loads(args.storage_options or "null"), args.fast_retry),
         async_save=not args.sync,
         storage_options=json.loads(args.storage_options or "null"),
         **({} if args.margin is None else {"free_space_margin_bytes": args.margin}),
@@ -332,6 +337,9 @@ def main() -> None:
     parser.add_argument("--attempt", type=int, default=0)
     parser.add_argument("--remote")
     parser.add_argument("--storage-options", help="JSON fsspec options for --remote")
+    parser.add_argument(
+        "--fast-retry", action="store_true", help="give up on a failing remote soon"
+    )
     parser.add_argument("--log-file")
     parser.add_argument("--sync", action="store_true")
     parser.add_argument("--ckpt", help="the facade's save directory (default OUT/ckpt)")
