@@ -198,6 +198,7 @@ def cmd_verify_remote(run: Run) -> int:
                 if stat[0] != size:
                     problems.append(f"{file}: {stat[0]} bytes, manifest says {size}")
                     continue
+                crc: str | None
                 if stat[1] is not None and not args.read_back:
                     crc, how = stat[1], "recorded"
                 else:

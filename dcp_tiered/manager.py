@@ -623,7 +623,7 @@ class CheckpointManager:
             logger.warning("%s", message)
             self._events.emit(
                 "lost",
-                steps=sorted(lost, key=layout.step_number),
+                steps=sorted(lost, key=lambda s: layout.step_number(s) or -1),
                 ranks=sorted({r for ranks in lost.values() for r in ranks}),
                 restored=what,
                 reason=message,
@@ -728,6 +728,7 @@ class CheckpointManager:
             for name in steps:
                 entry(name)["memory"].append(rank)
         for name in survey.steps() if survey is not None else []:
+            assert survey is not None
             for rank in range(len(survey.own)):
                 held = [h for h in survey.copies(name, rank) if h != "own"]
                 if held:

@@ -414,6 +414,7 @@ class TieredStorageReader(StorageReader):
                     index, group = r.groups[0]
                     parts = self._verified(r.name, index, parts)
                     if len(parts) == 3:  # still the target's own memory: nothing to copy
+                        assert r.target is not None  # direct: _resolve_direct set it
                         planner.commit_tensor(group[0], r.target)
                         continue
                     self._deliver(group[0], parts[0], planner, r.target)

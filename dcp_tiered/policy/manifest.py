@@ -13,7 +13,7 @@ that hold its items, not every rank's:
   items are written back to back.
 
 Readers build DCP's ``Metadata`` from these and never unpickle ``.metadata``. Version 1 (one
-document with everything) is still read: :mod:`.manifest_v1`.
+document with everything) is still read: :mod:`dcp_tiered.policy.manifest_v1`.
 """
 
 from __future__ import annotations

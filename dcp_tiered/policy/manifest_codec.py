@@ -74,7 +74,7 @@ def encode_chunks(size: Sequence[int], chunks: Sequence[tuple[Sequence[int], Seq
     *sizes], ...]}``."""
     splits = [_splits(d, n, chunks) for d, n in enumerate(size)] if size else None
     if splits is not None and all(s is not None for s in splits):
-        grid = itertools.product(*[_with_offsets(s) for s in splits])  # type: ignore[arg-type]
+        grid = itertools.product(*[_with_offsets(s) for s in splits])
         expected = 0
         for expected, (want, (offsets, sizes)) in enumerate(zip(grid, chunks), start=1):
             if tuple(o for o, _ in want) != tuple(offsets) or tuple(s for _, s in want) != tuple(
@@ -82,8 +82,8 @@ def encode_chunks(size: Sequence[int], chunks: Sequence[tuple[Sequence[int], Seq
             ):
                 break
         else:
-            if expected == len(chunks) == _product(len(s) for s in splits):  # type: ignore[arg-type]
-                return {"grid": [runs(s) for s in splits]}  # type: ignore[arg-type]
+            if expected == len(chunks) == _product(len(s) for s in splits):
+                return {"grid": [runs(s) for s in splits]}
     return {"chunks": [[*offsets, *sizes] for offsets, sizes in chunks]}
 
 

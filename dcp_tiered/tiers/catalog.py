@@ -108,8 +108,8 @@ def remote_latest(remote: RemoteBackend) -> tuple[str, int] | None:
     except TierError as e:
         raise _unavailable(remote, e) from e
     listed = remote_steps(remote)
-    name = layout.newest(listed)
-    return None if name is None else next(s for s in listed if s[0] == name)
+    newest = layout.newest(listed)
+    return None if newest is None else next(s for s in listed if s[0] == newest)
 
 
 def resolve(

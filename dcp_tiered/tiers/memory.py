@@ -189,7 +189,7 @@ class MemoryTier:
     def receive(
         self, header_bytes: bytes, fill: Callable[[torch.Tensor], None], *, step: str
     ) -> None:
-        """Commit a copy of rank :attr:`rank`'s snapshot of ``step``: ``fill`` writes its data
+        """Commit a copy of rank ``rank``'s snapshot of ``step``: ``fill`` writes its data
         into a slot, which is verified against the header's checksums before the header (the
         sender's, as it was) is written last. Raises ManifestError or IntegrityError."""
         where = f"replica of rank {self.rank}'s {step} in {self.backend.root}"

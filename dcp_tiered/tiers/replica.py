@@ -307,7 +307,7 @@ class Replicator:
             holder = None
             if need:
                 copies = self.survey_.copies(name, self.rank)
-                holder = next((h for h in copies if h != "own" and h not in tried), None)
+                holder = next((h for h in copies if isinstance(h, int) and h not in tried), None)
             plan: list[Any] = [None] * self.world
             dist.all_gather_object(plan, holder, group=self.group)
             if all(h is None for h in plan):
