@@ -505,12 +505,15 @@ def read_manifest_files(
 
 
 def _sections_for(
-    remote: RemoteBackend, keys: layout.RemoteKeys, m: Manifest, have: dict[str, bytes]
+    remote: RemoteBackend,
+    keys: layout.RemoteKeys,
+    nodes: Iterable[int],
+    have: dict[str, bytes],
 ) -> dict[str, bytes]:
-    """The sections of ``m.loaded`` that ``have`` lacks, from the remote (a hydrated step
-    keeps the sections of every file it holds)."""
+    """The sections of ``nodes`` that ``have`` lacks, from the remote (a hydrated step keeps
+    the sections of every file it holds)."""
     out = {}
-    for node in m.loaded:
+    for node in nodes:
         name = layout.manifest_section_name(node)
         if name not in have:
             out[name] = remote.get_bytes(keys.section(node))
@@ -569,6 +572,8 @@ def hydrate_step(
                 f"{free / 2**20:.1f} MiB free"
             ),
         )
+    # The sections the reader merged, and those of the nodes whose files arrive here.
+    sections = sorted(m.loaded | {m.node_of_rank(int(m.files[n]["rank"])) for n in names})
     lock = backend.lock_root_exclusive(layout.HYDRATE_LOCK_NAME)
     try:
         keep: list[str] = []
@@ -593,7 +598,7 @@ def hydrate_step(
                     )
                 keep.append(name)
         else:
-            there, meta = read_manifest_files(remote, keys, m.loaded)
+            there, meta = read_manifest_files(remote, keys, sections)
             if there.save_id != m.save_id:
                 raise ManifestError(f"the remote {step} changed while it was being read")
             meta[layout.DCP_METADATA_NAME] = remote.get_bytes(keys.metadata)
@@ -617,7 +622,7 @@ def hydrate_step(
             step,
             f"h{uuid.uuid4().hex[:11]}",
             fill,
-            {**_sections_for(remote, keys, m, meta), **meta},
+            {**_sections_for(remote, keys, sections, meta), **meta},
             what="hydration",
         )
     finally:
