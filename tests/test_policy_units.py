@@ -145,6 +145,43 @@ def test_manifest_index_stays_small_as_ranks_grow():
     assert section[512] - section[8] < 64, section  # digits of ranks and ids
 
 
+def test_chunks_interleaved_by_rank_still_encode_as_a_grid():
+    """TP 8 then FSDP on the same dim: rank dp * 8 + tp holds rows tp * R/8 + dp * 4, so DCP's
+    chunk list (in rank order) is not row-major. The index still stores a grid and a few
+    progressions: its size does not grow with the ranks."""
+    sizes = {}
+    for n in (64, 512):
+        per_tp = n // 8
+        rows = 4 * n
+        order = [(dp, tp) for dp in range(per_tp) for tp in range(8)]  # rank order
+        chunks = [
+            ChunkStorageMetadata(torch.Size([tp * rows // 8 + dp * 4, 0]), torch.Size([4, 16]))
+            for dp, tp in order
+        ]
+        md = Metadata(
+            {
+                "w": TensorStorageMetadata(
+                    TensorProperties(torch.float32), torch.Size([rows, 16]), chunks
+                )
+            }
+        )
+        locs = {
+            MetadataIndex("w", c.offsets): manifest.ItemLocation(
+                f"__{r}_0.distcp", 0, 300, "deadbeef", r, 300, "cafef00d", 64
+            )
+            for r, c in enumerate(chunks)
+        }
+        nodes = [list(range(k, k + 8)) for k in range(0, n, 8)]
+        built = _build(md, locs, world_size=n, nodes=nodes)
+        sizes[n] = len(json.dumps(json.loads(built.index)["tensors"]))
+        parsed = _parse(built)
+        assert dict(parsed.locations) == locs
+        got = parsed.metadata.state_dict_metadata["w"].chunks
+        assert sorted(got, key=lambda c: tuple(c.offsets)) == got
+        assert sorted(map(str, got)) == sorted(map(str, chunks))
+    assert sizes[512] - sizes[64] < 64, sizes
+
+
 def test_manifest_sections_are_checked_against_the_index():
     md, locs = _metadata([(4, 2)])
     built = _build(md, locs, world_size=2, nodes=[[0], [1]])

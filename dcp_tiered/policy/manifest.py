@@ -99,8 +99,14 @@ def build(
     tid = {fqn: i for i, fqn in enumerate(fqns)}
     ordinal: dict[tuple[str, Any], int] = {}
     writers: dict[str, list[int]] = {}
+    # Each tensor's chunks in row-major order of their offsets, whatever order DCP's plans
+    # gave them (TP + FSDP on one dim interleaves them by rank): so a sharded tensor is always
+    # its grid of splits, and its writers a few progressions.
+    chunks_of: dict[str, list[Any]] = {}
     for fqn, md in metadata.state_dict_metadata.items():
-        chunks = md.chunks if isinstance(md, TensorStorageMetadata) else [None]
+        if isinstance(md, TensorStorageMetadata):
+            chunks_of[fqn] = sorted(md.chunks, key=lambda c: tuple(c.offsets))
+        chunks = chunks_of.get(fqn, [None])
         writers[fqn] = [-1] * len(chunks)
         for i, c in enumerate(chunks):
             ordinal[(fqn, tuple(c.offsets) if c is not None else None)] = i
@@ -154,7 +160,11 @@ def build(
         "checksum_algorithm": integrity.ALGORITHM,
         "dcp_version": metadata.version,
         "tensors": [
-            [fqn, _encode_entry(md, props), manifest_codec.progressions(writers[fqn])]
+            [
+                fqn,
+                _encode_entry(md, chunks_of.get(fqn, []), props),
+                manifest_codec.progressions(writers[fqn]),
+            ]
             for fqn, md in metadata.state_dict_metadata.items()
         ],
         "properties": props,
@@ -177,7 +187,9 @@ def build(
 
 
 def _encode_entry(
-    md: TensorStorageMetadata | BytesStorageMetadata, props: list[dict[str, Any]]
+    md: TensorStorageMetadata | BytesStorageMetadata,
+    chunks: list[ChunkStorageMetadata],
+    props: list[dict[str, Any]],
 ) -> dict[str, Any]:
     if isinstance(md, BytesStorageMetadata):
         return {"type": "bytes"}
@@ -189,7 +201,7 @@ def _encode_entry(
         "props": props.index(encoded),
         "size": list(md.size),
         **manifest_codec.encode_chunks(
-            list(md.size), [(list(c.offsets), list(c.sizes)) for c in md.chunks]
+            list(md.size), [(list(c.offsets), list(c.sizes)) for c in chunks]
         ),
     }
 
