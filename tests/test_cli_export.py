@@ -204,6 +204,23 @@ def test_diff_says_which_items_differ_and_by_how_much(tmp_path, capsys):
     assert main(["diff", str(root), "step-1"]) == 2  # usage error
 
 
+def test_diff_of_steps_only_on_the_remote(tmp_path, remote, capsys):  # noqa: F811
+    """A node that holds neither step diffs them from the remote, every item verified."""
+    a = _state()
+    b = _state()
+    b["w"][0, 0] += 2.0
+    _save(tmp_path / "root", "step-1", a, remote)
+    _save(tmp_path / "root", "step-2", b, remote)
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    code, data = _json(capsys, "diff", str(fresh), "step-1", "step-2", "--remote", remote[0])
+    assert code == 1 and data["errors"] == [], data
+    items = {e["fqn"]: e for e in data["items"]}
+    assert items["w"]["differing"] == 1 and items["w"]["max_abs_diff"] == pytest.approx(2.0)
+    assert data["summary"]["different"] == 1
+    assert list(fresh.iterdir()) == []  # read from the remote, nothing written locally
+
+
 def test_verify_remote_checks_sizes_and_checksums(tmp_path, remote, capsys):  # noqa: F811
     root = tmp_path / "root"
     _save(root, "step-1", _state(), remote)
