@@ -105,27 +105,29 @@ def build(
     chunks_of: dict[str, list[Any]] = {}
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
-            chunks_of[fqn] = sorted(md.chunks, key=lambda c: tuple(c.offsets))
+            chunks_of[fqn] = sorted(md.chunks, key=lambda c: c.offsets)
         chunks = chunks_of.get(fqn, [None])
         writers[fqn] = [-1] * len(chunks)
-        for i, c in enumerate(chunks):
-            ordinal[(fqn, tuple(c.offsets) if c is not None else None)] = i
+        for i, c in enumerate(chunks):  # torch.Size hashes and compares as a tuple
+            ordinal[(fqn, c.offsets if c is not None else None)] = i
     node_of = {r: n for n, ranks in enumerate(nodes) for r in ranks}
     by_file: dict[str, list[tuple[int, int, ItemLocation]]] = {}
     for index, loc in locations.items():
-        key = (index.fqn, tuple(index.offset) if index.offset is not None else None)
-        if key not in ordinal:
-            raise ManifestError(f"item {index.fqn!r} at {index.offset} is not in the metadata")
-        writers[index.fqn][ordinal[key]] = loc.rank
-        by_file.setdefault(loc.relative_path, []).append((tid[index.fqn], ordinal[key], loc))
+        fqn = index.fqn
+        at = ordinal.get((fqn, index.offset))
+        if at is None:
+            raise ManifestError(f"item {fqn!r} at {index.offset} is not in the metadata")
+        writers[fqn][at] = loc.rank
+        by_file.setdefault(loc.relative_path, []).append((tid[fqn], at, loc))
     # Items every rank reads (one-chunk tensors and bytes items: replicated state that DCP
     # spread over the ranks) go in the shared section, the chunks of sharded tensors in the
     # writer's node's section: so a rank reads the shared section and its own node's.
     files_of: dict[int, list[dict[str, Any]]] = {n: [] for n in [SHARED, *range(len(nodes))]}
+    one_chunk = {tid[fqn] for fqn, w in writers.items() if len(w) == 1}
     for name in sorted(by_file):
         rows = sorted(by_file[name], key=lambda r: r[2].offset)
-        shared = [r for r in rows if len(writers[fqns[r[0]]]) == 1]
-        own = [r for r in rows if len(writers[fqns[r[0]]]) != 1]
+        shared = [r for r in rows if r[0] in one_chunk]
+        own = [r for r in rows if r[0] not in one_chunk]
         for node, part in ((SHARED, shared), (node_of[rows[0][2].rank], own)):
             if part:
                 files_of[node].append(_encode_file(name, part))
