@@ -364,9 +364,9 @@ def test_status_shows_every_tier_and_its_durability(tmp_path, tiers, capsys):
     rows = {
         line.split()[0]: line.split()[1:] for line in out.splitlines() if line.startswith("step-")
     }
-    assert rows["step-0"] == ["-", "yes", "yes", "durable-remote"]
-    assert rows["step-2"] == ["-", "yes", "-", "committed-local"]
-    assert rows["step-3"] == ["yes", "-", "-", "memory"]
+    assert rows["step-0"] == ["-", "-", "yes", "yes", "durable-remote"]
+    assert rows["step-2"] == ["-", "-", "yes", "-", "committed-local"]
+    assert rows["step-3"] == ["yes", "-", "-", "-", "memory"]
     assert cli(["status", str(tiers["local"]), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["memory"] == str(tiers["memory"]) and len(data["steps"]) == 4  # step-1 too
