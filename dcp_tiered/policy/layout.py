@@ -195,10 +195,6 @@ class RemoteKeys:
     def section(self, node: int) -> str:
         return f"{self._base}{manifest_section_name(node)}"
 
-    def step_file(self, name: str) -> str:
-        """Key of any file of the step's directory: data, manifest, sections, .metadata."""
-        return self.file(name)
-
     def node_record(self, node: int) -> str:
         return f"{self._base}{NODE_RECORDS}/node-{node}.json"
 
