@@ -40,6 +40,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
         UploadFailedError,
     )
     from .manager import CheckpointManager
+    from .planner import TieredSavePlanner
     from .policy.admission import Admission
     from .policy.cadence import Every, SavePolicy
     from .policy.replication import Replication
@@ -87,6 +88,7 @@ _PUBLIC = {
     "TieredStorageReader": "reader",
     "Durability": "tiers.remote",
     "TieredStorageWriter": "writer",
+    "TieredSavePlanner": "planner",
 }
 
 # ``dcp_tiered.layout``, ``dcp_tiered.tiering``... (the modules before they moved into
@@ -177,6 +179,7 @@ __all__ = [
     "StagingError",
     "TierError",
     "TierUnavailableError",
+    "TieredSavePlanner",
     "TieredStorageReader",
     "TieredStorageWriter",
     "TransientTierError",

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 from typing_extensions import Self  # a dependency of torch itself
 
-from . import _torch_compat
+from . import _gc, _torch_compat
 from ._collective_watch import CollectiveWatch
 from ._priority import lower_this_thread
 from ._version import __version__
@@ -809,18 +809,19 @@ class TieredStorageWriter(StorageWriter):
             )
         backend = self._tier.backend
         locations = {wr.index: wr.storage_data for rs in results for wr in rs}
-        built = manifest.build(
-            step=save.step,
-            save_id=save.save_id,
-            world_size=save.world_size,
-            nodes=[[r for r, n in enumerate(node_of) if n == k] for k in sorted(set(node_of))],
-            committed_at_ns=time.time_ns(),
-            metadata=metadata,
-            locations=locations,
-            versions={"dcp_tiered": __version__, "torch": torch.__version__},
-            promote=save.promote,
-        )
-        metadata_bytes = _vanilla_metadata(metadata, locations, save.step)
+        with _gc.paused():  # one object per item of every rank: see _gc
+            built = manifest.build(
+                step=save.step,
+                save_id=save.save_id,
+                world_size=save.world_size,
+                nodes=[[r for r, n in enumerate(node_of) if n == k] for k in sorted(set(node_of))],
+                committed_at_ns=time.time_ns(),
+                metadata=metadata,
+                locations=locations,
+                versions={"dcp_tiered": __version__, "torch": torch.__version__},
+                promote=save.promote,
+            )
+            metadata_bytes = _vanilla_metadata(metadata, locations, save.step)
 
         def publish_own() -> None:
             commit.publish_step(backend, save.step, save.save_id, tmp, overwrite=self.overwrite)
@@ -931,13 +932,30 @@ def _split_by_size(items: Sequence[WriteItem], n: int) -> list[list[WriteItem]]:
 def _vanilla_metadata(
     metadata: Metadata, locations: dict[MetadataIndex, manifest.ItemLocation], step: str
 ) -> bytes:
-    """DCP's own ``.metadata`` so the step stays a valid vanilla DCP checkpoint."""
+    """DCP's own ``.metadata`` so the step stays a valid vanilla DCP checkpoint.
+
+    Equal names, offsets and chunk sizes are made one object each, which pickle then writes
+    once and refers back to (the gathered results hold one copy per rank): 8 % fewer bytes
+    and a third less pickling than DCP's own for FSDP2 at 64 ranks (``benchmarks/scale.py``).
+    """
+    one: dict[Any, Any] = {}
+
+    def shared(value: Any) -> Any:
+        return one.setdefault((type(value), value), value)
+
+    for md in metadata.state_dict_metadata.values():
+        for chunk in getattr(md, "chunks", ()):  # the planner's: equal values, still its own
+            chunk.offsets, chunk.sizes = shared(chunk.offsets), shared(chunk.sizes)
+    storage_data = {}
+    for idx, loc in locations.items():
+        key = MetadataIndex(shared(idx.fqn), None, idx.index)
+        object.__setattr__(key, "offset", shared(idx.offset))  # frozen; __init__ would copy it
+        storage_data[key] = _torch_compat.StorageInfo(
+            shared(loc.relative_path), loc.offset, loc.length
+        )
     vanilla = dataclasses.replace(
         metadata,
-        storage_data={
-            idx: _torch_compat.StorageInfo(loc.relative_path, loc.offset, loc.length)
-            for idx, loc in locations.items()
-        },
+        storage_data=storage_data,
         storage_meta=metadata.storage_meta or StorageMeta(checkpoint_id=step),
     )
     return pickle.dumps(vanilla, protocol=4)

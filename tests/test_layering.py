@@ -19,6 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "dcp_tiered"
 # modules beside them: formats and helpers every layer may use count as policy.
 POLICY = {"config", "errors", "safe_unpickle", "rank_state", "agreement"}
 DCP = {
+    "planner",
     "writer",
     "reader",
     "staging",

@@ -19,6 +19,7 @@ from dcp_tiered.backends.local import LocalBackend
 from dcp_tiered.backends.remote import RemoteBackend
 from dcp_tiered.policy import layout
 from dcp_tiered.tiers import remote as remote_tier
+from dcp_tiered.tiers import uploads
 from dcp_tiered.tiers.local import LocalTier
 from tests.conftest import proxied_requests
 from tests.test_remote_tier import FAST_RETRY, equal, load, save, state
@@ -109,8 +110,9 @@ def test_the_latest_pointer_only_moves_forward_when_saves_race(s3):
 
 
 def test_a_save_never_lists_its_own_objects(tmp_path, s3, fault_proxy):
-    """Promotion HEADs (or trusts the early upload's record of) only its own files; the
-    coordinator's commit lists only the node records; read-back is one GET per object."""
+    """Promotion checks (or trusts the early upload's record of) only its own files; the
+    coordinator's commit lists only the node records; read-back is one GET per object, with
+    no HEAD before it."""
     proxy = fault_proxy(0.0)
     cfg = config(s3, proxy)
     mib = 24  # a 24 MiB file: 5 multipart parts, which a ranged read-back took 2 GETs for
@@ -132,7 +134,7 @@ def test_a_save_never_lists_its_own_objects(tmp_path, s3, fault_proxy):
         assert uploads == 1 and count["GET"] == uploads, (name, count)  # one GET read-back
         extra = sum(count.values()) - count["PUT"] - count["CREATE"] - count["PART"]
         extra -= count["COMPLETE"]
-        assert extra <= 2 * uploads + 1, (name, count)  # HEAD + GET each, a promotion's HEAD
+        assert count["HEAD"] == 0 and extra == uploads, (name, count)  # the GET, no HEAD
         if count["PART"]:
             assert count["PART"] == uploads * 5, (name, count)  # 24 MiB in 5 MiB parts
     got, _ = load(tmp_path / "fresh", cfg, mib=mib)
@@ -200,3 +202,37 @@ def zlib_bucket(name: str, n: int) -> int:
     import zlib
 
     return zlib.crc32(name.encode()) % n
+
+
+def test_the_ranks_of_a_node_read_the_remote_marker_once_per_save(tmp_path, s3, fault_proxy):
+    """Early uploads never write under a step committed on the remote, which the marker says.
+    The ranks of a node share the answer through their upload area: one GET per node and
+    save, not one per rank (the uploader is per process, as the ranks are)."""
+    proxy = fault_proxy(0.0)
+    url = s3.url()
+    remote = RemoteBackend(config(s3, proxy, url=url))
+    tier = LocalTier(LocalBackend(str(tmp_path / "local")))
+    area = layout.upload_area_name("step-1", "sid1")
+    tier.backend.make_dir(area)
+    ranks = [uploads.Uploader(tier, remote) for _ in range(4)]
+    answers = []
+    threads = [
+        threading.Thread(
+            target=lambda u=u: answers.append(u._remote_step_free("step-1", "sid1", area))
+        )
+        for u in ranks
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert answers == [True] * 4
+    marker_gets = [k for kind, k in proxied_requests(proxy) if kind == "GET"]
+    assert len(marker_gets) == 1 and marker_gets[0].endswith(layout.REMOTE_MARKER), marker_gets
+    # A step taken on the remote is recorded as such for the node's other ranks too.
+    save_steps(tmp_path / "other", config(s3, url=url), ["step-2"])
+    tier.backend.make_dir(area2 := layout.upload_area_name("step-2", "sid2"))
+    assert [u._remote_step_free("step-2", "sid2", area2) for u in ranks] == [False] * 4
+    assert (
+        sum(k.endswith(f"step-2/{layout.REMOTE_MARKER}") for _, k in proxied_requests(proxy)) == 1
+    )

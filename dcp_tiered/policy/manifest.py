@@ -202,9 +202,7 @@ def _encode_entry(
         "type": "tensor",
         "props": props.index(encoded),
         "size": list(md.size),
-        **manifest_codec.encode_chunks(
-            list(md.size), [(list(c.offsets), list(c.sizes)) for c in chunks]
-        ),
+        **manifest_codec.encode_chunks(md.size, [(c.offsets, c.sizes) for c in chunks]),
     }
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from ..errors import ManifestError
 from . import integrity
+from .chunk_grid import splits, with_offsets
 
 _SEAL_KEY = "manifest_checksum"
 # ,"manifest_checksum":"0123abcd"}  -- a fixed-length tail, found without parsing
@@ -72,18 +73,19 @@ def encode_chunks(size: Sequence[int], chunks: Sequence[tuple[Sequence[int], Seq
     """``{"grid": [runs of split sizes per dim]}`` when the chunks, in order, are the row-major
     product of per-dimension splits that tile the tensor; else ``{"chunks": [[*offsets,
     *sizes], ...]}``."""
-    splits = [_splits(d, n, chunks) for d, n in enumerate(size)] if size else None
-    if splits is not None and all(s is not None for s in splits):
-        grid = itertools.product(*[_with_offsets(s) for s in splits])
-        expected = 0
-        for expected, (want, (offsets, sizes)) in enumerate(zip(grid, chunks), start=1):
-            if tuple(o for o, _ in want) != tuple(offsets) or tuple(s for _, s in want) != tuple(
-                sizes
-            ):
-                break
-        else:
-            if expected == len(chunks) == _product(len(s) for s in splits):
-                return {"grid": [runs(s) for s in splits]}
+    cuts = [splits(d, n, chunks) for d, n in enumerate(size)] if size else None
+    if (
+        cuts is not None
+        and all(c is not None for c in cuts)
+        and len(chunks) == _product(len(c) for c in cuts if c is not None)
+    ):
+        grid = [c for c in cuts if c is not None]
+        offsets = itertools.product(*[[o for o, _ in with_offsets(c)] for c in grid])
+        # compared as tuples (C speed: the chunks' own are tuples or torch.Size)
+        if list(offsets) == [tuple(o) for o, _ in chunks] and list(itertools.product(*grid)) == [
+            tuple(s) for _, s in chunks
+        ]:
+            return {"grid": [runs(c) for c in grid]}
     return {"chunks": [[*offsets, *sizes] for offsets, sizes in chunks]}
 
 
@@ -94,8 +96,8 @@ def decode_chunks(encoded: Any, ndim: int, what: str) -> list[tuple[list[int], l
         dims = _list(encoded["grid"], what)
         if len(dims) != ndim:
             raise ManifestError(f"{what}: grid has {len(dims)} dimensions, tensor {ndim}")
-        splits = [_with_offsets(unruns(d, what)) for d in dims]
-        return [([o for o, _ in cell], [s for _, s in cell]) for cell in itertools.product(*splits)]
+        cells = itertools.product(*[with_offsets(unruns(d, what)) for d in dims])
+        return [([o for o, _ in cell], [s for _, s in cell]) for cell in cells]
     out = []
     for row in _list(encoded.get("chunks"), what):
         values = _ints(row, 2 * ndim, what)
@@ -123,25 +125,6 @@ def unseal(data: bytes) -> bool:
 
 
 # ---------------------------------------------------------------- helpers
-
-
-def _splits(dim: int, length: int, chunks: Sequence[tuple[Sequence[int], Sequence[int]]]):
-    """The sizes of the distinct pieces chunks cut dimension ``dim`` into, if they tile it."""
-    pieces = sorted({(offsets[dim], sizes[dim]) for offsets, sizes in chunks})
-    pos = 0
-    for offset, piece in pieces:
-        if offset != pos or piece <= 0:
-            return None
-        pos += piece
-    return [piece for _, piece in pieces] if pos == length else None
-
-
-def _with_offsets(sizes: list[int]) -> list[tuple[int, int]]:
-    out, pos = [], 0
-    for size in sizes:
-        out.append((pos, size))
-        pos += size
-    return out
 
 
 def _product(values: Any) -> int:

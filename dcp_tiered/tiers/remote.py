@@ -264,22 +264,37 @@ def remote_checksum(
 ) -> str | None:
     """CRC32C of the object at ``key`` if it has ``size`` bytes and is whole, else None. Unless told
     otherwise, reads it back only where ``verify_uploads`` asks (or the store keeps no
-    metadata); otherwise trusts the checksum recorded with it at upload."""
-    stat = remote.stat(key)
-    if stat is None or stat[0] != size:
-        return None
+    metadata); otherwise trusts the checksum recorded with it at upload (one HEAD)."""
     if read_back is None:
-        read_back = remote.config.verify_uploads or stat[1] is None
+        read_back = remote.config.verify_uploads
     if not read_back:
-        return stat[1]
-    try:  # one GET for the whole object (a ranged GET per part would double the requests)
-        crc = remote.fold_object(
-            key, _chunk_bytes(remote), lambda c, b: integrity.checksum(b, c), 0
-        )
+        stat = remote.stat(key)
+        if stat is None or stat[0] != size:
+            return None
+        if stat[1] is not None:
+            return stat[1]
+    # One GET for the whole object (a ranged GET per part would double the requests), no
+    # HEAD before it: its length is counted as it streams, and an object longer than
+    # ``size`` (not the one sought) is not read to its end.
+
+    def fold(acc: tuple[int, int], chunk: bytes) -> tuple[int, int]:
+        length = acc[1] + len(chunk)
+        if length > size:
+            raise _OtherObject
+        return integrity.checksum(chunk, acc[0]), length
+
+    try:
+        crc, length = remote.fold_object(key, _chunk_bytes(remote), fold, (0, 0))
+    except (FileNotFoundError, _OtherObject):
+        return None
     except IntegrityError as e:  # the store's own checksum of it disagrees with its bytes
         logger.warning("%s", e)
         return None
-    return integrity.format_checksum(crc)
+    return integrity.format_checksum(crc) if length == size else None
+
+
+class _OtherObject(Exception):
+    """Ends a read-back early: the object is longer than the one sought."""
 
 
 def keys_of_step(remote: RemoteBackend, step: str) -> layout.RemoteKeys | None:

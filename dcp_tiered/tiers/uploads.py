@@ -29,6 +29,10 @@ from .remote import Durability, Promotion, durability, read_marker, upload_verif
 
 logger = logging.getLogger(__name__)
 
+# In a save's upload area: whether the step was free on the remote when its first early
+# upload on this node asked (Uploader._remote_step_free).
+_REMOTE_STEP_FREE, _REMOTE_STEP_TAKEN = "remote-step-free", "remote-step-taken"
+
 
 class Uploader:
     """One per (local root, remote) in a process: promotes steps in commit order."""
@@ -44,7 +48,7 @@ class Uploader:
         self._lock = threading.Lock()
         self._resume_lock: int | None = None
         self._times: dict[str, tuple[float, float]] = {}  # step -> (started, durable) epoch s
-        self._remote_step_free: dict[tuple[str, str], bool] = {}
+        self._step_free: dict[tuple[str, str], bool] = {}  # see _remote_step_free
 
     def submit(self, step: str, *, new_commit: bool = True) -> Future[None]:
         """Enqueue the promotion of ``step``. A new commit always gets its own promotion (it
@@ -78,13 +82,7 @@ class Uploader:
             try:
                 if backend.exists(area, f"{name}.done"):  # the promotion got there first
                     return
-                with self._lock:
-                    free = self._remote_step_free.get((step, save_id))
-                if free is None:  # remote steps are immutable: never write under a committed one
-                    free = read_marker(self.remote, step) is None
-                    with self._lock:
-                        self._remote_step_free[(step, save_id)] = free
-                if not free:
+                if not self._remote_step_free(step, save_id, area):
                     return
                 tmp = layout.tmp_dir_name(step, save_id)
                 where = (tmp,) if backend.exists(tmp, name) else (step,)  # committed meanwhile
@@ -98,6 +96,31 @@ class Uploader:
                 backend.unlock(lock)
         except Exception as e:  # noqa: BLE001 - the promotion uploads it instead
             logger.debug("early upload of %s/%s deferred to the promotion: %s", step, name, e)
+
+    def _remote_step_free(self, step: str, save_id: str, area: str) -> bool:
+        """Whether no save of ``step`` is committed on the remote (remote steps are immutable:
+        never write under a committed one). One marker read per node and save: the first
+        rank to ask records the answer in the node's upload area for the others."""
+        with self._lock:
+            free = self._step_free.get((step, save_id))
+        if free is not None:
+            return free
+        backend = self.tier.backend
+        lock = backend.lock_exclusive(area, "remote-step.lock")
+        try:
+            if backend.exists(area, _REMOTE_STEP_FREE):
+                free = True
+            elif backend.exists(area, _REMOTE_STEP_TAKEN):
+                free = False
+            else:
+                free = read_marker(self.remote, step) is None
+                answer = _REMOTE_STEP_FREE if free else _REMOTE_STEP_TAKEN
+                backend.write_file(area, answer, b"", sync=False)
+        finally:
+            backend.unlock(lock)
+        with self._lock:
+            self._step_free[(step, save_id)] = free
+        return free
 
     def _promote(self, step: str) -> None:
         started = time.time()

@@ -1,0 +1,150 @@
+"""TieredSavePlanner: DCP's default planner's plans, metadata and errors, with a global check
+that is one pass for grid-sharded tensors. DCP's own ``_validate_global_plan`` is the oracle."""
+
+from __future__ import annotations
+
+import collections
+import re
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.distributed.checkpoint.default_planner import (
+    DefaultSavePlanner,
+    _validate_global_plan,
+)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+
+from dcp_tiered import TieredSavePlanner
+from dcp_tiered.policy.chunk_grid import plan_errors, tiles_as_grid
+
+PROPS = TensorProperties(dtype=torch.float32)
+
+
+def _shard(fqn, size, offsets, sizes):
+    return WriteItem(
+        index=MetadataIndex(fqn, offsets),
+        type=WriteItemType.SHARD,
+        tensor_data=TensorWriteData(
+            chunk=ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)),
+            properties=PROPS,
+            size=torch.Size(size),
+        ),
+    )
+
+
+def _plans(world: int, extra=()) -> list[SavePlan]:
+    """Each rank's plan of a small model: FSDP (dim 0) shards of tensors whose longest
+    dimension is dim 0 and of ones whose longest is dim 1 (DCP's quadratic case), a 2 x 2
+    grid over 4 ranks, a replicated tensor every rank writes (deduplicated), a bytes item."""
+    plans = []
+    for r in range(world):
+        items = [
+            _shard("w1", (8 * world, 4), (8 * r, 0), (8, 4)),
+            _shard("w2", (2 * world, 64), (2 * r, 0), (2, 64)),
+            _shard("norm", (16,), (0,), (16,)),
+            WriteItem(index=MetadataIndex(f"extra_{r}"), type=WriteItemType.BYTE_IO),
+        ]
+        if r < 4:
+            row, col = divmod(r, 2)
+            items.append(_shard("tp", (6, 10), (3 * row, 5 * col), (3, 5)))
+        items.extend(item for rank, item in extra if rank == r)
+        plans.append(SavePlan(items, planner_data={}))
+    return plans
+
+
+def _global(planner_cls, plans):
+    planner = planner_cls()
+    planner.set_up_planner({}, None, True)
+    return planner.create_global_plan(plans)
+
+
+@pytest.mark.parametrize("world", [1, 4, 16])
+def test_the_same_global_plans_and_metadata_as_dcps_default_planner(world):
+    ours_plans, ours_md = _global(TieredSavePlanner, _plans(world))
+    dcp_plans, dcp_md = _global(DefaultSavePlanner, _plans(world))
+    assert ours_plans == dcp_plans
+    assert ours_md == dcp_md
+    assert len(ours_md.state_dict_metadata["w2"].chunks) == world  # the plans were real
+
+
+@pytest.mark.parametrize(
+    "extra, why",
+    [
+        ([(1, _shard("w1", (32, 4), (4, 0), (8, 4)))], "overlapping chunks"),  # over rank 0/1
+        ([(2, _shard("tp", (6, 10), (3, 8), (3, 5)))], "out of bounds chunk"),
+        ([(3, _shard("gap", (9,), (0,), (4,)))], "invalid fill"),  # 5 elements nobody writes
+    ],
+)
+def test_a_bad_global_plan_is_refused_in_dcps_words(extra, why):
+    with pytest.raises(ValueError) as dcp_error:
+        _global(DefaultSavePlanner, _plans(4, extra))
+    with pytest.raises(ValueError) as ours:
+        _global(TieredSavePlanner, _plans(4, extra))
+    assert why in str(ours.value)
+    assert str(ours.value) == str(dcp_error.value) or _same_findings(
+        str(ours.value), str(dcp_error.value)
+    )
+
+
+def _same_findings(a: str, b: str) -> bool:
+    return _findings(a.split(": ", 1)[1].split("; ")) == _findings(b.split(": ", 1)[1].split("; "))
+
+
+def _findings(errors: list[str]) -> collections.Counter:
+    """Errors as comparable facts: an overlap is an unordered pair of chunks (the two checks
+    may meet a pair in either order)."""
+    out: collections.Counter = collections.Counter()
+    for e in errors:
+        m = re.fullmatch(
+            r"(key:\S+ has overlapping chunks:) (ChunkStorage.*\)) (ChunkStorage.*)", e
+        )
+        out[(m.group(1), frozenset((m.group(2), m.group(3)))) if m else e] += 1
+    return out
+
+
+boxes = st.lists(
+    st.tuples(st.integers(-1, 6), st.integers(0, 7), st.integers(0, 5), st.integers(0, 6)),
+    min_size=1,
+    max_size=9,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.tuples(st.integers(1, 8), st.integers(1, 8)), boxes, st.integers(1, 3))
+def test_the_check_finds_what_dcps_finds(size, chunks, plans):
+    """Any chunk list (overlapping, out of bounds, gaps, empty, grids): the same errors."""
+    chunk_md = [ChunkStorageMetadata(torch.Size(c[:2]), torch.Size(c[2:])) for c in chunks]
+    md = Metadata({"t": TensorStorageMetadata(PROPS, torch.Size(size), chunk_md)})
+    assert _findings(plan_errors(md, plans)) == _findings(
+        _validate_global_plan([SavePlan([])] * plans, md)
+    )
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(1, 4), min_size=1, max_size=4), st.lists(st.integers(1, 4), max_size=4))
+def test_a_grid_is_recognised_in_any_order_and_a_missing_or_doubled_cell_is_not(rows, cols):
+    size = (sum(rows), sum(cols) or 1)
+    cols = cols or [1]
+    cells = [
+        ((sum(rows[:i]), sum(cols[:j])), (rows[i], cols[j]))
+        for i in range(len(rows))
+        for j in range(len(cols))
+    ]
+    assert tiles_as_grid(size, cells[::-1])
+    if len(cells) > 1:
+        assert not tiles_as_grid(size, cells[1:])
+        assert not tiles_as_grid(size, [*cells[1:], cells[-1]])
