@@ -91,7 +91,7 @@ def _overlaps(chunks: Sequence[Any]) -> list[tuple[Any, Any]]:
     order = sorted(range(len(chunks)), key=lambda i: tuple(chunks[i].offsets))
     order.sort(key=lambda i: chunks[i].offsets[dim])  # stable: ties keep row-major order
     open_: list[tuple[int, int]] = []  # (end along dim, index), sorted
-    found = []
+    found: list[tuple[Any, Any]] = []
     for i in order:
         box = chunks[i]
         start = box.offsets[dim]
