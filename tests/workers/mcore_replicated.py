@@ -2,14 +2,15 @@
 each; the node id is torchrun's GROUP_RANK).
 
     torchrun --nnodes=2 --node-rank=K --nproc-per-node=1 ... mcore_replicated.py \\
-        --out DIR --memory /dev/shm/PREFIX [--pause-at N] [--attempt A] [--no-replication]
+        --out DIR --memory /dev/shm/PREFIX [--remote URL] [--pause-at N] [--attempt A]
+        [--no-replication]
 
 Each node has its own save directory ``OUT/node-K/ckpt`` and memory root ``PREFIX-node-K``.
 The model is tensor-parallel across the nodes (TP = world size), so every rank holds shards no
 other rank has. Memory every iteration, storage every ``--storage-every``; each rank logs to
 ``OUT/log-R.jsonl`` what it restored (``start``, digest of its model and optimizer shards) and,
 per iteration, its loss and digest. With ``--pause-at N`` the job saves through N, waits until
-N is copied to the partner, then trains on to the end without saving (the uninterrupted
+N is copied to the partner and the newest storage checkpoint is on the remote, then trains on to the end without saving (the uninterrupted
 continuation), writes ``OUT/ready-R`` and waits to be killed.
 """
 
@@ -47,6 +48,7 @@ def main() -> None:
     p.add_argument("--pause-at", type=int)
     p.add_argument("--attempt", type=int, default=0)
     p.add_argument("--no-replication", action="store_true")
+    p.add_argument("--remote", help="the remote tier's URL (file://...)")
     a = p.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -65,6 +67,7 @@ def main() -> None:
         out / f"node-{node}" / "ckpt.log",
         save=out / f"node-{node}" / "ckpt",
         memory=f"{a.memory}-node-{node}",
+        remote=a.remote,
         replication=None if a.no_replication else Replication(),
         collective_timeout_secs=60,
     )
@@ -87,6 +90,7 @@ def main() -> None:
         record(iteration=it + 1, loss=loss, digest=digest(model, opt))
         if it + 1 == a.pause_at:
             ckpt.wait()  # the storage save done, and this iteration copied to the partner
+            ckpt.wait_durable()  # and the newest storage checkpoint on the remote
             saving = False
     if a.pause_at is None:
         ckpt.close()
