@@ -53,12 +53,12 @@ from .policy import cadence, layout
 from .policy.admission import Admission, Headroom, shortfall
 from .policy.cadence import Decision, SavePolicy
 from .policy.memory_format import first_refused
-from .policy.replication import Replication, describe_lost
+from .policy.replication import Replication
 from .policy.retention import Retention
 from .rank_state import RankState
 from .reader import TieredStorageReader
 from .staging import state_bytes
-from .tiers import housekeeping, uploads
+from .tiers import housekeeping, snapshots, uploads
 from .tiers.catalog import list_steps
 from .tiers.memory import MemoryTier
 from .tiers.replica import Replicator
@@ -618,18 +618,7 @@ class CheckpointManager:
 
     def _report_lost(self, restored: int, what: str | None) -> None:
         """Warn (rank 0) about newer steps some rank had no copy of anywhere in memory."""
-        survey = self._replica.survey_ if self._replica is not None else None
-        lost = survey.lost(restored) if survey is not None else {}
-        if lost and survey is not None and self.rank == 0:
-            message = describe_lost(survey, lost, what)
-            logger.warning("%s", message)
-            self._events.emit(
-                "lost",
-                steps=sorted(lost, key=lambda s: layout.step_number(s) or -1),
-                ranks=sorted({r for ranks in lost.values() for r in ranks}),
-                restored=what,
-                reason=message,
-            )
+        snapshots.report_lost(self._replica, restored, what, rank=self.rank, emit=self._events.emit)
 
     def _abandon(self, skipped: list[tuple[str, str]], chosen: tuple[str, str]) -> None:
         """Steps newer than the one restored are abandoned: training saves them again."""
@@ -659,26 +648,16 @@ class CheckpointManager:
     def _load_memory(self, name: str, app_state: dict[str, Any]) -> str | None:
         """This rank's own snapshot (ranks agree on the outcome in the restore loop), or with
         replication, a partner's copy when its own is missing or fails verification."""
-        if self._replica is not None:
-            return self._replica.load(name, app_state)  # collective
         assert self._memory is not None
-        try:
-            self._memory.load(name, app_state)
-        except (DcpTieredError, OSError) as e:
-            return f"rank {self.rank}: {type(e).__name__}: {e}"
-        return None
+        return snapshots.load(self._memory, self._replica, name, app_state)
 
     def _candidates(self, step: int | None, remote: RemoteBackend | None) -> list[tuple[str, str]]:
         """(step name, tier) pairs to try, newest first, nearest tier first."""
         found: list[tuple[int, int, str, str]] = []
         order = {"memory": 0, "local": 1}
-        if self._replica is not None and self._replica.survey_ is not None:
-            # Steps every rank can get from its own memory or a partner's copy.
-            for name in self._replica.survey_.whole():
-                found.append((layout.step_number(name) or -1, 0, name, "memory"))
-        elif self._memory is not None:
-            for name, committed_at in self._memory.steps().items():
-                found.append((layout.step_number(name) or -1, committed_at, name, "memory"))
+        # With replication: steps every rank can get from its own memory or a partner's copy.
+        for name, committed_at in snapshots.candidates(self._memory, self._replica).items():
+            found.append((layout.step_number(name) or -1, committed_at, name, "memory"))
         for s in list_steps(self._local.local_tier, remote, strict=True):
             found.append((layout.step_number(s.name) or -1, s.committed_at_ns, s.name, "local"))
         if step is not None:

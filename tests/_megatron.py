@@ -125,15 +125,18 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 CAUSAL_MASK = torch.triu(torch.ones(1, 1, 16, 16), diagonal=1).bool()
 
 
-def train_step(model: torch.nn.Module, opt: TorchAdam, step: int, rank: int) -> float:
-    """One step; gradients are averaged over data-parallel ranks so every replica agrees."""
+def train_step(
+    model: torch.nn.Module, opt: TorchAdam, step: int, rank: int, *, average: bool = True
+) -> float:
+    """One step; gradients are averaged over data-parallel ranks so every replica agrees
+    (``average=False`` where every rank is a tensor-parallel rank: no data-parallel ones)."""
     import torch.distributed as dist
 
-    tokens, position_ids, labels = batch(step, rank)
+    tokens, position_ids, labels = batch(step, rank if average else 0)
     opt.zero_grad()
     loss = model(tokens, position_ids, CAUSAL_MASK, labels=labels).float().mean()
     loss.backward()
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if average and dist.is_initialized() and dist.get_world_size() > 1:
         for p in model.parameters():
             if p.grad is not None:
                 dist.all_reduce(p.grad)

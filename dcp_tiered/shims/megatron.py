@@ -21,6 +21,10 @@
 - :func:`load_checkpoint` restores the newest iteration that verifies, from memory, local
   disk or the remote tier, falling back to older ones. An iteration found in memory only is
   written to storage straight away.
+- ``replication=Replication(...)`` copies each memory snapshot to partner nodes' host memory
+  (the :class:`~dcp_tiered.CheckpointManager`'s peer replication), so a node lost before its
+  storage save loses nothing: a replacement node's ranks load their shards from a partner's
+  copy, verified, and every rank restores the newest iteration every rank can get whole.
 
 The state saved is Megatron-LM's (``generate_state_dict``): ``model`` (``model0``.. for virtual
 pipeline chunks), ``optimizer`` (``optimizer.sharded_state_dict``), ``opt_param_scheduler``,
@@ -43,12 +47,16 @@ from ..backends.local import LocalBackend
 from ..backends.remote import remote_backend
 from ..distributed import is_node_leader
 from ..errors import ConfigError
+from ..events import EventLog
 from ..lifecycle import Conventions, Lifecycle, attempt, failure, raise_failures, settled
 from ..policy import layout
+from ..policy.replication import Replication
 from ..policy.retention import RetentionPolicy
+from ..tiers import snapshots
 from ..tiers.catalog import list_steps
 from ..tiers.local import LocalTier
 from ..tiers.memory import MemoryTier
+from ..tiers.replica import Replicator
 from .megatron_strategy import (  # raises a clear ImportError without megatron-core
     TieredLoadShardedStrategy,
     TieredSaveShardedStrategy,
@@ -115,6 +123,8 @@ class EasyCkpt:
         keep_every: int | None = None,
         remote_max_ckpt_num: int | None = None,
         allow_pickle: bool = False,
+        replication: Replication | None = None,
+        collective_timeout_secs: float = 1800.0,
         **writer_options: Any,
     ) -> None:
         for name, value in (
@@ -124,6 +134,10 @@ class EasyCkpt:
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise ConfigError(f"{name} must be a non-negative int or None, got {value!r}")
         self.mem_every, self.storage_every = save_mem_interval or 0, save_storage_interval or 0
+        if replication is not None and not self.mem_every:
+            raise ConfigError(
+                "replication copies memory snapshots: it needs save_mem_interval >= 1"
+            )
         self.save_dir = os.path.abspath(save)
         self.load_dir = os.path.abspath(load) if load is not None else self.save_dir
         self.remote, self.storage_options = remote, storage_options
@@ -147,6 +161,7 @@ class EasyCkpt:
             ),
             publish_early=False,
             writer_options={"overwrite": True, **writer_options},
+            collective_timeout_secs=collective_timeout_secs,
             allow_pickle=allow_pickle,
         )
         # Recovery, explicitly: what a crash left in the save directory is finished or swept
@@ -159,6 +174,19 @@ class EasyCkpt:
         if self.mem_every:
             root = os.path.abspath(memory) if memory else _default_memory_root(self.save_dir)
             self.memory = MemoryTier(root, self.rank, allow_pickle=allow_pickle)
+        # Replication's events (replicated, restored_from_partner, lost) go to the
+        # dcp_tiered.events logger, and so to log_file_path.
+        self.events = EventLog(None)
+        self.replica = (
+            Replicator(
+                self.memory,
+                replication,
+                timeout_secs=collective_timeout_secs,
+                emit=self.events.emit,
+            )
+            if replication is not None and self.memory is not None
+            else None
+        )
         # Storage saves are checked for restorability by the strategy, memory saves by the
         # lifecycle (save_memory).
         self.strategy = TieredSaveShardedStrategy(
@@ -291,6 +319,8 @@ class EasyCkpt:
                 "the previous snapshot is intact; fix the cause (room in "
                 f"{self.memory.root}?) and training can go on",
             )
+        if self.replica is not None:  # to the partners in the background; committed already
+            self.replica.offer(iteration, iteration_dir(iteration), settled())
         logger.info("easyckpt: saved iteration %d to memory (%s)", iteration, self.memory.root)
 
     def poll(self) -> None:
@@ -299,8 +329,11 @@ class EasyCkpt:
             self.lifecycle.finish()
 
     def wait(self) -> None:
-        """Finishes the storage save in flight (collective): call on every rank at the end."""
+        """Finishes the storage save in flight and, with replication, waits until the newest
+        memory snapshot is on the partners (collective): call on every rank at the end."""
         self.lifecycle.finish()
+        if self.replica is not None:
+            self.replica.drain()
 
     # ------------------------------------------------------------ loading
 
@@ -323,13 +356,13 @@ class EasyCkpt:
         if root is None:
             raise ConfigError(f"load_arg must be 'load' or 'save', got {load_arg!r}")
         loaded: dict[tuple[int, str], Any] = {}
+        if self.replica is not None:  # what every rank holds, for _candidates and the loads
+            self.replica.survey()
 
         def load(candidate: tuple[int, str]) -> str | None:
             iteration, tier = candidate
             if tier == "memory":
-                state, problem = attempt(
-                    self._load_memory, iteration, model, optimizer, opt_param_scheduler
-                )
+                state, problem = self._load_memory(iteration, model, optimizer, opt_param_scheduler)
             else:
                 state, problem = self._load_storage(
                     root, iteration, model, optimizer, opt_param_scheduler
@@ -356,9 +389,11 @@ class EasyCkpt:
             ),
         )
         if chosen is None:
+            self._report_lost(-1, None)
             logger.info("easyckpt: nothing to restore in %s", root)
             return 0
         iteration, tier = chosen
+        self._report_lost(iteration, f"{iteration_dir(iteration)} from {tier}")
         apply_state(loaded[chosen], model, optimizer, opt_param_scheduler, strict=strict)
         logger.info("easyckpt: restored iteration %d from %s", iteration, tier)
         if tier == "memory" and self.storage_every:
@@ -367,11 +402,11 @@ class EasyCkpt:
 
     def _candidates(self, root: str, with_remote: bool) -> list[tuple[int, str]]:
         """(iteration, tier): newest first, memory before storage for the same iteration."""
-        found = set()
-        if self.memory is not None:
-            found |= {
-                (n, "memory") for n in map(layout.step_number, self.memory.steps()) if n is not None
-            }
+        found = {
+            (n, "memory")
+            for n in map(layout.step_number, snapshots.candidates(self.memory, self.replica))
+            if n is not None
+        }
         # Listing only: a writer on the load directory would sweep it and resume its uploads.
         remote = remote_backend(self.remote, self.storage_options) if with_remote else None
         for s in list_steps(LocalTier(LocalBackend(root)), remote, strict=True):
@@ -381,19 +416,37 @@ class EasyCkpt:
 
     def _load_memory(
         self, iteration: int, model: Any, optimizer: Any, scheduler: Any
-    ) -> dict[str, Any]:
+    ) -> tuple[Any, str | None]:
+        """This rank's snapshot of ``iteration`` as Megatron's state, or (None, why not). With
+        replication it is collective, and a rank without a valid copy of its own loads a
+        partner's."""
         assert self.memory is not None
-        sharded, nonpersistent, factories = load_preprocess(
-            state_dict(iteration, model, optimizer, scheduler, is_loading=True)
+
+        def prepare() -> tuple[Any, Any, Any, dict[str, Any]]:
+            sharded, nonpersistent, factories = load_preprocess(
+                state_dict(iteration, model, optimizer, scheduler, is_loading=True)
+            )
+            sharded, common = extract_sharded_base(sharded)
+            tensors, objects = _local_parts(sharded)
+            template = {
+                "tensors": {k: t.clone() for k, t in tensors.items()},
+                "objects": dict(objects),
+                "common": common,
+            }
+            return sharded, nonpersistent, factories, template
+
+        prepared, problem = attempt(prepare)
+        if self.replica is not None and self.lifecycle.agree.any(problem is not None):
+            return None, problem or "failed on another rank"  # before the collective load
+        if problem is not None:
+            return None, problem
+        sharded, nonpersistent, factories, template = prepared
+        # Anything else raised here is a failure like the tier's own: ranks agree and move on.
+        why, problem = attempt(
+            snapshots.load, self.memory, self.replica, iteration_dir(iteration), template
         )
-        sharded, common = extract_sharded_base(sharded)
-        tensors, objects = _local_parts(sharded)
-        template = {
-            "tensors": {k: t.clone() for k, t in tensors.items()},
-            "objects": dict(objects),
-            "common": common,
-        }
-        self.memory.load(iteration_dir(iteration), template)
+        if (problem or why) is not None:
+            return None, problem or why
 
         def value(sh: Any) -> Any:
             if isinstance(sh, ShardedTensor):
@@ -402,10 +455,13 @@ class EasyCkpt:
                 return template["objects"][sh.unique_key]
             return sh
 
-        dict_list_map_inplace(value, sharded)
-        merge(template["common"], nonpersistent)  # what the save left out (param ids)
-        merge(template["common"], sharded)
-        return apply_factory_merges(template["common"], factories)
+        def assemble() -> Any:
+            dict_list_map_inplace(value, sharded)
+            merge(template["common"], nonpersistent)  # what the save left out (param ids)
+            merge(template["common"], sharded)
+            return apply_factory_merges(template["common"], factories)
+
+        return attempt(assemble)
 
     def _load_storage(
         self, root: str, iteration: int, model: Any, optimizer: Any, scheduler: Any
@@ -444,6 +500,9 @@ class EasyCkpt:
             remove_sidecars(root, step)
         return loaded, problem
 
+    def _report_lost(self, restored: int, what: str | None) -> None:
+        snapshots.report_lost(self.replica, restored, what, rank=self.rank, emit=self.events.emit)
+
     def wait_durable(self, timeout_secs: float | None = None) -> None:
         """Finishes the storage save in flight, then blocks until the newest storage
         checkpoint is on the remote tier; raises on every rank if it cannot get there."""
@@ -454,8 +513,12 @@ class EasyCkpt:
         tier, waits until every checkpoint is durable there (uploads run in this process's
         threads); raises on every rank if one is not."""
         try:
+            if self.replica is not None:  # every rank ends after the same rounds
+                self.replica.drain(timeout_secs)
             self.lifecycle.close(timeout_secs)
         finally:
+            if self.replica is not None:
+                self.replica.close(0)
             if self.memory is not None:
                 self.memory.close()
             if self.log_handler is not None:
