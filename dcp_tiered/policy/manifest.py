@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from .. import _gc
 from ..errors import ManifestError
 from . import integrity, layout, manifest_codec, manifest_v1
 from .manifest_types import (
@@ -233,6 +234,7 @@ def _encode_file(name: str, rows: list[tuple[int, int, ItemLocation]]) -> dict[s
 # ---------------------------------------------------------------- parse
 
 
+@_gc.paused_during  # one object per chunk of every tensor: see _gc
 def parse(data: bytes, *, where: str) -> Manifest:
     """Parse and validate a manifest (a version-2 index, or a version-1 document). A
     version-2 manifest comes back without sections: merge them with :func:`parse_section`."""
@@ -332,6 +334,7 @@ def _decode_entry(
     )
 
 
+@_gc.paused_during
 def parse_section(m: Manifest, node: int, data: bytes, *, where: str) -> Manifest:
     """``m`` with node ``node``'s section merged in, after checking it is the one the index
     names (size and CRC32C) and that every item in it is where the index says."""
