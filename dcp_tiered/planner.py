@@ -8,8 +8,8 @@ plan caching with ``enable_plan_caching=True``) with two changes on the coordina
   every tensor whose longest dimension is not the sharded one;
 - the global planning runs with cyclic garbage collection paused (:mod:`dcp_tiered._gc`).
 
-CheckpointManager and the adapters use it; with ``dcp.save``/``dcp.async_save`` pass it
-yourself::
+CheckpointManager and the DeepSpeed and HF adapters use it (Megatron plans with MCore's
+planner); with ``dcp.save``/``dcp.async_save`` pass it yourself::
 
     dcp.save(state, checkpoint_id="step-100", storage_writer=writer,
              planner=TieredSavePlanner())
