@@ -131,10 +131,12 @@ def test_a_save_never_lists_its_own_objects(tmp_path, s3, fault_proxy):
         # Each file once: an early upload and the promotion never both send it. Minimum per
         # upload: its PUT, or CREATE + parts + COMPLETE.
         uploads = count["PUT"] + count["COMPLETE"]
-        assert uploads == 1 and count["GET"] == uploads, (name, count)  # one GET read-back
+        assert uploads == 1, (name, count)
         extra = sum(count.values()) - count["PUT"] - count["CREATE"] - count["PART"]
         extra -= count["COMPLETE"]
-        assert count["HEAD"] == 0 and extra == uploads, (name, count)  # the GET, no HEAD
+        # The read-back GET and no HEAD; plus, when the promotion uploads it (the early
+        # upload had not yet), the promotion's GET that finds it not there yet.
+        assert count["HEAD"] == 0 and uploads <= extra <= uploads + 1, (name, count)
         if count["PART"]:
             assert count["PART"] == uploads * 5, (name, count)  # 24 MiB in 5 MiB parts
     got, _ = load(tmp_path / "fresh", cfg, mib=mib)
