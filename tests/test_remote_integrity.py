@@ -150,3 +150,36 @@ def test_a_writer_whose_step_another_job_replaced_is_not_told_it_is_durable(tmp_
     assert equal(got, state(2))
     first.close(wait_durable=False)
     second.close()
+
+
+def test_a_reader_never_sees_a_half_written_marker_or_pointer_on_a_file_remote(tmp_path):
+    """Markers and the latest pointer are created and replaced while other ranks read them
+    (a follower checks its step is still its own while the coordinator commits). On a
+    ``file://`` remote, as on S3, a reader gets the whole object or none, never a prefix."""
+    from dcp_tiered.backends.remote import RemoteBackend
+
+    remote = RemoteBackend(RemoteConfig(url=f"file://{tmp_path / 'remote'}"))
+    body = json.dumps({"save_id": "x" * 4_000_000}).encode()  # big enough to be seen torn
+    done, seen = threading.Event(), []
+
+    def read() -> None:
+        while not done.is_set():
+            for key in ("step-1/_COMMITTED.json", "latest.json"):
+                try:
+                    seen.append(len(remote.get_bytes(key)))
+                except FileNotFoundError:
+                    pass
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for i in range(30):
+            assert remote.create_exclusive("step-1/_COMMITTED.json", body)
+            assert not remote.create_exclusive("step-1/_COMMITTED.json", b"{}")
+            remote.put_bytes("latest.json", body if i % 2 else body[:-2] + b" }")
+            remote.remove("step-1/_COMMITTED.json", reason="test")
+    finally:
+        done.set()
+        reader.join()
+    assert seen and set(seen) <= {len(body)}, sorted(set(seen))[:5]
+    assert sorted(p.name for p in (tmp_path / "remote").rglob("*")) == ["latest.json", "step-1"]

@@ -8,9 +8,11 @@ or PermanentTierError (not retried; the message says what to fix).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -231,7 +233,10 @@ class RemoteBackend:
         path = self.path(key)
         if not self.is_object_store:
             self._call("mkdir", key, lambda: self.fs.makedirs(self.fs._parent(path), exist_ok=True))
-        self._call("put", key, lambda: self.fs.pipe_file(path, data))
+        if self.protocol in _LOCAL:
+            self._call("put", key, lambda: _write_whole(path, data, exclusive=False))
+        else:
+            self._call("put", key, lambda: self.fs.pipe_file(path, data))
 
     def create_exclusive(self, key: str, data: bytes) -> bool:
         """Create ``key`` only if absent (S3: single-part PUT with If-None-Match: *)."""
@@ -239,7 +244,10 @@ class RemoteBackend:
         if not self.is_object_store:
             self._call("mkdir", key, lambda: self.fs.makedirs(self.fs._parent(path), exist_ok=True))
         try:
-            self._call("create", key, lambda: self.fs.pipe_file(path, data, mode="create"))
+            if self.protocol in _LOCAL:
+                self._call("create", key, lambda: _write_whole(path, data, exclusive=True))
+            else:
+                self._call("create", key, lambda: self.fs.pipe_file(path, data, mode="create"))
         except FileExistsError:
             return False
         return True
@@ -479,3 +487,30 @@ def _split(url: str) -> tuple[str, str]:
     if protocol == "file":
         return "file", rest
     return protocol, rest
+
+
+_LOCAL = ("file", "local")
+
+
+def _write_whole(path: str, data: bytes, *, exclusive: bool) -> None:
+    """Write a small object on a local (``file://``) remote so that a reader sees it whole or
+    not at all, as on an object store: written aside, then linked into place (``exclusive``:
+    fails with FileExistsError if it exists) or renamed over it. Writing it in place would
+    show a concurrent reader an empty or half-written marker or pointer."""
+    tmp = f"{path}.{os.getpid()}-{threading.get_ident()}.partial"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        if exclusive:
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                raise
+            except OSError:  # a filesystem without hard links: create it in place
+                with open(path, "xb") as f:
+                    f.write(data)
+        else:
+            os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
