@@ -127,8 +127,10 @@ def test_memory_tier_recovery_after_sigkill_of_every_rank(tmp_path, shm, referen
     rare = ("--disk-every", "steps:1000", "--remote-every", "steps:1000")
     _kill_job_at(tmp_path, shm, 15, 0.05, *rare)
     in_memory = memory_tier.list_steps(shm)
-    newest = max(int(n.split("-")[1]) for n in in_memory)
-    assert newest >= 14 and in_memory[f"step-{newest}"] == [0, 1], in_memory
+    # The kill may land between two ranks' commits of the newest snapshot: the newest step
+    # that every rank holds is the one a restore can take.
+    whole = [int(n.split("-")[1]) for n, ranks in in_memory.items() if ranks == [0, 1]]
+    assert whole and max(whole) >= 14, in_memory
     assert sorted(n for n in os.listdir(tmp_path / "disk") if n.startswith("step-")) == ["step-0"]
 
     torchrun("managed_train.py", 2, *_args(tmp_path, shm, "final.pt", *rare), timeout=180)
