@@ -18,9 +18,11 @@ import torch
 import torch.distributed as dist
 
 from .distributed import agreement_group, is_node_leader
-from .errors import DcpTieredError, PermanentTierError, describe
+from .errors import DcpTieredError, ForeignRunError, PermanentTierError, describe
 
 T = TypeVar("T")
+# Errors raised as their own kind on the ranks where they did not happen (None: any other)
+_KEPT: list[type[DcpTieredError] | None] = [PermanentTierError, ForeignRunError, None]
 
 
 class Agreement:
@@ -104,25 +106,27 @@ class Agreement:
 
     def everywhere(self, fn: Callable[[], T], what: str) -> T:
         """``fn()`` run by every rank; what it raised on any rank raised on every rank: its own
-        error as itself on that rank, naming it on the others (a PermanentTierError when it
-        was one, so a misconfigured remote reads the same everywhere)."""
+        error as itself on that rank, naming it on the others (a PermanentTierError or a
+        ForeignRunError when it was one, so a misconfigured remote or another run's root reads
+        the same everywhere)."""
         value: Any = None
         mine: BaseException | None = None
         try:
             value = fn()
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             mine = e
+        kind = None if mine is None else next((k for k in _KEPT if k and isinstance(mine, k)), None)
         problems = [
             p
-            for p in self.gather(
-                None if mine is None else (describe(mine), isinstance(mine, PermanentTierError))
-            )
+            for p in self.gather(None if mine is None else (describe(mine), _KEPT.index(kind)))
             if p
         ]
         if mine is not None:
             raise mine
         if problems:
-            error = PermanentTierError if any(p for _, p in problems) else DcpTieredError
+            # the most telling kind any rank had (a misconfigured remote reads the same
+            # everywhere, and so does another run's root)
+            error = _KEPT[min(k for _, k in problems)] or DcpTieredError
             raise error(f"{what} failed on another rank: {'; '.join(d for d, _ in problems)}")
         return value
 

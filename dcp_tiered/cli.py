@@ -1,4 +1,5 @@
-"""Command line: ``dcp-tiered ls|verify|status|inspect|diff|export|pull|rm|prune|convert``.
+"""Command line: ``dcp-tiered ls|verify|status|inspect|diff|export|pull|rm|prune|adopt|quarantine|
+convert``.
 
 Exit status, every command: 0 done; 1 a problem was found in the data (a corrupt or missing
 file, a manifest that does not parse); 2 usage or configuration error, or a refusal (nothing was
@@ -224,6 +225,38 @@ def _parser() -> argparse.ArgumentParser:
     prune.add_argument(
         "--dry-run", action="store_true", help="say what would be deleted, delete nothing"
     )
+    adopt = command(
+        "adopt",
+        "make steps saved before run identities, or by another run, the steps of the run "
+        "ROOT records (retention, rm, quarantine and uploads then treat them as its own)",
+    )
+    adopt.add_argument("steps", nargs="*", metavar="STEP", help="step names (default: all)")
+    adopt.add_argument(
+        "--remote",
+        nargs="?",
+        const="",
+        metavar="URL",
+        help="adopt the remote tier's steps instead (URL: default the one recorded in ROOT)",
+    )
+    adopt.add_argument("--run-id", help="for a ROOT that records no run yet: its run id")
+    quarantine = command(
+        "quarantine",
+        "move one of the run's steps aside (never deleted, listed, restored or pruned), or "
+        "with --release give a quarantined save its name back",
+    )
+    quarantine.add_argument("step", help="the step name")
+    quarantine.add_argument(
+        "--remote",
+        nargs="?",
+        const="",
+        metavar="URL",
+        help="on the remote tier instead (URL: default the one recorded in ROOT)",
+    )
+    quarantine.add_argument("--release", action="store_true", help="undo a quarantine")
+    quarantine.add_argument(
+        "--save-id", help="with --release: which quarantined save (when there are several)"
+    )
+    quarantine.add_argument("--reason", help="recorded with the quarantine")
     convert = sub.add_parser(
         "convert",
         help="a framework's native checkpoint as "
@@ -309,7 +342,7 @@ def _run(args: argparse.Namespace, fields: dict[str, Any], errors: list[dict[str
         print(f"dcp-tiered: {message}", file=sys.stderr)
         errors.append({"type": "ConfigError", "message": message})
         return USAGE
-    from . import cli_data, cli_export, cli_ops, cli_steps
+    from . import cli_data, cli_export, cli_ops, cli_runs, cli_steps
     from .errors import (
         DcpTieredError,
         IntegrityError,
@@ -323,7 +356,9 @@ def _run(args: argparse.Namespace, fields: dict[str, Any], errors: list[dict[str
     shown = logging.StreamHandler(sys.stderr)
     shown.setFormatter(logging.Formatter("dcp-tiered: %(message)s"))
     shown.setLevel(
-        logging.INFO if args.command in ("pull", "rm", "prune", "export") else logging.WARNING
+        logging.INFO
+        if args.command in ("pull", "rm", "prune", "export", "adopt", "quarantine")
+        else logging.WARNING
     )
     log.addHandler(shown)
     level = log.level
@@ -340,6 +375,8 @@ def _run(args: argparse.Namespace, fields: dict[str, Any], errors: list[dict[str
         "pull": cli_ops.cmd_pull,
         "rm": cli_ops.cmd_rm,
         "prune": cli_ops.cmd_prune,
+        "adopt": cli_runs.cmd_adopt,
+        "quarantine": cli_runs.cmd_quarantine,
     }
     try:
         return handler[args.command](cli_steps.Run(args, fields, errors))

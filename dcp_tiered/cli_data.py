@@ -16,8 +16,7 @@ from .cli_steps import Run, human, progress, read_remote_manifest, read_step_man
 from .errors import CheckpointNotFoundError
 from .policy import integrity, layout
 from .step_items import StepItems
-from .tiers import catalog
-from .tiers import remote as remote_tier
+from .tiers import catalog, promotion
 
 _COMPARE_ELEMENTS = 2**22  # elements compared at once: bounds the temporaries of a comparison
 
@@ -202,7 +201,7 @@ def cmd_verify_remote(run: Run) -> int:
                 if stat[1] is not None and not args.read_back:
                     crc, how = stat[1], "recorded"
                 else:
-                    crc = remote_tier.remote_checksum(remote, key, size, read_back=True)
+                    crc = promotion.remote_checksum(remote, key, size, read_back=True)
                     how, read_bytes = "read", read_bytes + size
                 bar.update(size)
                 checked[how] += 1

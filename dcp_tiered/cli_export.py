@@ -30,10 +30,13 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .cli import OK
 from .cli_steps import Run, human, progress, read_step_manifest
-from .errors import CheckpointExistsError, ConfigError, InsufficientSpaceError
+from .errors import CheckpointExistsError, ConfigError, ForeignPathError, InsufficientSpaceError
 from .step_items import StepItems
 
 logger = logging.getLogger(__name__)
+
+# Written into every export: what --force may replace (an export of ours, and only its files)
+EXPORT_RECORD, EXPORT_FORMAT = ".dcp-tiered-export.json", "dcp-tiered-export"
 
 # torch dtype -> safetensors dtype name (the format's spec; the package checks every shard)
 _SAFETENSORS_DTYPES = {
@@ -131,6 +134,8 @@ def cmd_export(run: Run) -> int:
         raise CheckpointExistsError(
             f"{out} exists: nothing was written. Give another OUT, or --force to replace it"
         )
+    if os.path.lexists(out):
+        _require_export(out)
     m, source = read_step_manifest(run, args.step)
     prefix = args.prefix or ""
     tensors: list[tuple[str, str, TensorStorageMetadata]] = []  # (fqn, name written, md)
@@ -188,6 +193,16 @@ def cmd_export(run: Run) -> int:
         }
         with open(os.path.join(tmp, f"{stem}.{suffix}.index.json"), "w") as f:
             json.dump(index, f, indent=2, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        record = {
+            "format": EXPORT_FORMAT,
+            "step": m.step,
+            "save_id": m.save_id,
+            "files": [*files, f"{stem}.{suffix}.index.json"],
+        }
+        with open(os.path.join(tmp, EXPORT_RECORD), "w") as f:
+            json.dump(record, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
         _fsync(tmp)
@@ -251,11 +266,38 @@ def _write_safetensors(
             raise AssertionError(f"{path}: safetensors reads other tensors than were written")
 
 
+def _require_export(out: str) -> None:
+    """ForeignPathError unless ``out`` is an earlier export of ours: a directory (not a link)
+    holding our export record and nothing but the files that record lists. ``--force`` never
+    replaces anything else (a tier, another root's steps, a user's directory)."""
+    problem = None
+    if os.path.islink(out) or not os.path.isdir(out):
+        problem = "it is not a directory"
+    else:
+        try:
+            with open(os.path.join(out, EXPORT_RECORD), "rb") as f:
+                body = json.loads(f.read(1 << 20))
+            listed = set(body["files"]) if body.get("format") == EXPORT_FORMAT else None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            listed = None
+        if listed is None:
+            problem = f"it holds no readable {EXPORT_RECORD} (not made by dcp-tiered export)"
+        elif extra := sorted(set(os.listdir(out)) - listed - {EXPORT_RECORD}):
+            problem = f"it holds files no export made: {', '.join(extra[:5])}"
+    if problem:
+        raise ForeignPathError(
+            f"{out} is not an earlier export of dcp-tiered ({problem}): --force replaces only "
+            "that, so it was left untouched and nothing was written. Give another OUT"
+        )
+
+
 def _publish(tmp: str, out: str) -> None:
-    """Rename the finished export into place. A replaced OUT (--force) is moved aside first
-    and deleted (logged) only once the new one is in place; a failed rename puts it back."""
+    """Rename the finished export into place. A replaced OUT (--force, an earlier export of
+    ours: checked again now) is moved aside first and deleted (logged) only once the new one
+    is in place; a failed rename puts it back."""
     old = None
     if os.path.lexists(out):
+        _require_export(out)
         old = f"{tmp}.replaced"
         os.rename(out, old)
     try:

@@ -12,7 +12,8 @@ from .cli import OK, UNREADABLE, USAGE
 from .cli_steps import Run, human, progress
 from .errors import CheckpointExistsError, CheckpointNotFoundError, ManifestError, TierError
 from .policy import layout
-from .policy.retention import RetentionPolicy, StepState, evictions
+from .policy.identity import Owner
+from .policy.retention import RetentionPolicy
 from .tiers import catalog, housekeeping
 from .tiers import remote as remote_tier
 
@@ -73,9 +74,9 @@ def cmd_pull(run: Run) -> int:
     return OK
 
 
-def _remote_holds(remote: RemoteBackend, save_id: str, step: str) -> bool:
-    marker = remote_tier.read_marker(remote, step)
-    return marker is not None and marker.get("save_id") == save_id
+def _remote_holds(remote: RemoteBackend, run: Run, step: str) -> bool:
+    """The store itself shows this root's save of ``step`` whole (marker and objects)."""
+    return remote_tier.holds_whole(remote, run.tier.read_manifest(step))
 
 
 def _local_holds(run: Run, step: str, save_id: str) -> bool:
@@ -98,6 +99,8 @@ def cmd_rm(run: Run) -> int:
     if on_remote and remote is None:
         run.need_remote()
     other = None  # where another whole copy of this save is, if anywhere
+    record = tier.record()
+    run_id = record.run_id if record is not None else None
     try:
         if on_remote:
             assert remote is not None
@@ -109,13 +112,8 @@ def cmd_rm(run: Run) -> int:
             if keys.save_id and _local_holds(run, step, keys.save_id):
                 other = tier.root
         else:
-            if not tier.has_step(step):
-                raise CheckpointNotFoundError(f"step {step!r} is not committed in {tier.root}")
-            if (
-                remote is not None
-                and tier.backend.exists(step, layout.MANIFEST_NAME)
-                and _remote_holds(remote, tier.read_manifest(step).save_id, step)
-            ):
+            tier.require_ours(step, run_id)  # never another run's, a copy, or a vanilla dir
+            if remote is not None and _remote_holds(remote, run, step):
                 other = remote.config.url
     except TierError as e:
         if not args.force:
@@ -138,7 +136,7 @@ def cmd_rm(run: Run) -> int:
     reason = "dcp-tiered rm" + (" --force (the only durable copy)" if other is None else "")
     if on_remote:
         assert remote is not None
-        remote_tier.delete_remote_step(remote, step, reason=reason)
+        remote_tier.delete_remote_step(remote, step, reason=reason, run_id=run_id)
     else:
         tier.delete_step(step, reason=reason)
     run.fields.update(
@@ -168,12 +166,9 @@ def cmd_prune(run: Run) -> int:
                 )
             )
             return UNREADABLE
-    states = [
-        StepState(s.name, s.committed_at_ns)
-        for s in tier.steps()
-        if s.verified_format and s.committed_at_ns >= 0
-    ]
-    candidates = evictions(states, policy)
+    record = tier.record()
+    states = [s.name for s in tier.steps() if record and s.owner(record) == Owner.OURS]
+    candidates = housekeeping.local_candidates(tier, policy)
     held = [
         n
         for n in candidates
@@ -184,9 +179,7 @@ def cmd_prune(run: Run) -> int:
     else:
         deleted = housekeeping.prune_local(tier, policy, remote, label="local")
         held = [n for n in candidates if n not in deleted]
-    kept = sorted(
-        {s.name for s in states} - set(deleted), key=lambda n: (layout.step_number(n) or -1, n)
-    )
+    kept = sorted(set(states) - set(deleted), key=lambda n: (layout.step_number(n) or -1, n))
     run.fields.update(dry_run=args.dry_run, deleted=deleted, kept=kept, kept_not_durable=held)
     verb = "would delete" if args.dry_run else "deleted"
     for name in deleted:

@@ -15,8 +15,15 @@ from .backends.local import LocalBackend
 from .backends.remote import RemoteBackend, remote_backend
 from .cli import OK, PROBLEM, UNREADABLE, error_entry
 from .config import RemoteConfig, RetryConfig
-from .errors import CheckpointNotFoundError, ConfigError, ManifestError, TierUnavailableError
+from .errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    ManifestError,
+    TierError,
+    TierUnavailableError,
+)
 from .policy import integrity, layout, manifest
+from .policy.identity import Owner
 from .tiers import catalog, replica
 from .tiers import memory as memory_tier
 from .tiers import remote as remote_tier
@@ -91,6 +98,8 @@ def progress(total: int, desc: str, run: Run) -> Any:
 
 def cmd_ls(run: Run) -> int:
     tier = run.tier
+    record = tier.record()
+    run.fields["run_id"] = record.run_id if record else None
     rows: list[dict[str, Any]] = []
     for s in sorted(tier.steps(), key=lambda s: s.committed_at_ns):
         row: dict[str, Any] = {
@@ -98,6 +107,8 @@ def cmd_ls(run: Run) -> int:
             "bytes": sum(
                 tier.backend.file_size(s.name, f) for f in tier.backend.list_files(s.name)
             ),
+            "run_id": s.run_id,
+            "owner": s.owner(record).value,
         }
         if s.verified_format:
             row.update(
@@ -123,6 +134,7 @@ def cmd_ls(run: Run) -> int:
         elif parsed and parsed[2] == layout.QUARANTINE_SUFFIX:
             rows.append({"step": parsed[0], "bytes": None, "state": "quarantined", "path": name})
     run.fields["steps"] = rows
+    run.say(f"run: {record.run_id if record else '- (none recorded yet)'}")
     if not rows:
         run.say(f"no steps in {tier.root}")
         return OK
@@ -137,8 +149,20 @@ def cmd_ls(run: Run) -> int:
             "quarantined": f"quarantined as {r.get('path')} (a restore fell back past it; "
             "kept for inspection, delete it by hand)",
         }[r["state"]]
-        run.say(f"{r['step']:<{width}}  {size:>10}  {state}")
+        run.say(f"{r['step']:<{width}}  {size:>10}  {state}{_whose(r)}")
     return OK
+
+
+def _whose(row: dict[str, Any]) -> str:
+    """What the listing says of a step that is not the run's own (it is never deleted,
+    quarantined or restored by the run; `dcp-tiered adopt` makes it the run's)."""
+    owner = row.get("owner")
+    if owner == "foreign":
+        run_id = row.get("run_id")
+        return f"  [foreign: run {run_id}]" if run_id else "  [foreign: not the run's]"
+    if owner == "unowned" and row.get("state") == "committed":
+        return "  [unowned: saved before run ids; adopt to own]"
+    return ""
 
 
 def cmd_verify(run: Run) -> int:
@@ -206,9 +230,16 @@ def cmd_status(run: Run) -> int:
         unreadable["remote"] = str(e)
         run.error(e)
         listed = catalog.list_steps(tier, None)
+    record = tier.record()
+    run.fields["run_id"] = record.run_id if record else None
     for s in listed:
         row = rows.setdefault(s.name, {})
         row["local"], row["remote"] = s.local, None if unreadable else s.remote
+        row["owner"] = (
+            record.owner(s.run_id, s.name, s.save_id)
+            if record is not None
+            else (Owner.UNOWNED if s.run_id is None else Owner.FOREIGN)
+        ).value
         if s.local and not s.remote and s.verified_format and remote is not None:
             try:
                 row["promote"] = tier.read_manifest(s.name).promote
@@ -216,6 +247,17 @@ def cmd_status(run: Run) -> int:
                 row["promote"] = False
     for name in _in_progress(tier):
         rows.setdefault(name, {})["saving"] = True
+    quarantined = [{"step": n, "save_id": sid, "tier": "local"} for n, sid in tier.quarantined()]
+    if remote is not None and not unreadable:
+        try:
+            quarantined += [
+                {"step": n, "save_id": sid, "tier": "remote"}
+                for n, sid in remote_tier.quarantined(remote)
+            ]
+        except TierError as e:
+            unreadable["remote"] = str(e)
+            run.error(e)
+    run.fields["quarantined"] = quarantined
     for row in rows.values():
         row["durability"] = (
             "durable-remote"
@@ -251,7 +293,13 @@ def cmd_status(run: Run) -> int:
             f"{name:<{width}}  {mark[row.get('memory')]:<6}  "
             f"{','.join(map(str, row.get('copies_of_ranks', []))) or '-':<6}  "
             f"{mark[row.get('local')]:<5}  "
-            f"{mark[row.get('remote')]:<6}  {row['durability']}"
+            f"{mark[row.get('remote')]:<6}  {row['durability']}{_whose(row)}"
+        )
+    for q in quarantined:
+        run.say(
+            f"{q['step']:<{width}}  quarantined on the {q['tier']} tier (save {q['save_id']}; "
+            f"`dcp-tiered quarantine {tier.root} {q['step']} --release"
+            f"{' --remote' if q['tier'] == 'remote' else ''}` undoes it)"
         )
     return status
 

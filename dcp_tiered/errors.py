@@ -5,6 +5,7 @@ Library errors subclass the built-in exception a caller would naturally catch::
 
     DcpTieredError(Exception)
     ├── ConfigError(ValueError)              bad argument or unsafe checkpoint name
+    │   └── ForeignRunError                  a root, prefix or memory dir belongs to another run
     ├── CheckpointNotFoundError(FileNotFoundError)
     ├── CheckpointExistsError(FileExistsError)
     │   └── ForeignPathError                 the path holds something that is not our step
@@ -37,6 +38,7 @@ __all__ = [
     "ConfigError",
     "DcpTieredError",
     "ForeignPathError",
+    "ForeignRunError",
     "InsufficientSpaceError",
     "IntegrityError",
     "ManifestError",
@@ -59,6 +61,12 @@ class DcpTieredError(Exception):
 
 class ConfigError(DcpTieredError, ValueError):
     """An argument or a checkpoint name is invalid."""
+
+
+class ForeignRunError(ConfigError):
+    """A local root, remote prefix or memory directory belongs to another run (or another job
+    runs on it now): this job is refused at start, or the act (a delete, a quarantine, an
+    overwrite) is refused, and nothing is changed. The message names the other run."""
 
 
 class CheckpointNotFoundError(DcpTieredError, FileNotFoundError):
@@ -88,7 +96,21 @@ class UnsupportedExtensionError(DcpTieredError, ValueError):
 
 
 class IntegrityError(DcpTieredError):
-    """Bytes read from storage do not match the checksum recorded at save time."""
+    """Bytes read from storage do not match the checksum recorded at save time.
+
+    ``proves_bad`` is True on the errors that prove a stored step bad (:meth:`proof`): bytes
+    that fail their checksum on every tier the reader could take them from, or an object of a
+    committed save that the store says is gone. Only those make a restore quarantine the step
+    it fell back past; an unreachable tier, a timeout or a state that does not fit never does.
+    (The flag is instance state, so it survives the pickling DCP sends errors through.)"""
+
+    proves_bad = False
+
+    @classmethod
+    def proof(cls, message: str) -> IntegrityError:
+        error = cls(message)
+        error.proves_bad = True
+        return error
 
 
 class InsufficientSpaceError(DcpTieredError, OSError):

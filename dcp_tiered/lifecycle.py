@@ -21,8 +21,12 @@ happens around that is this module's, the same for all of them:
   :meth:`Lifecycle.require_restorable` (run by :meth:`Lifecycle.save`) refuses, on every rank,
   a state holding a value that ``weights_only`` loading would refuse, before anything is
   written.
-- :meth:`Lifecycle.restore` tries candidates newest first, falls back past steps that fail
-  verification on any rank, and refuses to start from scratch when a tier cannot be read.
+- :meth:`Lifecycle.start` agrees on the run (:mod:`dcp_tiered.policy.identity`): the one the
+  roots and the remote prefix record, else a new one; a root, prefix or memory directory of
+  another run, or a root another job uses now, refuses the start on every rank.
+- :meth:`Lifecycle.restore` tries candidates newest first, falls back past steps that fail on
+  any rank, quarantines only those proven bad (``IntegrityError.proves_bad``), and refuses to start
+  from scratch, or from an older step, when a tier cannot be read.
 
 Every decision across ranks goes through :class:`~dcp_tiered.agreement.Agreement` (a gloo
 group of its own, never the training group).
@@ -43,7 +47,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from . import _torch_compat
+from . import _torch_compat, runs
 from .agreement import Agreement
 from .backends.local import LocalBackend
 from .backends.remote import remote_backend
@@ -54,14 +58,16 @@ from .errors import (
     ConfigError,
     ForeignPathError,
     InsufficientSpaceError,
+    IntegrityError,
     SaveFailedError,
+    TierError,
     TierUnavailableError,
     UploadFailedError,
     causes,
     describe,
 )
 from .planner import TieredSavePlanner
-from .policy import layout
+from .policy import identity, layout
 from .policy.memory_format import first_refused
 from .policy.retention import RetentionPolicy
 from .tiers.housekeeping import prune_local, prune_remote
@@ -137,6 +143,7 @@ class Writers:
     ) -> None:
         self.remote, self.storage_options, self.options = remote, storage_options, options
         self._writers: dict[str, TieredStorageWriter] = {}
+        self.run_id: str | None = None  # the run every root of these writers records
 
     def get(self, root: str | os.PathLike[str]) -> TieredStorageWriter:
         root = os.path.abspath(root)
@@ -145,6 +152,11 @@ class Writers:
                 root, remote=self.remote, storage_options=self.storage_options, **self.options
             )
             writer.recover()
+            # A root the run saves to later (a shim's root per checkpoint) joins the run: the
+            # one agreed at start, else the one the earlier roots' saves decided.
+            run = self.run_id or next((w.run_id for w in self._writers.values() if w.run_id), None)
+            if run is not None:
+                writer.join_run(run)
             self._writers[root] = writer
         return self._writers[root]
 
@@ -200,10 +212,15 @@ class Lifecycle:
         collective_timeout_secs: float = 1800.0,
         allow_pickle: bool = False,
         trusted_classes: tuple[type, ...] = (),
+        run_id: str | None = None,
     ) -> None:
         self.conventions = conventions
         self.allow_pickle, self.trusted_classes = allow_pickle, tuple(trusted_classes)
-        self.writers = Writers(remote, storage_options, **dict(writer_options or {}))
+        options = dict(writer_options or {})
+        if run_id is not None:
+            options["run_id"] = identity.validate_run_id(run_id)
+        self.writers = Writers(remote, storage_options, **options)
+        self.run_id: str | None = None  # agreed by start()
         self.retention, self.remote_retention = retention, remote_retention
         self.group = checkpoint_process_group(collective_timeout_secs)  # DCP's collectives
         self.agree = Agreement(collective_timeout_secs)  # ours
@@ -215,15 +232,23 @@ class Lifecycle:
         # root -> (its backend, the retention lock if this process holds it)
         self._keepers: dict[str, tuple[LocalBackend, int | None]] = {}
 
-    def start(self, root: str | os.PathLike[str]) -> TieredStorageWriter:
+    def start(
+        self, root: str | os.PathLike[str], *, memory: str | os.PathLike[str] | None = None
+    ) -> TieredStorageWriter:
         """Collective, when an entry point starts: the writer of ``root``, recovered (crashed
-        saves swept, uploads resumed, the remote checked). A failure on any rank, such as a
-        remote with no such bucket or bad credentials, is raised on every rank, so no rank
-        goes on to wait for the others at the next collective."""
-        return self.agree.everywhere(
-            lambda: self.writers.get(root),
-            f"starting {self.conventions.framework} checkpoints in {os.path.abspath(root)}",
-        )
+        saves swept, uploads resumed, the remote checked), and the run every rank joins
+        (:attr:`run_id`), recorded in ``root``, ``memory`` (a memory tier's directory) and the
+        remote prefix. A failure on any rank, such as a remote with no such bucket or bad
+        credentials, or a root, prefix or memory directory of another run, is raised on every
+        rank, so no rank goes on to wait for the others at the next collective."""
+        what = f"starting {self.conventions.framework} checkpoints in {os.path.abspath(root)}"
+        try:
+            writer = self.agree.everywhere(lambda: self.writers.get(root), what)
+            self.run_id = self.writers.run_id = runs.join(self.agree, writer, memory, what)
+        except BaseException:
+            self.release()  # this job does not hold the root it was refused
+            raise
+        return writer
 
     # ------------------------------------------------------------ saving
 
@@ -392,7 +417,7 @@ class Lifecycle:
                     label=self.conventions.local_tier,
                 )
             if self.rank == 0 and self.remote_retention is not None and writer.remote_backend:
-                deleted += prune_remote(writer.remote_backend, self.remote_retention)
+                deleted += prune_remote(writer.remote_backend, self.remote_retention, writer.run_id)
         except Exception as e:  # noqa: BLE001 - retried after the next save
             logger.warning("retention pass of %s failed (retried after the next save): %s", root, e)
         return deleted
@@ -468,9 +493,14 @@ class Lifecycle:
         ``candidates(with_remote)`` lists them newest first (rank 0 alone; every rank tries
         the same ones); it raises TierUnavailableError when the remote cannot be read, which
         is raised on every rank unless ``on_unreadable_tier="skip"``. ``load`` returns
-        None or why it failed; ranks agree, so one rank's failure moves all to the next.
-        ``retry`` is the call that skips an unreadable tier, for the message. After falling
-        back, ``abandon(skipped, chosen)`` runs on every rank (see :meth:`quarantine`).
+        None or why it failed (a :class:`LoadFailure`, as :func:`attempt` makes, says what
+        kind of failure); ranks agree, so one rank's failure moves all to the next. A candidate
+        a tier could not be read for (a transient error, a timeout) raises TierUnavailableError
+        on every rank, like an unreadable listing, unless ``on_unreadable_tier="skip"``: a
+        newer step may be fine. ``retry`` is the call that skips an unreadable tier, for the
+        message. After falling back, ``abandon(proven, chosen)`` runs on every rank with the
+        candidates some rank proved bad (``IntegrityError.proves_bad``), and only those (see
+        :meth:`quarantine`).
         """
         if on_unreadable_tier not in ("raise", "skip"):
             raise ConfigError(
@@ -494,19 +524,32 @@ class Lifecycle:
             logger.error(
                 "%s; restoring from the other tiers (on_unreadable_tier='skip')", unreadable
             )
-        reasons = []
+        reasons: list[str] = []
+        proven: list[C] = []
         for candidate in found:
             problem = load(candidate)
-            if self.agree.any(problem is not None):
-                problem = problem or "failed on another rank"
-                reasons.append(f"{name(candidate)}: {problem}")
-                logger.warning(
-                    "cannot restore %s, trying an older step: %s", name(candidate), problem
+            if not self.agree.any(problem is not None):
+                if proven and abandon is not None:
+                    abandon(proven, candidate)
+                return candidate
+            kinds = {k for k in self.agree.gather(failure_kind(problem)) if k}
+            problem = problem or "failed on another rank"
+            reasons.append(f"{name(candidate)}: {problem}")
+            if UNREADABLE in kinds and on_unreadable_tier == "raise":
+                raise TierUnavailableError(
+                    f"{name(candidate)} could not be read now ({problem}); an older step is not "
+                    f"restored in its place while it may be fine. Restore again once the tier "
+                    f"answers, or call {retry}(..., on_unreadable_tier='skip') to restore an "
+                    "older step instead (nothing is quarantined for it)."
                 )
-                continue
-            if reasons and abandon is not None:
-                abandon(found[: found.index(candidate)], candidate)
-            return candidate
+            if CORRUPT in kinds:
+                proven.append(candidate)
+            logger.warning(
+                "cannot restore %s, trying an older step (%s): %s",
+                name(candidate),
+                "proven bad" if CORRUPT in kinds else "kept as it is: not proven bad",
+                problem,
+            )
         if reasons:
             raise CheckpointNotFoundError(
                 "no step could be restored; every candidate failed:\n  " + "\n  ".join(reasons)
@@ -514,33 +557,76 @@ class Lifecycle:
         return None
 
     def quarantine(self, root: str, steps: list[str], *, reason: str) -> None:
-        """Collective: move ``steps`` aside on every node's ``root`` (one process a node) and on
-        the remote tier (rank 0), under names of ours, logged, never deleted. Training that
-        restored an older step saves those step names again; ``latest``, retention and the
-        remote's never-overwrite rule then see only the new saves."""
+        """Collective: move ``steps`` (proven bad) aside on every node's ``root`` (one process a
+        node) and on the remote tier (rank 0), under names of ours, logged, never deleted, and
+        only where they are this run's (another run's step is left as it is, with a WARNING).
+        Training that restored an older step saves those step names again; ``latest``,
+        retention and the remote's never-overwrite rule then see only the new saves.
+        ``dcp-tiered quarantine --release`` undoes it."""
         if not steps:
             return
-        tier = LocalTier(LocalBackend(root))
+        tier, run_id = LocalTier(LocalBackend(root)), self.run_id
+
+        def each(act: Callable[[str], Any]) -> None:
+            for step in steps:
+                try:
+                    act(step)
+                except ForeignPathError as e:
+                    logger.warning("not quarantining %s: %s", step, e)
+
         self.agree.by_node_leaders(
-            lambda: [tier.quarantine(step, reason=reason) for step in steps],
+            lambda: each(lambda step: tier.quarantine(step, reason=reason, run_id=run_id)),
             f"quarantining {', '.join(steps)} in {root}",
         )
         remote = remote_backend(self.writers.remote, self.writers.storage_options)
         if remote is not None:
             self.agree.from_rank0(
-                lambda: [quarantine_remote_step(remote, step, reason=reason) for step in steps]
+                lambda: each(
+                    lambda step: quarantine_remote_step(remote, step, reason=reason, run_id=run_id)
+                )
             )
 
 
+CORRUPT, UNREADABLE, OTHER = "corrupt", "unreadable", "other"
+
+
+class LoadFailure(str):
+    """Why a candidate failed to load (the text), and what kind of failure it was: ``corrupt``
+    (proof the step is bad: ``IntegrityError.proves_bad``), ``unreadable`` (a tier could not be
+    read now) or ``other`` (the state does not fit it, ...)."""
+
+    kind: str = OTHER
+
+    @classmethod
+    def of(cls, error: BaseException, why: str) -> LoadFailure:
+        failure = cls(why)
+        failure.kind = kind_of(error)
+        return failure
+
+
+def kind_of(error: BaseException) -> str:
+    """The kind of a load's failure (see :class:`LoadFailure`), from every rank's cause."""
+    found = causes(error)
+    if any(isinstance(c, (TierError, TimeoutError, ConnectionError)) for c in found):
+        return UNREADABLE
+    if any(isinstance(c, IntegrityError) and c.proves_bad for c in found):
+        return CORRUPT
+    return OTHER
+
+
+def failure_kind(problem: str | None) -> str | None:
+    return None if problem is None else getattr(problem, "kind", OTHER)
+
+
 def attempt(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, str | None]:
-    """``(fn(...), None)``, or ``(None, why)`` if it raised: ranks then agree on moving on."""
+    """``(fn(...), None)``, or ``(None, why)`` if it raised (a :class:`LoadFailure`): ranks
+    then agree on moving on."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     try:
         return fn(*args, **kwargs), None
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's is a BaseException
-        return None, (
-            describe(e) if isinstance(e, CheckpointException) else f"rank {rank}: {describe(e)}"
-        )
+        why = describe(e) if isinstance(e, CheckpointException) else f"rank {rank}: {describe(e)}"
+        return None, LoadFailure.of(e, why)
 
 
 def _after(future: Future[Any], then: Callable[[], Any]) -> Any:

@@ -47,11 +47,12 @@ from .errors import (
     describe,
 )
 from .events import EventLog
-from .lifecycle import Conventions, Lifecycle, failure, raise_failures
+from .lifecycle import Conventions, Lifecycle, LoadFailure, failure, raise_failures
 from .planner import TieredSavePlanner
 from .policy import cadence, layout
 from .policy.admission import Admission, Headroom, shortfall
 from .policy.cadence import Decision, SavePolicy
+from .policy.identity import Owner
 from .policy.memory_format import first_refused
 from .policy.replication import Replication
 from .policy.retention import Retention
@@ -117,6 +118,11 @@ class CheckpointManager:
         replication: copy each memory snapshot to partner nodes' host memory
             (:class:`Replication`), so a node lost before its upload loses nothing; needs
             ``memory``. A restore takes each rank's snapshot from its own memory or a partner.
+        run_id: this run's id (default ``$DCP_TIERED_RUN_ID``, else the run ``local`` and the
+            remote prefix record, else a new one). ``local``, ``memory`` and the remote prefix
+            record it; a directory or prefix of another run, or a root another job uses now, is
+            refused at start with ForeignRunError on every rank. Only this run's steps and
+            snapshots are ever restored, quarantined or deleted (see docs/guarantees.md).
     """
 
     def __init__(
@@ -134,6 +140,7 @@ class CheckpointManager:
         writer_options: Mapping[str, Any] | None = None,
         allow_pickle: bool = False,
         replication: Replication | None = None,
+        run_id: str | None = None,
     ) -> None:
         if replication is not None and memory is None:
             raise ConfigError("replication copies memory snapshots: it needs memory=...")
@@ -153,17 +160,28 @@ class CheckpointManager:
             storage_options=storage_options,
             writer_options=options,
             collective_timeout_secs=collective_timeout_secs,
+            run_id=run_id,
         )
         # Saves run their collectives on one group, the manager's votes on another: a vote on
         # the training thread never interleaves with a background save's collectives.
         self._save_pg, self._agree = self._lifecycle.group, self._lifecycle.agree
-        # Recovered (crashes swept, uploads on, the remote checked); fails on every rank.
-        self._local = self._lifecycle.start(local)
         if memory is not None and os.path.realpath(memory) == os.path.realpath(local):
             raise ConfigError("memory and local must be different directories")
+        # Recovered (crashes swept, uploads on, the remote checked) and the run agreed;
+        # fails on every rank.
+        self._local = self._lifecycle.start(local, memory=memory)
+        self.run_id = self._lifecycle.run_id
         self.allow_pickle = allow_pickle
         self._memory = (
-            MemoryTier(memory, self.rank, allow_pickle=allow_pickle) if memory is not None else None
+            MemoryTier(
+                memory,
+                self.rank,
+                allow_pickle=allow_pickle,
+                run_id=self.run_id,
+                world_size=dist.get_world_size() if self._distributed else 1,
+            )
+            if memory is not None
+            else None
         )
         self._remote = self._local.remote_backend
         # One process per directory applies retention: whoever holds its lock (the kernel
@@ -550,7 +568,7 @@ class CheckpointManager:
                     self._local.local_tier, self.retention.local, self._remote, label="local"
                 )
             if self.rank == 0 and self._remote is not None and self.retention.remote is not None:
-                housekeeping.prune_remote(self._remote, self.retention.remote)
+                housekeeping.prune_remote(self._remote, self.retention.remote, self.run_id)
         except Exception as e:  # noqa: BLE001 - a background pass: logged, retried later
             logger.warning("retention pass failed (retried after the next save): %s", e)
 
@@ -620,10 +638,13 @@ class CheckpointManager:
         """Warn (rank 0) about newer steps some rank had no copy of anywhere in memory."""
         snapshots.report_lost(self._replica, restored, what, rank=self.rank, emit=self._events.emit)
 
-    def _abandon(self, skipped: list[tuple[str, str]], chosen: tuple[str, str]) -> None:
-        """Steps newer than the one restored are abandoned: training saves them again."""
+    def _abandon(self, proven: list[tuple[str, str]], chosen: tuple[str, str]) -> None:
+        """Steps newer than the one restored and proven bad on disk are quarantined: training
+        saves them again. (A memory snapshot is only ever skipped.)"""
         number = layout.step_number(chosen[0]) or -1
-        newer = sorted({n for n, _ in skipped if (layout.step_number(n) or -1) > number})
+        newer = sorted(
+            {n for n, t in proven if t != "memory" and (layout.step_number(n) or -1) > number}
+        )
         self._lifecycle.quarantine(
             self._local.root, newer, reason=f"a restore fell back past it to {chosen[0]}"
         )
@@ -642,7 +663,7 @@ class CheckpointManager:
                 process_group=self._save_pg,
             )
         except (CheckpointException, DcpTieredError) as e:  # DCP told every rank already
-            return describe(e)
+            return LoadFailure.of(e, describe(e))
         return None
 
     def _load_memory(self, name: str, app_state: dict[str, Any]) -> str | None:
@@ -658,7 +679,10 @@ class CheckpointManager:
         # With replication: steps every rank can get from its own memory or a partner's copy.
         for name, committed_at in snapshots.candidates(self._memory, self._replica).items():
             found.append((layout.step_number(name) or -1, committed_at, name, "memory"))
+        record = self._local.local_tier.record()
         for s in list_steps(self._local.local_tier, remote, strict=True):
+            if record is not None and record.owner(s.run_id, s.name, s.save_id) == Owner.FOREIGN:
+                continue  # another run's step: listed by `dcp-tiered ls`, never restored here
             found.append((layout.step_number(s.name) or -1, s.committed_at_ns, s.name, "local"))
         if step is not None:
             found = [f for f in found if f[2] == step_name(step)]

@@ -343,7 +343,7 @@ class TieredStorageReader(StorageReader):
                 return True
             problem = f"local copy has {size} bytes, manifest says {expected}"
             if not can_fetch:
-                raise IntegrityError(
+                raise IntegrityError.proof(
                     f"corrupt data in step {self.checkpoint_id!r}: file {name!r} in {self.root}: "
                     f"{problem}. Restore it from another tier or load an earlier step."
                 )
@@ -547,7 +547,14 @@ class TieredStorageReader(StorageReader):
     def _fetch(self, name: str, start: int, end: int) -> bytes:
         assert self._remote is not None and self._step is not None
         self.files_read_remotely.add(name)
-        return self._remote.get_range(self._remote_keys().file(name), start, end)
+        key = self._remote_keys().file(name)
+        try:
+            return self._remote.get_range(key, start, end)
+        except FileNotFoundError:  # the store's own word: an object of a committed save is gone
+            raise IntegrityError.proof(
+                f"{self._remote.url(key)}, a data file of committed step "
+                f"{self._step.name!r}, is not on the store; restore an earlier step"
+            ) from None
 
     def _remote_keys(self) -> layout.RemoteKeys:
         assert self._remote is not None and self._step is not None
@@ -587,7 +594,7 @@ class TieredStorageReader(StorageReader):
         self, name: str, fqn: str, loc: ItemLocation, problem: str, remote: bool = False
     ) -> IntegrityError:
         tier = self._remote.config.url if remote and self._remote else self.root
-        return IntegrityError(
+        return IntegrityError.proof(
             f"corrupt data in step {self.checkpoint_id!r}, file {name!r} (rank {loc.rank}) on "
             f"{tier}, item {fqn!r}: {problem}. The load failed and the state it was loading into is incomplete; restore "
             "the file from another tier or load an earlier step."

@@ -46,13 +46,14 @@ from .errors import (
     ConfigError,
     ForeignPathError,
     InsufficientSpaceError,
+    NotWritableError,
     TierError,
     TransientTierError,
     UploadFailedError,
 )
-from .policy import integrity, layout, manifest
+from .policy import identity, integrity, layout, manifest
 from .staging import DoubleBufferStager
-from .tiers import catalog, commit, uploads
+from .tiers import catalog, commit, orphans, ownership, uploads
 from .tiers import remote as remote_tier
 from .tiers.local import LocalTier
 
@@ -75,6 +76,7 @@ class _RankInfo:
     root: str
     step: str
     free_bytes: int
+    run_id: str | None = None  # the run this rank's root records (or was told), if any
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,7 @@ class _SaveFacts:
     step: str
     save_id: str
     promote: bool  # copy the committed step to the remote tier
+    run_id: str  # the run every node's root and the remote prefix record, or a new one
 
     def encode(self) -> bytes:
         return json.dumps(dataclasses.asdict(self)).encode()
@@ -111,7 +114,10 @@ class _SaveFacts:
     def decode(cls, raw: bytes) -> _SaveFacts:
         body = json.loads(raw)
         return cls(
-            step=str(body["step"]), save_id=str(body["save_id"]), promote=bool(body["promote"])
+            step=str(body["step"]),
+            save_id=str(body["save_id"]),
+            promote=bool(body["promote"]),
+            run_id=identity.validate_run_id(body["run_id"]),
         )
 
 
@@ -125,6 +131,7 @@ class _SaveInfo:
     step = property(lambda self: self.facts.step)
     save_id = property(lambda self: self.facts.save_id)
     promote = property(lambda self: self.facts.promote)
+    run_id = property(lambda self: self.facts.run_id)
     rank = property(lambda self: self.layout.rank)
     node = property(lambda self: self.layout.node)
     node_leader = property(lambda self: self.layout.node_leader)
@@ -167,6 +174,10 @@ class TieredStorageWriter(StorageWriter):
             of DCP's collectives (the plan gather/scatter, or the final gather before
             ``finish``) because other ranks never joined: the sign of an ``async_save`` on the
             training process group. None disables the check.
+        run_id: this run's id (default: ``$DCP_TIERED_RUN_ID``, else the one ``root`` and the
+            remote prefix record, else a new one recorded there at the first save). A root or
+            prefix recording another run, or in use by another job, is refused with
+            ForeignRunError. See :mod:`dcp_tiered.policy.identity`.
     """
 
     def __init__(
@@ -183,6 +194,7 @@ class TieredStorageWriter(StorageWriter):
         remote: str | RemoteConfig | None = None,
         storage_options: Mapping[str, Any] | None = None,
         collective_timeout_warn_secs: float | None = 300.0,
+        run_id: str | None = None,
     ) -> None:
         super().__init__()
         if collective_timeout_warn_secs is not None and not collective_timeout_warn_secs > 0:
@@ -218,6 +230,13 @@ class TieredStorageWriter(StorageWriter):
         self._watch: CollectiveWatch | None = None  # made by the process that saves
         self._coordinator, self._use_collectives = False, True
         self._remote_checked = False  # recover() checks the remote once
+        explicit = run_id if run_id is not None else os.environ.get("DCP_TIERED_RUN_ID") or None
+        self._explicit_run = None if explicit is None else identity.validate_run_id(explicit)
+        self._run_id: str | None = self._explicit_run  # known once recorded, joined or planned
+        self._live: ownership.LiveLock | None = None  # this job's hold on the root
+        self._recorded: str | None = None  # the run id this root is known to record
+        self._remote_run: str | None = None  # the run id the remote prefix records, once read
+        self._remote_asked = False
 
     @property
     def root(self) -> str:
@@ -243,6 +262,7 @@ class TieredStorageWriter(StorageWriter):
         state["_leading"] = None
         state["_uploader"] = None
         state["_watch"] = None
+        state["_live"] = None
         return state
 
     def _watch_collective(self, phase: str | None) -> None:
@@ -264,12 +284,75 @@ class TieredStorageWriter(StorageWriter):
         With a remote tier it first checks the remote with one cheap request: a wrong bucket,
         missing or bad credentials or denied access raise PermanentTierError saying what to
         fix; a store that cannot be reached now is logged at WARNING only (uploads retry later;
-        a job must not die because the store blinked)."""
+        a job must not die because the store blinked).
+
+        ForeignRunError if ``root`` records another run than ``run_id=``, or another job
+        uses it now."""
+        self._start_run()
         self._tier.recover_and_sweep()
         reached = self._check_remote()
+        if reached and self._run_id is None:
+            self._join_remote_run()
         self._hold_uploads()
         if reached and is_job_leader():
             self._sweep_orphans()
+
+    @property
+    def run_id(self) -> str | None:
+        """This writer's run (None until ``root`` records one, or the first save decides)."""
+        return self._run_id
+
+    @property
+    def explicit_run(self) -> str | None:
+        """The run this writer was told to be (``run_id=`` or ``$DCP_TIERED_RUN_ID``)."""
+        return self._explicit_run
+
+    def _start_run(self) -> None:
+        """Hold the root for this job instance and learn the run it records (once a process;
+        a read-only root is left to the save's own check)."""
+        if self._live is None and self._stager is not None:  # not a copy in DCP's worker
+            try:
+                self._live = ownership.hold_root(self._tier.backend, self._run_id)
+            except NotWritableError as e:
+                logger.debug("not holding %s: %s", self.root, e)
+        if self._recorded is None:
+            found = ownership.read_local(self._tier.backend)
+            if found is not None:
+                self._recorded = identity.decide(self._explicit_run, {self.root: found.run_id})
+                self._run_id = self._recorded
+
+    def _join_remote_run(self) -> None:
+        """A root that records no run yet joins the run its remote prefix records (a fresh
+        node of that run), as its first save would."""
+        if self._learn_remote_run():
+            assert self._remote_run is not None
+            try:
+                self.join_run(self._remote_run)
+            except NotWritableError:  # a read-only root: its saves say so; reads go on
+                self._run_id = self._remote_run
+
+    def _learn_remote_run(self) -> bool:
+        """Whether the remote prefix records a run (then :attr:`_remote_run`), asked once per
+        writer and never waited on for long: a store that does not answer leaves it to the
+        uploads, which check it before writing anything there."""
+        if self._remote is None or self._remote_asked:
+            return self._remote_run is not None
+        self._remote_asked = True
+        try:
+            found = ownership.soon(self._remote, ownership.read_remote)
+        except ownership.Unknown as e:
+            logger.warning("cannot read the run record of %s now: %s", self._remote.config.url, e)
+            return False
+        self._remote_run = found.run_id if found is not None else None
+        return found is not None
+
+    def join_run(self, run_id: str) -> None:
+        """Make ``run_id`` this writer's run and record it in ``root`` (ForeignRunError if the
+        root records another). Every rank calls it once the ranks agreed on the run."""
+        identity.validate_run_id(run_id)
+        if self._recorded != run_id:
+            self._recorded = ownership.record_local(self._tier.backend, run_id).run_id
+        self._run_id = run_id
 
     def _check_remote(self) -> bool:
         """Probe the remote once per writer; whether this call reached it."""
@@ -293,11 +376,13 @@ class TieredStorageWriter(StorageWriter):
         for the upload retry policy's minute. The coordinator's root decides: a save it does
         not hold committed can never be committed remotely (its promotion writes the marker)."""
         assert self._remote is not None
+        if self._run_id is None:
+            return  # no run recorded yet: nothing on the remote can be proven this run's
         once = RemoteBackend(
             dataclasses.replace(self._remote.config, retry=RetryConfig(max_attempts=1))
         )
         try:
-            remote_tier.sweep_orphans(self._tier, once)
+            orphans.sweep_orphans(self._tier, once, self._run_id)
         except (TierError, OSError) as e:
             logger.warning(
                 "could not look for orphaned uploads on %s: %s", self._remote.config.url, e
@@ -408,6 +493,9 @@ class TieredStorageWriter(StorageWriter):
             self._stager.close()
         if self._watch is not None:
             self._watch.cancel()
+        if self._live is not None:  # this job no longer uses the root
+            self._live.release()
+            self._live = None
         up, self._uploader = self._uploader, None
         if up is None:
             return
@@ -471,6 +559,8 @@ class TieredStorageWriter(StorageWriter):
         self._coordinator = is_coordinator
         self._use_collectives = kwargs.get("use_collectives", True)
         self._begin_save()
+        if is_coordinator and self._run_id is None:  # a root that records no run yet
+            self._learn_remote_run()
         self._facts = self._save = None
         if self._step is None:
             raise ConfigError(
@@ -488,6 +578,7 @@ class TieredStorageWriter(StorageWriter):
         if self._leading is not None:  # the previous save we led never reached finish()
             LocalBackend.unlock(self._leading[1])
             self._leading = None
+        self._start_run()
         # Every earlier save of this process is over, so unlocked leftovers are abandoned.
         self._tier.recover_and_sweep()
         if self._stager is not None:  # the trainer's writer, not a copy in DCP's subprocess
@@ -501,6 +592,8 @@ class TieredStorageWriter(StorageWriter):
                 f"step {step!r} is already committed in {self.root}; choose a new step name "
                 "or construct the writer with overwrite=True"
             )
+        if self._tier.has_step(step):
+            self._tier.require_ours(step, self._run_id)
         if (
             self._tier.backend.exists(step)
             and not self._tier.has_step(step)
@@ -518,7 +611,11 @@ class TieredStorageWriter(StorageWriter):
         planned = plan
         if getattr(plan, "usable", True):  # an unusable plan: DCP replays the cached one
             info = _RankInfo(
-                node_key=self._node_key(), root=self.root, step=step, free_bytes=self._free_bytes
+                node_key=self._node_key(),
+                root=self.root,
+                step=step,
+                free_bytes=self._free_bytes,
+                run_id=self._run_id,
             )
             planned = dataclasses.replace(plan, storage_data=info)
         if self._use_collectives:
@@ -543,6 +640,7 @@ class TieredStorageWriter(StorageWriter):
             step=step,
             save_id=uuid.uuid4().hex[:12],
             promote=self._remote is not None and step not in self.local_only_steps,
+            run_id=self._decide_run(plans),
         )
         self.local_only_steps.discard(step)
         if len(plans) > 1:
@@ -554,6 +652,18 @@ class TieredStorageWriter(StorageWriter):
         if self._use_collectives:
             self._watch_collective("the plan scatter (the global plan to every rank)")
         return out
+
+    def _decide_run(self, plans: list[SavePlan]) -> str:
+        """The run of this save (coordinator): the one every rank's root and the remote prefix
+        record (ForeignRunError if they disagree), else a new one, which each node records."""
+        infos = [p.storage_data for p in plans if isinstance(p.storage_data, _RankInfo)]
+        found: dict[str, str | None] = {i.node_key: i.run_id for i in infos}
+        found[self._node_key()] = self._run_id
+        if self._remote is not None:  # as set_up_storage_writer learnt it, without I/O here
+            found[self._remote.config.url] = self._remote_run
+        run = identity.decide(self._explicit_run, found) or identity.new_run_id()
+        self._run_id = run
+        return run
 
     def _lay_out(self, step: str, plans: list[SavePlan]) -> list[SavePlan]:
         """Each usable plan with its rank's layout. With DCP's plan caching, ranks whose final
@@ -605,6 +715,8 @@ class TieredStorageWriter(StorageWriter):
                 raise ConfigError("a save on several ranks needs torch.distributed initialised")
             facts = _SaveFacts.decode(bytes(store.get(_facts_key(lay.coordinator))))
         save = _SaveInfo(lay, facts)
+        if self._recorded != facts.run_id:
+            self.join_run(facts.run_id)  # a new run, or a root joining the run of the others
         if facts.step != self._step:
             raise ConfigError(
                 f"ranks disagree on the step name: {sorted({facts.step, str(self._step)})} "
@@ -736,7 +848,7 @@ class TieredStorageWriter(StorageWriter):
         file_crc = integrity.format_checksum(out.file_crc)
         if self._remote is not None and save.promote:
             uploader = uploads.uploader_for(self._tier, self._remote)
-            uploader.upload_early(save.step, save.save_id, name, file_crc)
+            uploader.upload_early(save.step, save.save_id, name, file_crc, save.node, save.run_id)
         return [
             WriteResult(
                 index=index,
@@ -754,6 +866,11 @@ class TieredStorageWriter(StorageWriter):
             )
             for index, offset, length, crc, raw_offset in placed
         ]
+
+    def _replaceable(self, save: _SaveInfo) -> Any:
+        """What an overwrite may replace: a step of this run, as :meth:`prepare_local_plan`
+        checked; checked again on what the commit actually displaced."""
+        return lambda old: self._tier.holds_ours(old, save.step, save.run_id)
 
     def _follow_commit(self, save: _SaveInfo, lock: int) -> None:
         backend = self._tier.backend
@@ -773,7 +890,12 @@ class TieredStorageWriter(StorageWriter):
         def publish() -> None:
             try:
                 commit.publish_step(
-                    backend, save.step, save.save_id, save.tmp, overwrite=self.overwrite
+                    backend,
+                    save.step,
+                    save.save_id,
+                    save.tmp,
+                    overwrite=self.overwrite,
+                    may_replace=self._replaceable(save),
                 )
             finally:
                 LocalBackend.unlock(lock)
@@ -820,11 +942,19 @@ class TieredStorageWriter(StorageWriter):
                 locations=locations,
                 versions={"dcp_tiered": __version__, "torch": torch.__version__},
                 promote=save.promote,
+                run_id=save.run_id,
             )
             metadata_bytes = _vanilla_metadata(metadata, locations, save.step)
 
         def publish_own() -> None:
-            commit.publish_step(backend, save.step, save.save_id, tmp, overwrite=self.overwrite)
+            commit.publish_step(
+                backend,
+                save.step,
+                save.save_id,
+                tmp,
+                overwrite=self.overwrite,
+                may_replace=self._replaceable(save),
+            )
 
         try:
             # The coordinator's node keeps every section and DCP's .metadata (the remote

@@ -77,6 +77,18 @@ def run_example(
     return proc.stdout
 
 
+def visible(root: Path) -> list[str]:
+    """A root's entries but the two files a run keeps there: its run record and its job's
+    live-lock (see dcp_tiered.policy.identity); everything else, hidden or not, is listed."""
+    from dcp_tiered.policy import identity
+
+    return sorted(
+        n
+        for n in os.listdir(root)
+        if n != identity.RUN_RECORD and identity.parse_live_lock(n) is None
+    )
+
+
 def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
 
@@ -189,6 +201,14 @@ def s3() -> S3:
         proc.wait(timeout=10)
 
 
+def heal(proxy_url: str) -> None:
+    """The proxy's store answers the reads ``fail_reads`` made fail again."""
+    import urllib.request
+
+    req = urllib.request.Request(f"{proxy_url}/__heal__", method="POST", data=b"")
+    urllib.request.urlopen(req, timeout=10).close()
+
+
 def injected_faults(proxy_url: str) -> dict:
     import urllib.request
 
@@ -221,6 +241,9 @@ def fault_proxy(s3):
         deny: str | None = None,
         corrupt: str | None = None,
         corrupt_count: int = 1,
+        fail_reads: str | None = None,
+        slow_reads: str | None = None,
+        slow_secs: float = 2.0,
     ) -> str:
         port = free_port()
         proc = subprocess.Popen(
@@ -241,6 +264,12 @@ def fault_proxy(s3):
                 "900",
                 *(["--deny", deny] if deny else []),
                 *(["--corrupt", corrupt, "--corrupt-count", str(corrupt_count)] if corrupt else []),
+                *(["--fail-reads", fail_reads] if fail_reads else []),
+                *(
+                    ["--slow-reads", slow_reads, "--slow-secs", str(slow_secs)]
+                    if slow_reads
+                    else []
+                ),
             ],
             stderr=subprocess.PIPE,
             text=True,

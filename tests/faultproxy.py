@@ -8,6 +8,9 @@ Usage: python tests/faultproxy.py --port P --upstream http://127.0.0.1:Q --rate 
        [--deny __1_]   (403 AccessDenied for every write of a key containing "__1_")
        [--corrupt .distcp --corrupt-count N]   (flip one byte in the body of the first N
                         writes of keys containing ".distcp": the store keeps corrupt data)
+       [--fail-reads step-3/]   (503 SlowDown to every GET of a key containing "step-3/", a
+                        store whose reads of it fail for a while, until POST /__heal__)
+       [--slow-reads .distcp --slow-secs 2]   (every GET of such a key answers 2 s late)
 
 GET /__requests__ answers how many requests of each S3 kind reached the proxy (LIST, HEAD,
 GET, PUT, CREATE/PART/COMPLETE/ABORT of multipart uploads, LIST_UPLOADS, DELETE, POST), and
@@ -67,15 +70,22 @@ def build_app(
     deny: str | None = None,
     corrupt: str | None = None,
     corrupt_count: int = 0,
+    fail_reads: str | None = None,
+    slow_reads: str | None = None,
+    slow_secs: float = 2.0,
 ) -> web.Application:
     rng = random.Random(seed)
-    counts = {f: 0 for f in FAULTS} | {"ok": 0, "denied": 0, "corrupted": 0}
+    counts = {f: 0 for f in FAULTS} | {"ok": 0, "denied": 0, "corrupted": 0, "failed_reads": 0}
+    failing = {"reads": fail_reads}
     session: dict[str, ClientSession] = {}
     requests: list[tuple[str, str]] = []  # (kind, key) of every S3 request, in arrival order
 
     async def handle(request: web.Request) -> web.StreamResponse:
         if request.path == "/__faults__":  # the test asks what was injected
             return web.json_response(counts)
+        if request.path == "/__heal__":  # the store's reads work again
+            failing["reads"] = None
+            return web.json_response({})
         if request.path == "/__requests__":  # the test counts requests (POST: start again)
             if request.method == "POST":
                 requests.clear()
@@ -85,6 +95,11 @@ def build_app(
         kind = request_kind(request.method, dict(request.query), key)
         requests.append((kind, request.query.get("prefix", key) if kind == "LIST" else key))
         body = await request.read()
+        if failing["reads"] and failing["reads"] in key and kind == "GET":
+            counts["failed_reads"] += 1
+            return web.Response(status=503, body=SLOWDOWN, content_type="application/xml")
+        if slow_reads and slow_reads in key and kind == "GET":
+            await asyncio.sleep(slow_secs)
         if deny and deny in request.path and request.method in ("PUT", "POST"):
             counts["denied"] += 1  # a permanent failure for the writes of chosen keys
             return web.Response(status=403, body=DENIED, content_type="application/xml")
@@ -164,10 +179,23 @@ def main() -> None:
     p.add_argument("--deny", help="answer 403 AccessDenied to writes of keys containing this")
     p.add_argument("--corrupt", help="flip a byte in PUT bodies of keys containing this")
     p.add_argument("--corrupt-count", type=int, default=1, help="how many PUTs to corrupt")
+    p.add_argument("--fail-reads", help="503 to GETs of keys containing this, until healed")
+    p.add_argument("--slow-reads", help="delay GETs of keys containing this by --slow-secs")
+    p.add_argument("--slow-secs", type=float, default=2.0)
     p.add_argument("--max-secs", type=float, default=1800.0, help="stop by itself after this")
     a = p.parse_args()
     app = build_app(
-        a.upstream, a.rate, a.seed, a.stall_secs, a.max_secs, a.deny, a.corrupt, a.corrupt_count
+        a.upstream,
+        a.rate,
+        a.seed,
+        a.stall_secs,
+        a.max_secs,
+        a.deny,
+        a.corrupt,
+        a.corrupt_count,
+        a.fail_reads,
+        a.slow_reads,
+        a.slow_secs,
     )
     web.run_app(app, host="127.0.0.1", port=a.port, print=None, access_log=None)
 

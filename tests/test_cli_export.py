@@ -97,6 +97,7 @@ def test_export_safetensors_from_the_local_tier_and_from_the_remote_alone(
     assert [s["fqn"] for s in data["skipped"]] == ["extra.note", "extra.step"]
     assert len(data["files"]) == 2  # w (240 KB) is alone in its shard
     assert sorted(p.name for p in out.iterdir()) == [
+        ".dcp-tiered-export.json",  # what --force may replace: this export's own files
         "model-00001-of-00002.safetensors",
         "model-00002-of-00002.safetensors",
         "model.safetensors.index.json",
@@ -128,12 +129,19 @@ def test_export_refuses_an_existing_out_without_force_and_writes_torch_shards(tm
     code, data = _json(capsys, "export", str(root), "step-1", str(out))
     assert code == 2 and data["errors"][0]["type"] == "CheckpointExistsError"
     assert [p.name for p in out.iterdir()] == ["keep.txt"]  # untouched
+    # --force replaces an earlier export only, never a directory export did not make
+    code, data = _json(capsys, "export", str(root), "step-1", str(out), "--force")
+    assert code == 2 and data["errors"][0]["type"] == "ForeignPathError"
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]  # untouched
+    out = tmp_path / "earlier"
+    assert main(["export", str(root), "step-1", str(out)]) == 0
     code, data = _json(
         capsys, "export", str(root), "step-1", str(out), "--format", "torch", "--force"
     )
     assert code == 0, data["errors"]
     index = json.loads((out / "pytorch_model.bin.index.json").read_text())
-    assert sorted(index["weight_map"]) == TENSORS and not (out / "keep.txt").exists()
+    assert sorted(index["weight_map"]) == TENSORS
+    assert not list(out.glob("*.safetensors"))  # the earlier export's files were replaced
     got = {}
     for file in set(index["weight_map"].values()):
         got.update(torch.load(out / file, weights_only=True))

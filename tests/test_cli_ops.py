@@ -11,10 +11,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_tiered import TieredStorageReader, TieredStorageWriter, __version__
+from dcp_tiered.backends.local import LocalBackend
 from dcp_tiered.backends.remote import remote_backend
 from dcp_tiered.cli import main
 from dcp_tiered.policy import layout
 from dcp_tiered.tiers import remote as remote_tier
+from dcp_tiered.tiers.local import LocalTier
 from tests.s3server import free_port
 
 STATE = {
@@ -164,7 +166,10 @@ def test_prune_never_deletes_a_step_the_remote_does_not_hold(tmp_path, remote, c
     for n in range(1, 4):
         _save(root, f"step-{n}", remote)
     backend = remote_backend(remote[0], remote[1])
-    remote_tier.delete_remote_step(backend, "step-1", reason="test: the remote lost it")
+    run_id = LocalTier(LocalBackend(root)).record().run_id
+    remote_tier.delete_remote_step(
+        backend, "step-1", reason="test: the remote lost it", run_id=run_id
+    )
     code, data = _json(capsys, "prune", str(root), "--keep-latest", "1")
     assert code == 0 and data["deleted"] == ["step-2"] and data["kept_not_durable"] == ["step-1"]
     assert (root / "step-1").is_dir() and not (root / "step-2").exists()

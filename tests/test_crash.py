@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_tiered import TieredStorageReader, TieredStorageWriter
 from tests._model import AppState, build, full_state, make_opt, mismatches
-from tests.conftest import torchrun
+from tests.conftest import torchrun, visible
 
 pytestmark = pytest.mark.multirank
 
@@ -72,10 +72,10 @@ def _crash_and_check(tmp_path, point: str, victim: str, seed: int = 0) -> str:
         check=False,
         timeout=180,
     )
-    visible = sorted(n for n in os.listdir(root) if not n.startswith("."))
-    assert visible in (["step-1"], ["step-1", "step-2"]), (visible, proc.stderr[-3000:])
+    steps = sorted(n for n in os.listdir(root) if not n.startswith("."))
+    assert steps in (["step-1"], ["step-1", "step-2"]), (steps, proc.stderr[-3000:])
     latest, got = _load_latest(root)
-    assert latest == visible[-1]
+    assert latest == steps[-1]
     ref = torch.load(refdir / f"{latest}.pt", weights_only=True)
     assert mismatches(ref, got) == [], f"{latest} does not load bit-exact"
     # The next save succeeds, and a restarted writer leaves no temporary directory behind.
@@ -83,9 +83,10 @@ def _crash_and_check(tmp_path, point: str, victim: str, seed: int = 0) -> str:
     app = AppState(model, make_opt(model))
     writer = TieredStorageWriter(root)
     writer.recover()  # the explicit recovery step (the first save runs it too)
-    assert [n for n in os.listdir(root) if n.startswith(".")] == []
+    assert [n for n in visible(root) if n.startswith(".")] == []
     dcp.save({"app": app}, checkpoint_id="step-3", storage_writer=writer, no_dist=True)
-    assert TieredStorageReader(root) and "step-3" in os.listdir(root)
+    step3, got3 = _load_latest(root)
+    assert step3 == "step-3" and mismatches(full_state(model, app.opt), got3) == []
     return latest
 
 

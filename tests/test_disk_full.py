@@ -11,6 +11,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_tiered import InsufficientSpaceError, TieredStorageReader, TieredStorageWriter
 from dcp_tiered.backends.local import LocalBackend
+from tests.conftest import visible
 
 
 @pytest.fixture
@@ -28,7 +29,7 @@ def _error(exc: BaseException) -> BaseException:
 
 
 def _only_step_1_left(root) -> None:
-    assert sorted(os.listdir(root)) == ["step-1"], os.listdir(root)
+    assert visible(root) == ["step-1"], os.listdir(root)
     sd = _state(4, 0.0)
     dcp.load(sd, storage_reader=TieredStorageReader(root), no_dist=True)
     assert torch.equal(sd["w"], _state(4, 1.0)["w"])
@@ -91,7 +92,7 @@ def test_cached_plan_that_no_longer_fits_is_refused_before_writing(tiny_disk):
     err = _error(e.value)
     assert isinstance(err, InsufficientSpaceError), err
     assert "MiB is free" in str(err) and str(root) in str(err)
-    assert sorted(os.listdir(root)) == ["step-1", "step-2"], os.listdir(root)
+    assert visible(root) == ["step-1", "step-2"], os.listdir(root)
     sd = _state(8, 0.0)
     dcp.load(sd, checkpoint_id="step-2", storage_reader=TieredStorageReader(root), no_dist=True)
     assert torch.equal(sd["w"], _state(8, 2.0)["w"])

@@ -18,6 +18,7 @@ from dcp_tiered.backends.local import LocalBackend
 from dcp_tiered.backends.remote import RemoteBackend
 from dcp_tiered.tiers.local import LocalTier
 from dcp_tiered.tiers.remote import adopt_remote_step
+from tests.conftest import visible
 
 FAST_RETRY = RetryConfig(max_attempts=4, initial_backoff_secs=0.05, max_backoff_secs=0.2)
 
@@ -60,7 +61,7 @@ def test_hydration_commits_a_complete_step_and_nothing_else(tmp_path, s3):
     _durable(tmp_path, remote)
     root = tmp_path / "fresh"  # a fresh node: the local tier is empty
     assert _load(root, remote, hydrate=True).files_read_remotely
-    assert sorted(os.listdir(root)) == [".dcp-tiered-hydrate.lock", "step-1"]
+    assert visible(root) == [".dcp-tiered-hydrate.lock", "step-1"]
     assert sorted(os.listdir(root / "step-1")) == sorted(os.listdir(tmp_path / "saver" / "step-1"))
     assert not _load(root).files_read_remotely  # no remote at all now
 
@@ -86,12 +87,12 @@ def test_hydration_fills_an_adopted_step_atomically(tmp_path, s3, tmpfs, monkeyp
         m.setattr(LocalBackend, "free_bytes", lambda self: 2**40)
         _load(root, remote, hydrate=True)
     assert {n: (root / "step-1" / n).read_bytes() for n in os.listdir(root / "step-1")} == adopted
-    assert sorted(os.listdir(root)) == [".dcp-tiered-hydrate.lock", "step-1"]
+    assert visible(root) == [".dcp-tiered-hydrate.lock", "step-1"]
     assert len(_warnings(caplog)) == 1 and "InsufficientSpaceError" in _warnings(caplog)[0]
     tmpfs.remount(disk, size_mib=16)
     _load(root, remote, hydrate=True)
     assert len([n for n in os.listdir(root / "step-1") if n.endswith(".distcp")]) == 2
-    assert sorted(os.listdir(root)) == [".dcp-tiered-hydrate.lock", "step-1"]
+    assert visible(root) == [".dcp-tiered-hydrate.lock", "step-1"]
     assert not _load(root).files_read_remotely
 
 

@@ -25,8 +25,8 @@ DCP = {
     "staging",
     "step_items",
 }  # torch's StorageWriter/StorageReader, and staging
-LIFECYCLE = {"lifecycle"}  # what every entry point shares around a save and a restore
-ENTRY_POINTS = {"manager", "cli", "cli_steps", "cli_ops", "cli_data", "cli_export"}
+LIFECYCLE = {"lifecycle", "runs"}  # what every entry point shares around a save and a restore
+ENTRY_POINTS = {"manager", "cli", "cli_steps", "cli_ops", "cli_data", "cli_export", "cli_runs"}
 
 
 def imports_of(path: Path) -> set[str]:
@@ -106,6 +106,8 @@ def test_the_checker_resolves_imports_and_would_catch_a_violation():
     assert imports_of(PACKAGE / "tiers" / "local.py") == {
         "policy.layout",
         "policy.manifest",
+        "policy.identity",
+        "tiers.ownership",
         "backends.local",
         "errors",
     }

@@ -48,12 +48,17 @@ def test_a_store_that_always_corrupts_never_gets_a_durable_step(tmp_path, s3, fa
     writer.close(wait_durable=False)
 
 
-def test_two_jobs_saving_one_step_name_into_one_prefix_never_both_succeed(tmp_path, s3):
+@pytest.mark.parametrize("same_run", [True, False], ids=["one run", "two runs"])
+def test_two_jobs_saving_one_step_name_into_one_prefix_never_both_succeed(tmp_path, s3, same_run):
+    """Of one run (``run_id=`` the same), the exclusive marker decides and the loser removes
+    its own objects; of two runs, the prefix is the first run's and the other writes nothing
+    there (refused, naming the first)."""
     cfg = config(s3)
     results: dict[int, BaseException | None] = {}
 
     def job(i: int) -> None:
-        writer = save(tmp_path / f"job{i}", cfg, "step-1", state(i, mib=4))
+        run_id = "shared-run" if same_run else f"run-{i}"
+        writer = save(tmp_path / f"job{i}", cfg, "step-1", state(i, mib=4), run_id=run_id)
         try:
             writer.wait_durable("step-1", timeout_secs=120)
             results[i] = None
@@ -69,7 +74,8 @@ def test_two_jobs_saving_one_step_name_into_one_prefix_never_both_succeed(tmp_pa
     winners = [i for i, e in results.items() if e is None]
     assert len(winners) == 1, results
     loser = 3 - winners[0]
-    assert "another save" in str(results[loser])
+    expected = "another save" if same_run else f"belongs to run 'run-{winners[0]}'"
+    assert expected in str(results[loser]), results[loser]
     got, _ = load(tmp_path / "fresh", cfg, mib=4)
     assert equal(got, state(winners[0], mib=4))  # the winner's bytes, not a mixture
     # Only the winner's save is left under the step: the loser removed its own objects.
@@ -80,6 +86,9 @@ def test_two_jobs_saving_one_step_name_into_one_prefix_never_both_succeed(tmp_pa
 def test_objects_of_a_save_never_committed_are_removed_by_the_next_writer(
     tmp_path, s3, fault_proxy
 ):
+    """The sweep removes this run's claimed saves that never committed, once old enough and
+    held by no root of the run; never what it cannot prove is its run's (see
+    tests/test_sweep_ownership.py for the foreign objects it leaves alone)."""
     # The marker of step-2 is refused: its data is uploaded, its step never committed.
     cfg = config(s3, fault_proxy(0.0, deny="_COMMITTED"))
     writer = save(tmp_path / "a", cfg, "step-2", state(2))
@@ -100,13 +109,22 @@ def test_objects_of_a_save_never_committed_are_removed_by_the_next_writer(
     keeper.recover()
     keeper.wait_durable("step-2", timeout_secs=60)
     keeper.close()
-    # A save killed before its commit: nobody holds it, so its objects go.
+    # A save of the run killed before its commit (its claim names the run): nobody holds it,
+    # so its objects go; the same objects without a claim are not provably ours: they stay.
     fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3.options())
     base = cfg.url.removeprefix("s3://")
+    run_id = json.loads(fs.cat(f"{base}/.dcp-tiered-run.json"))["run_id"]
+    claim = {"format": "dcp-tiered-claim", "run_id": run_id, "step": "step-3"}
     fs.pipe(f"{base}/step-3/0123456789ab/__0_0.distcp", b"x" * 1000)
+    fs.pipe(
+        f"{base}/step-3/0123456789ab/_claims/node-0.json",
+        json.dumps({**claim, "save_id": "0123456789ab"}).encode(),
+    )
+    fs.pipe(f"{base}/step-3/00000000ffff/__0_0.distcp", b"y" * 1000)  # no claim
     TieredStorageWriter(tmp_path / "c", remote=young).recover()
     keys = keys_under(s3, cfg.url)
-    assert not any(k.startswith("step-3/") for k in keys)
+    assert not any(k.startswith("step-3/0123456789ab/") for k in keys), keys
+    assert "step-3/00000000ffff/__0_0.distcp" in keys
     assert "step-2/_COMMITTED.json" in keys
     got, _ = load(tmp_path / "fresh", plain)
     assert equal(got, state(2))

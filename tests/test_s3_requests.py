@@ -17,10 +17,12 @@ import s3fs
 from dcp_tiered import RemoteConfig
 from dcp_tiered.backends.local import LocalBackend
 from dcp_tiered.backends.remote import RemoteBackend
-from dcp_tiered.policy import layout
+from dcp_tiered.policy import identity, layout
 from dcp_tiered.tiers import remote as remote_tier
 from dcp_tiered.tiers import uploads
 from dcp_tiered.tiers.local import LocalTier
+from dcp_tiered.tiers.orphans import remove_orphan_saves
+from dcp_tiered.tiers.promotion import Promotion, upload_verified
 from tests.conftest import proxied_requests
 from tests.test_remote_tier import FAST_RETRY, equal, load, save, state
 
@@ -36,9 +38,9 @@ def kinds(reqs) -> dict[str, int]:
     return dict(collections.Counter(kind for kind, _ in reqs))
 
 
-def save_steps(tmp_path, cfg, steps, mib=1.0):
+def save_steps(tmp_path, cfg, steps, mib=1.0, **kw):
     for i, step in enumerate(steps, 1):
-        writer = save(tmp_path / "local", cfg, step, state(i, mib=mib))
+        writer = save(tmp_path / "local", cfg, step, state(i, mib=mib), **kw)
         writer.wait_durable(step, timeout_secs=120)
         writer.close()
 
@@ -68,7 +70,8 @@ def test_a_root_without_pointer_or_with_a_stale_one_still_restores_the_newest(
     save_steps(tmp_path, cfg, ["step-1", "step-2"])
     backend = RemoteBackend(config(s3, url=cfg.url))
     # Stale: the pointer's step is quarantined (its marker moved aside): step-1 is latest.
-    remote_tier.quarantine_remote_step(backend, "step-2", reason="test")
+    run_id = remote_tier.read_marker(backend, "step-2")["run_id"]
+    remote_tier.quarantine_remote_step(backend, "step-2", reason="test", run_id=run_id)
     got, reader = load(tmp_path / "fresh1", cfg)
     assert reader.checkpoint_id == "step-1" and equal(got, state(1))
     # Missing, as in a root written before the pointer existed: listed once, still found.
@@ -110,9 +113,10 @@ def test_the_latest_pointer_only_moves_forward_when_saves_race(s3):
 
 
 def test_a_save_never_lists_its_own_objects(tmp_path, s3, fault_proxy):
-    """Promotion checks (or trusts the early upload's record of) only its own files; the
-    coordinator's commit lists only the node records; read-back is one GET per object, with
-    no HEAD before it."""
+    """Promotion checks (or trusts this process's early upload's record of) only its own
+    files; the coordinator's commit lists the node records, and the save once, as the store's
+    proof that every object is there before the marker (a page per 1,000 objects);
+    read-back is one GET per object, with no HEAD before it."""
     proxy = fault_proxy(0.0)
     cfg = config(s3, proxy)
     mib = 24  # a 24 MiB file: 5 multipart parts, which a ranged read-back took 2 GETs for
@@ -122,7 +126,8 @@ def test_a_save_never_lists_its_own_objects(tmp_path, s3, fault_proxy):
     reqs = proxied_requests(proxy)
     sid = LocalTier(LocalBackend(str(tmp_path / "local"))).read_manifest("step-1").save_id
     listed = [key for kind, key in reqs if kind == "LIST"]
-    assert not any(f"step-1/{sid}" in k and "/_nodes" not in k for k in listed), listed
+    of_save = [k for k in listed if f"step-1/{sid}" in k and "/_nodes" not in k]
+    assert of_save == [f"{cfg.url.split('/', 3)[3]}/step-1/{sid}/"], listed
     data = collections.defaultdict(collections.Counter)
     for kind, key in reqs:
         if key.endswith(".distcp"):
@@ -152,8 +157,12 @@ def test_the_coordinator_polls_node_records_with_one_listing_per_round(tmp_path,
     m = tier.read_manifest("step-1")
     m = dataclasses.replace(m, nodes=[*m.nodes, [97], [98], [99]])  # three other nodes
     backend = RemoteBackend(cfg)
-    promotion = remote_tier.Promotion(tier, backend, "step-1", None)  # type: ignore[arg-type]
+    promotion = Promotion(tier, backend, "step-1", None)  # type: ignore[arg-type]
     keys = promotion.keys(m)
+    tags = {  # node 0 uploads its own files first, as its promotion does
+        name: upload_verified(tier, backend, ("step-1",), name, keys.file(name), info["checksum"])
+        for name, info in m.files.items()
+    }
     for node in (1, 2):
         backend.put_bytes(keys.node_record(node), json.dumps({"save_id": m.save_id}).encode())
     late = threading.Timer(
@@ -162,12 +171,16 @@ def test_the_coordinator_polls_node_records_with_one_listing_per_round(tmp_path,
     )
     proxied_requests(proxy, reset=True)
     late.start()
-    promotion._commit(m, keys)
+    promotion._commit(m, keys, tier.record().run_id, tags)
     late.join()
     reqs = proxied_requests(proxy)
     polls = [k for kind, k in reqs if kind == "LIST" and k.endswith("/_nodes/")]
     assert len(polls) >= 2  # a few rounds while node 3 was late
-    assert not [k for kind, k in reqs if kind in ("GET", "HEAD") and "/_nodes/" in k]
+    # Once every node is in, each node's record is read once: the tags its objects had when
+    # that node verified them, which the commit's listing must show.
+    reads = [k for kind, k in reqs if kind in ("GET", "HEAD") and "/_nodes/" in k]
+    prefix = cfg.url.split("/", 3)[3]
+    assert sorted(reads) == sorted(f"{prefix}/{keys.node_record(n)}" for n in (1, 2, 3))
     assert remote_tier.read_marker(backend, "step-1")["save_id"] == m.save_id
 
 
@@ -189,13 +202,20 @@ def test_hash_prefixes_are_configurable_and_recorded_for_readers(tmp_path, s3):
     other = config(s3, url=cfg.url, prefix_strategy="hash", hash_prefixes=16)
     got, reader = load(tmp_path / "fresh", other)
     assert equal(got, state(1)) and reader.files_read_remotely
-    # Orphans of a killed save are found in every bucket there is, whatever the count now.
+    # Orphans of a killed save of the run are found in every bucket its claim records,
+    # whatever the count now; objects no claim of the run names are not its to remove.
+    claim = {"format": "dcp-tiered-claim", "run_id": marker["run_id"], "step": "step-1"}
+    claim |= {"save_id": "abcdef", "prefix_strategy": "hash", "hash_prefixes": 64}
     orphans = ["data/2f/step-1/abcdef/__0_0.distcp", "step-1/abcdef/_nodes/node-0.json"]
     for key in orphans:
         fs.pipe_file(f"{base}/{key}", b"x")
-    remote_tier.remove_orphan_saves(RemoteBackend(other), "step-1", keep=set())
+    fs.pipe_file(f"{base}/step-1/abcdef/_claims/node-0.json", json.dumps(claim).encode())
+    foreign = ["data/2f/step-1/abcdee/__0_0.distcp", "step-1/abcdee/_nodes/node-0.json"]
+    for key in foreign:
+        fs.pipe_file(f"{base}/{key}", b"x")
+    remove_orphan_saves(RemoteBackend(other), "step-1", marker["run_id"], keep=set())
     left = {k[len(base) + 1 :] for k in fs.find(base)}
-    assert not left & set(orphans)
+    assert not left & set(orphans) and set(foreign) <= left
     got, _ = load(tmp_path / "fresh2", other)
     assert equal(got, state(1))
 
@@ -218,9 +238,10 @@ def test_the_ranks_of_a_node_read_the_remote_marker_once_per_save(tmp_path, s3, 
     tier.backend.make_dir(area)
     ranks = [uploads.Uploader(tier, remote) for _ in range(4)]
     answers = []
+    keys1 = layout.RemoteKeys("step-1", "a1")
     threads = [
         threading.Thread(
-            target=lambda u=u: answers.append(u._remote_step_free("step-1", "sid1", area))
+            target=lambda u=u: answers.append(u._remote_step_free(keys1, area, 0, "run-a"))
         )
         for u in ranks
     ]
@@ -229,12 +250,15 @@ def test_the_ranks_of_a_node_read_the_remote_marker_once_per_save(tmp_path, s3, 
     for t in threads:
         t.join()
     assert answers == [True] * 4
-    marker_gets = [k for kind, k in proxied_requests(proxy) if kind == "GET"]
-    assert len(marker_gets) == 1 and marker_gets[0].endswith(layout.REMOTE_MARKER), marker_gets
+    gets = [k for kind, k in proxied_requests(proxy) if kind == "GET"]
+    marker_gets = [k for k in gets if k.endswith(layout.REMOTE_MARKER)]
+    assert len(marker_gets) == 1, gets
+    assert len([k for k in gets if k.endswith(identity.RUN_RECORD)]) == 1, gets  # the run's
     # A step taken on the remote is recorded as such for the node's other ranks too.
-    save_steps(tmp_path / "other", config(s3, url=url), ["step-2"])
-    tier.backend.make_dir(area2 := layout.upload_area_name("step-2", "sid2"))
-    assert [u._remote_step_free("step-2", "sid2", area2) for u in ranks] == [False] * 4
+    save_steps(tmp_path / "other", config(s3, url=url), ["step-2"], run_id="run-a")
+    tier.backend.make_dir(area2 := layout.upload_area_name("step-2", "a2"))
+    keys2 = layout.RemoteKeys("step-2", "a2")
+    assert [u._remote_step_free(keys2, area2, 0, "run-a") for u in ranks] == [False] * 4
     assert (
         sum(k.endswith(f"step-2/{layout.REMOTE_MARKER}") for _, k in proxied_requests(proxy)) == 1
     )

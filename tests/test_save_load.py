@@ -23,6 +23,7 @@ from dcp_tiered import (
     _torch_compat,
 )
 from tests._manifests import index, items, tamper
+from tests.conftest import visible
 
 
 def state(v: float = 1.0) -> dict:
@@ -73,7 +74,7 @@ def test_round_trip_and_latest(tmp_path):
     save(tmp_path, "step-2", state(2))  # saved later, but step-10 is the newest step
     assert_state_equal(load(tmp_path), state(10))
     assert_state_equal(load(tmp_path, "step-2"), state(2))
-    assert sorted(os.listdir(tmp_path)) == ["step-1", "step-10", "step-2"]
+    assert visible(tmp_path) == ["step-1", "step-10", "step-2"]
 
 
 def test_async_thread_save_is_isolated_from_later_mutation(tmp_path):
@@ -187,7 +188,7 @@ def test_overwrite_refused_by_default_and_atomic_when_asked(tmp_path):
     assert_state_equal(load(tmp_path), state(1))
     save(tmp_path, "step-1", state(2), overwrite=True)
     assert_state_equal(load(tmp_path), state(2))
-    assert os.listdir(tmp_path) == ["step-1"]
+    assert visible(tmp_path) == ["step-1"]
 
 
 def _data_file(root, step="step-1"):
@@ -570,27 +571,35 @@ def test_a_data_file_that_is_a_link_is_never_read(tmp_path):
     assert isinstance(failure(e), MissingShardError) and "never read" in str(failure(e))
 
 
-def test_a_step_another_job_commits_meanwhile_is_never_replaced(tmp_path):
-    """Two jobs on one root save the same step name: the one that commits first keeps it; the
-    other is refused at its commit (not told "saved"), and leaves nothing behind."""
+@pytest.mark.parametrize("same_run", [True, False], ids=["one run", "two runs"])
+def test_a_step_another_job_commits_meanwhile_is_never_replaced(tmp_path, same_run):
+    """Two writers on one root save the same step name: the one that commits first keeps it;
+    the other is refused (not told "saved") and leaves nothing behind. Of one run, at its
+    commit's rename; of another run, before it writes, because the root is the first's."""
     from torch.distributed.checkpoint import DefaultSavePlanner
 
+    from dcp_tiered import ForeignRunError
+
     root = tmp_path / "shared"
+    first, second = ("r1", "r1") if same_run else ("r1", "r2")
 
     class OtherJobCommitsMidway(DefaultSavePlanner):
         def finish_plan(self, new_plan):  # after this save checked the step is free
-            save(root, "step-5", state(2.0))
+            save(root, "step-5", state(2.0), run_id=first)
             return super().finish_plan(new_plan)
 
     with pytest.raises(BaseException) as e:
         dcp.save(
             state(1.0),
             checkpoint_id="step-5",
-            storage_writer=TieredStorageWriter(root),
+            storage_writer=TieredStorageWriter(root, run_id=second),
             planner=OtherJobCommitsMidway(),
             no_dist=True,
         )
     err = failure(e)
-    assert isinstance(err, CheckpointExistsError) and "another job" in str(err)
+    if same_run:
+        assert isinstance(err, CheckpointExistsError) and "another job" in str(err)
+    else:
+        assert isinstance(err, ForeignRunError) and "'r1'" in str(err), err
     assert_state_equal(load(root, "step-5"), state(2.0))
     assert sorted(p.name for p in root.iterdir() if p.name.startswith(".step")) == []

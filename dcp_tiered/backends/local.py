@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import stat
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -309,6 +310,28 @@ class LocalBackend:
                 tmp.unlink()  # never leave the half-written temporary file behind
             raise
 
+    def create_root_file(self, name: str, data: bytes) -> bool:
+        """Create small file ``name`` directly under the root only if it does not exist
+        (written aside, fsynced, then linked into place: readers see it whole or not at all);
+        False if it exists."""
+        self.ensure_root()
+        tmp = self._child(f".{name}.{os.getpid()}-{threading.get_ident()}{TMP_SUFFIX}")
+        try:
+            with self._writing("write", self._child(name)):
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                try:
+                    os.link(tmp, self._child(name), follow_symlinks=False)
+                except FileExistsError:
+                    return False
+                fsync_dir(self.root)
+            return True
+        finally:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+
     def sync_dir(self, name: str | None = None) -> None:
         fsync_dir(self._child(name) if name else self.root)
 
@@ -438,6 +461,30 @@ class LocalBackend:
         """Wait for an exclusive flock on root-level file ``name`` (created if missing)."""
         self.ensure_root()
         return self._lock(self._child(name), fcntl.LOCK_EX)
+
+    def lock_root_shared(self, name: str) -> int:
+        """A shared flock on root-level file ``name`` (created if missing)."""
+        self.ensure_root()
+        return self._lock(self._child(name), fcntl.LOCK_SH)
+
+    def root_lock_held(self, name: str) -> bool:
+        """Whether a live process holds a lock on root-level file ``name`` (creates nothing)."""
+        try:
+            fd = self._lock(self._child(name), fcntl.LOCK_EX | fcntl.LOCK_NB, create=False)
+        except FileNotFoundError:
+            return False
+        except BlockingIOError:
+            return True
+        os.close(fd)
+        return False
+
+    def names_file(self, fd: int, name: str) -> bool:
+        """Whether root-level ``name`` is still the file open as ``fd`` (not removed or
+        replaced since it was opened)."""
+        try:
+            return os.stat(self._child(name), follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            return False
 
     def try_lock_exclusive(self, name: str) -> int | None:
         """Exclusive flock on root-level file ``name`` if nobody holds it, else None."""

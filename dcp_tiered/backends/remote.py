@@ -352,13 +352,16 @@ class RemoteBackend:
         except FileNotFoundError:
             return None
 
-    def fold_object(self, key: str, span: int, fold: Callable[[T, bytes], T], init: T) -> T:
+    def fold_object(
+        self, key: str, span: int, fold: Callable[[T, bytes], T], init: T
+    ) -> tuple[T, str | None]:
         """Read all of ``key`` with one GET (S3: one request whatever its size), handing its
         body to ``fold`` in chunks of at most ``span`` bytes (memory: one chunk). Retried
-        whole from ``init`` on a transient error."""
+        whole from ``init`` on a transient error. Returns the fold and the version tag of the
+        object read (see :meth:`listing`)."""
         path = self.path(key)
 
-        def run() -> T:
+        def run() -> tuple[T, str | None]:
             acc = init
             if self.protocol in ("s3", "s3a"):
                 bucket, _, obj = path.partition("/")
@@ -369,11 +372,12 @@ class RemoteBackend:
                         acc = fold(acc, chunk)
                 finally:
                     body.close()
-                return acc
+                return acc, resp.get("ETag")
             with self.fs.open(path, "rb") as f:
+                before = _tag(self.fs.info(path))
                 while chunk := f.read(span):
                     acc = fold(acc, chunk)
-            return acc
+            return acc, (before if before == _tag(self.fs.info(path)) else None)
 
         return self._call("get", key, run)
 
@@ -416,6 +420,13 @@ class RemoteBackend:
         """Relative key -> size of every object under ``prefix``, in one listing."""
         return {key: int(info["size"]) for key, info in self._find(prefix).items()}
 
+    def listing(self, prefix: str) -> dict[str, tuple[int, str | None]]:
+        """Relative key -> (size, version tag) of every object under ``prefix``, in one listing
+        (a page per 1,000 objects). The tag names one version of an object: the ETag on S3,
+        inode and mtime on a local store, None where the store gives none. An object with the
+        tag a read of it returned (:meth:`fold_object`) is still the object that was read."""
+        return {key: (int(info["size"]), _tag(info)) for key, info in self._find(prefix).items()}
+
     def modified(self, prefix: str) -> dict[str, float]:
         """Relative key -> last-modified time (epoch seconds) of every object under ``prefix``."""
         return {key: _mtime(info) for key, info in self._find(prefix).items()}
@@ -438,6 +449,16 @@ class RemoteBackend:
         except FileNotFoundError:
             return []
         return sorted({p.rstrip("/").rpartition("/")[2] for p in found})
+
+    def glob(self, pattern: str) -> list[str]:
+        """Relative keys matching ``pattern`` (fsspec glob, relative to the root), as the store
+        holds them now."""
+        self.fs.invalidate_cache()
+        try:
+            found = self._call("list", "", lambda: self.fs.glob(f"{self.base}/{pattern}"))
+        except FileNotFoundError:
+            return []
+        return sorted(p[len(self.base) + 1 :] for p in found)
 
     def committed_steps(self) -> list[str]:
         """Steps whose commit marker exists, as the store holds them now."""
@@ -472,6 +493,16 @@ def remote_backend(
     if not isinstance(remote, RemoteConfig):
         remote = RemoteConfig(url=remote, storage_options=dict(storage_options or {}))
     return RemoteBackend(remote)
+
+
+def _tag(info: Mapping[str, Any]) -> str | None:
+    """The version tag of an fsspec listing or info entry (see RemoteBackend.listing)."""
+    etag = info.get("ETag") or info.get("etag")
+    if etag:
+        return str(etag)
+    if "ino" in info and "mtime" in info:
+        return f"{info['ino']}-{info['mtime']}"
+    return None
 
 
 def _mtime(info: Mapping[str, Any]) -> float:

@@ -38,6 +38,9 @@ HYDRATE_LOCK_NAME = ".dcp-tiered-hydrate.lock"  # ranks of a node hydrate one at
 REMOTE_MARKER = "_COMMITTED.json"
 REMOTE_QUARANTINE = "_quarantined"  # STEP/_quarantined/<save id>.json: a marker moved aside
 NODE_RECORDS = "_nodes"
+# STEP/<save id>/_claims/node-K.json: written by each node before its first object of a save,
+# naming the run; the orphan sweep removes only saves a claim of its own run names.
+CLAIMS = "_claims"
 REMOTE_LAYOUT = 2  # objects of a save under STEP/<save id>/ (layout 1: directly under STEP/)
 # Hashed data prefixes: the count is RemoteConfig.hash_prefixes, recorded in each marker
 # (markers without one were written with 16), so a reader never guesses.
@@ -51,6 +54,8 @@ HASHED_DATA = "data"  # remote prefix of hashed data keys: never a step name
 REMOTE_LATEST = ".dcp-tiered-latest.json"
 
 _STEP_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # fullmatch: no trailing newline
+_DATA_FILE_RE = re.compile(r"__(0|[1-9][0-9]{0,8})_(0|[1-9][0-9]{0,5})\.distcp")
+_NODE_FILE_RE = re.compile(r"node-(0|[1-9][0-9]{0,6})\.json")
 _SAVE_ID_RE = re.compile(r"[0-9a-f]{1,32}")
 _TRAILING_INT = re.compile(r"(\d+)$")
 
@@ -133,6 +138,20 @@ def data_file_name(rank: int, index: int) -> str:
     return f"__{rank}_{index}.distcp"
 
 
+def is_data_file(name: str) -> bool:
+    return bool(_DATA_FILE_RE.fullmatch(name))
+
+
+def is_save_object(rel: str) -> bool:
+    """Whether ``rel`` (a key relative to a save's prefix ``STEP/<save id>/``) is a name a save
+    of ours writes, exactly: data files, the manifest files, ``.metadata``, node records and
+    claims. Anything else under the prefix is not ours, whoever put it there."""
+    head, _, tail = rel.partition("/")
+    if tail:
+        return head in (NODE_RECORDS, CLAIMS) and bool(_NODE_FILE_RE.fullmatch(tail))
+    return is_data_file(rel) or is_step_metadata(rel)
+
+
 def step_number(step: str) -> int | None:
     m = _TRAILING_INT.search(step)
     return int(m.group(1)) if m else None
@@ -198,6 +217,13 @@ class RemoteKeys:
     def node_record(self, node: int) -> str:
         return f"{self._base}{NODE_RECORDS}/node-{node}.json"
 
+    def claim(self, node: int) -> str:
+        return f"{self._base}{CLAIMS}/node-{node}.json"
+
+    @property
+    def claims_prefix(self) -> str:
+        return f"{self._base}{CLAIMS}/"
+
     @property
     def node_records_prefix(self) -> str:
         """The prefix of this save's node records (one listing polls them all)."""
@@ -210,16 +236,15 @@ class RemoteKeys:
         ]
 
     def owns(self, key: str) -> bool:
-        """Whether ``key`` is one of this save's objects (never the step's marker). In layout 1
-        those are the files directly under the step's prefixes and its node records."""
+        """Whether ``key`` is one of this save's objects by our exact name grammar (never the
+        step's marker, nor anything else someone put under the save's prefixes). Hashed
+        prefixes hold data files only."""
         for prefix in self.prefixes():
             if key.startswith(prefix):
                 rest = key[len(prefix) :]
-                if self.save_id:
-                    return True
-                return rest != REMOTE_MARKER and (
-                    "/" not in rest or rest.startswith(f"{NODE_RECORDS}/")
-                )
+                if prefix.startswith(f"{HASHED_DATA}/"):
+                    return is_data_file(rest)
+                return is_save_object(rest)
         return False
 
 
@@ -229,8 +254,9 @@ def marker_body(
     committed_at_ns: int,
     prefix_strategy: str,
     hash_prefixes: int = DEFAULT_HASH_PREFIXES,
+    run_id: str | None = None,
 ) -> dict[str, Any]:
-    return {
+    body: dict[str, Any] = {
         "step": step,
         "save_id": save_id,
         "committed_at_ns": committed_at_ns,
@@ -238,6 +264,15 @@ def marker_body(
         "hash_prefixes": hash_prefixes,
         "layout": REMOTE_LAYOUT,
     }
+    if run_id is not None:
+        body["run_id"] = run_id
+    return body
+
+
+def run_of(record: Mapping[str, Any]) -> str | None:
+    """The run id a marker, claim or node record names (None: written before run ids)."""
+    value = record.get("run_id")
+    return value if isinstance(value, str) else None
 
 
 def hash_prefixes_of(marker: Mapping[str, Any]) -> int:

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from .. import _gc
 from ..errors import ManifestError
-from . import integrity, layout, manifest_codec, manifest_v1
+from . import identity, integrity, layout, manifest_codec, manifest_v1
 from .manifest_types import (
     FORMAT,
     SHARED,
@@ -94,6 +94,7 @@ def build(
     locations: Mapping[MetadataIndex, ItemLocation],
     versions: Mapping[str, str],
     promote: bool = True,
+    run_id: str | None = None,
 ) -> Built:
     """Serialise the manifest of ``metadata`` whose items were written at ``locations``."""
     fqns = list(metadata.state_dict_metadata)
@@ -159,6 +160,7 @@ def build(
         "nodes": nodes,
         "committed_at_ns": committed_at_ns,
         "promote": promote,
+        **({"run_id": run_id} if run_id is not None else {}),
         "versions": dict(versions),
         "checksum_algorithm": integrity.ALGORITHM,
         "dcp_version": metadata.version,
@@ -310,7 +312,14 @@ def _decode_index(body: dict[str, Any]) -> Manifest:
         sections=sections,
         writers=writers,
         fqns=tuple(sdm),
+        run_id=_run_id(body.get("run_id")),
     )
+
+
+def _run_id(value: Any) -> str | None:
+    if value is None or identity.is_run_id(value):
+        return value
+    raise ManifestError(f"run_id {value!r} is not a run id")
 
 
 def _decode_entry(

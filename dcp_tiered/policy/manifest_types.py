@@ -70,6 +70,7 @@ class Manifest:
     # ``metadata.state_dict_metadata`` gives the ids that sections refer to items by.
     writers: Mapping[str, list[int]] = field(default_factory=dict)
     fqns: tuple[str, ...] = ()
+    run_id: str | None = None  # the run that saved it (None: saved before run ids)
 
     @property
     def complete(self) -> bool:

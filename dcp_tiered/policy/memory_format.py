@@ -168,8 +168,10 @@ def encode_header(
     regions: list[Region],
     checksums: list[str],
     objects: bytes,
+    run_id: str | None = None,
+    world_size: int | None = None,
 ) -> bytes:
-    body = {
+    body: dict[str, Any] = {
         "format": FORMAT,
         "version": VERSION,
         "step": step,
@@ -189,6 +191,10 @@ def encode_header(
         ],
         "objects": base64.b64encode(objects).decode(),
     }
+    if run_id is not None:  # whose snapshot: a restore takes only its own run's
+        body["run_id"] = run_id
+    if world_size is not None:  # a snapshot fills the state of the same ranks only
+        body["world_size"] = world_size
     body["header_checksum"] = _checksum(body)
     return json.dumps(body).encode()
 
@@ -202,6 +208,8 @@ class Header:
     regions: list[Region]
     checksums: list[str]
     objects: bytes
+    run_id: str | None = None  # None: written before run identities
+    world_size: int | None = None
 
 
 def decode_header(data: bytes, *, where: str) -> Header:
@@ -233,11 +241,20 @@ def decode_header(data: bytes, *, where: str) -> Header:
             regions,
             [str(t["checksum"]) for t in body["tensors"]],
             base64.b64decode(body["objects"]),
+            _optional(body, "run_id", str),
+            _optional(body, "world_size", int),
         )
     except ManifestError:
         raise
     except (ValueError, KeyError, TypeError) as e:
         raise ManifestError(f"{where}: unreadable memory-tier header ({e!r})") from e
+
+
+def _optional(body: dict[str, Any], name: str, kind: type) -> Any:
+    value = body.get(name)
+    if value is not None and type(value) is not kind:
+        raise ManifestError(f"{name} {value!r} is not a {kind.__name__}")
+    return value
 
 
 def _checksum(body: dict[str, Any]) -> str:

@@ -33,8 +33,11 @@ from ..backends.remote import remote_backend
 from ..config import RemoteConfig
 from ..distributed import is_node_leader
 from ..errors import CheckpointNotFoundError, DcpTieredError, TierUnavailableError
+from ..policy import identity
+from ..policy.identity import Owner
 from ..policy.layout import is_step_name
 from ..policy.retention import RetentionPolicy, StepState, evictions
+from ..tiers import ownership
 from ..tiers.housekeeping import awaiting_remote
 from ..tiers.local import LocalTier
 from . import deepspeed as ds_shim
@@ -80,6 +83,7 @@ def wrap_deepspeed(
         # made pending first, so a crash leaves nothing a resume takes for a checkpoint, and
         # the next start sweeps it.
         tier = LocalTier(LocalBackend(run_dir))
+        _join_run(engine.lifecycle, tier, remote, storage_options)
         claimed = args.process_index == 0 and tier.claim_pending(name, [], whole=True)
         engine.lifecycle.agree.barrier()  # nobody writes into it before the claim
         args.save_total_limit = None  # Trainer's rotation would delete steps still uploading
@@ -123,6 +127,40 @@ def wrap_deepspeed(
     trainer._save_checkpoint = save_checkpoint
     trainer.train = train_then_flush
     return trainer
+
+
+def _join_run(
+    lifecycle: Any,
+    tier: LocalTier,
+    remote: str | RemoteConfig | None,
+    storage_options: Mapping[str, Any] | None,
+) -> None:
+    """Collective: the run of the output directory, which each ``checkpoint-N`` root joins (so
+    ``save_total_limit`` can tell the run's checkpoints from others'). The directory records
+    it; the first save decides it: ``$DCP_TIERED_RUN_ID``, else the one the remote prefix
+    records (a fresh node), else a new one."""
+    if lifecycle.writers.run_id is not None:
+        return
+
+    def decide() -> str:
+        found = tier.record()
+        if found is not None:
+            return found.run_id
+        run = os.environ.get("DCP_TIERED_RUN_ID") or None
+        backend = remote_backend(remote, storage_options)
+        if run is None and backend is not None:
+            try:
+                prefix = ownership.soon(backend, ownership.read_remote)
+                run = prefix.run_id if prefix is not None else None
+            except ownership.Unknown as e:
+                logger.warning("cannot read the run record of %s now: %s", backend.config.url, e)
+        return run or identity.new_run_id()
+
+    run: str = lifecycle.agree.from_rank0(decide)
+    lifecycle.agree.by_node_leaders(
+        lambda: ownership.record_local(tier.backend, run), f"recording run {run} in {tier.root}"
+    )
+    lifecycle.writers.run_id = run
 
 
 def _own_files(step_dir: str, process_index: int) -> dict[str, bytes]:
@@ -247,10 +285,21 @@ def rotate(
         keep_latest=limit, pinned=frozenset({os.path.basename(best)} if best else ())
     )
     remote_tier = remote_backend(remote, storage_options)
+    # The run: the one the output directory records (see _join_run). A checkpoint of another
+    # run, or holding a step that is not the run's, is never deleted.
+    record = LocalTier(backend).record()
     deleted = []
     for name in evictions(states, policy):
         tier = LocalTier(LocalBackend(os.path.join(run_dir, name)))
-        steps = [s.name for s in tier.steps()]
+        found = tier.steps()
+        mine = tier.record()
+        if record is None or mine is None or mine.run_id != record.run_id:
+            logger.warning("save_total_limit leaves %s alone: it is not this run's", name)
+            continue
+        if any(s.owner(mine) != Owner.OURS for s in found):
+            logger.warning("save_total_limit leaves %s alone: it holds a step not the run's", name)
+            continue
+        steps = [s.name for s in found]
         if remote_tier is not None and any(awaiting_remote(tier, remote_tier, s) for s in steps):
             continue
         backend.remove_tree(name, reason=f"save_total_limit={limit}")

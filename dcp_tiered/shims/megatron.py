@@ -166,14 +166,22 @@ class EasyCkpt:
         )
         # Recovery, explicitly: what a crash left in the save directory is finished or swept
         # (mcore's pending directories too), and uploads a previous job left are resumed.
-        self.lifecycle.start(self.save_dir)
+        mem_root = None
+        if self.mem_every:
+            mem_root = os.path.abspath(memory) if memory else _default_memory_root(self.save_dir)
+        self.lifecycle.start(self.save_dir, memory=mem_root)
         if is_node_leader():  # one process per node root
             LocalTier(LocalBackend(self.save_dir)).sweep_pending()
         self.memory = None
         self._memory_checked = allow_pickle
-        if self.mem_every:
-            root = os.path.abspath(memory) if memory else _default_memory_root(self.save_dir)
-            self.memory = MemoryTier(root, self.rank, allow_pickle=allow_pickle)
+        if mem_root is not None:
+            self.memory = MemoryTier(
+                mem_root,
+                self.rank,
+                allow_pickle=allow_pickle,
+                run_id=self.lifecycle.run_id,
+                world_size=dist.get_world_size() if dist.is_initialized() else 1,
+            )
         # Replication's events (replicated, restored_from_partner, lost) go to the
         # dcp_tiered.events logger, and so to log_file_path.
         self.events = EventLog(None)
@@ -376,12 +384,12 @@ class EasyCkpt:
             on_unreadable_tier=on_unreadable_tier,
             retry="load_checkpoint",
             name=lambda c: f"{iteration_dir(c[0])} from {c[1]}",
-            abandon=lambda skipped, chosen: self.lifecycle.quarantine(
+            abandon=lambda proven, chosen: self.lifecycle.quarantine(
                 root,
                 sorted(
                     {
                         iteration_dir(i)
-                        for i, t in skipped
+                        for i, t in proven
                         if t == "storage" and i > chosen[0] and root == self.save_dir
                     }
                 ),

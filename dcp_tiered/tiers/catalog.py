@@ -9,8 +9,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..backends.remote import RemoteBackend
-from ..errors import CheckpointNotFoundError, ConfigError, TierError, TierUnavailableError
+from ..errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    ManifestError,
+    TierError,
+    TierUnavailableError,
+)
 from ..policy import layout
+from ..policy.identity import Owner
 from . import remote as remote_tier
 from .local import LocalTier
 
@@ -24,6 +31,8 @@ class StepLocation:
     local: bool  # a committed directory on the local tier
     remote: bool  # a commit marker on the remote tier
     verified_format: bool  # False: a vanilla DCP directory without our manifest
+    run_id: str | None = None  # the run that saved it (its manifest's, else its marker's)
+    save_id: str = ""
 
 
 def list_steps(
@@ -32,10 +41,12 @@ def list_steps(
     """Committed steps on both tiers, oldest first. An unreadable remote raises
     TierUnavailableError with ``strict``; otherwise it is logged and left out."""
     found: dict[str, StepLocation] = {
-        s.name: StepLocation(s.name, s.committed_at_ns, True, False, s.verified_format)
+        s.name: StepLocation(
+            s.name, s.committed_at_ns, True, False, s.verified_format, s.run_id, s.save_id
+        )
         for s in tier.steps()
     }
-    listed: list[tuple[str, int]] = []
+    listed: list[tuple[str, int, str | None]] = []
     if remote is not None:
         try:
             listed = remote_steps(remote)
@@ -43,12 +54,14 @@ def list_steps(
             if strict:
                 raise
             logger.warning("looking at %s only: %s", tier.root, e)
-    for name, committed_at in listed:
-        _add_remote(found, name, committed_at)
+    for name, committed_at, run_id in listed:
+        _add_remote(found, name, committed_at, run_id)
     return sorted(found.values(), key=lambda s: s.committed_at_ns)
 
 
-def _add_remote(found: dict[str, StepLocation], name: str, committed_at: int) -> None:
+def _add_remote(
+    found: dict[str, StepLocation], name: str, committed_at: int, run_id: str | None = None
+) -> None:
     local = found.get(name)
     found[name] = StepLocation(
         name,
@@ -56,6 +69,8 @@ def _add_remote(found: dict[str, StepLocation], name: str, committed_at: int) ->
         local is not None,
         True,
         local.verified_format if local else True,
+        local.run_id if local else run_id,
+        local.save_id if local else "",
     )
 
 
@@ -67,8 +82,8 @@ def _unavailable(remote: RemoteBackend, e: Exception) -> TierUnavailableError:
     )
 
 
-def remote_steps(remote: RemoteBackend) -> list[tuple[str, int]]:
-    """``(step, committed_at_ns)`` of every step committed on the remote: one listing of the
+def remote_steps(remote: RemoteBackend) -> list[tuple[str, int, str | None]]:
+    """``(step, committed_at_ns, run_id)`` of every step committed on the remote: one listing of the
     root (and one per step prefix, as s3fs globs) and a GET per marker. TierUnavailableError
     if the remote cannot be read."""
     try:
@@ -79,7 +94,7 @@ def remote_steps(remote: RemoteBackend) -> list[tuple[str, int]]:
     for name in names:
         try:
             marker = json.loads(remote.get_bytes(f"{name}/{layout.REMOTE_MARKER}"))
-            out.append((name, int(marker["committed_at_ns"])))
+            out.append((name, int(marker["committed_at_ns"]), layout.run_of(marker)))
         except (FileNotFoundError, ValueError, KeyError, TypeError) as e:
             logger.warning("ignoring remote step %s with an unreadable marker: %s", name, e)
         except TierError as e:
@@ -107,7 +122,7 @@ def remote_latest(remote: RemoteBackend) -> tuple[str, int] | None:
         logger.warning("unreadable marker behind the latest pointer of %s: %s", remote, e)
     except TierError as e:
         raise _unavailable(remote, e) from e
-    listed = remote_steps(remote)
+    listed = [(name, at) for name, at, _ in remote_steps(remote)]
     newest = layout.newest(listed)
     return None if newest is None else next(s for s in listed if s[0] == newest)
 
@@ -157,6 +172,14 @@ def resolve(
             )
     steps = sorted(found.values(), key=lambda s: s.committed_at_ns)
     if latest:
+        # The root's own newest: another run's step (copied in) is loaded only by name.
+        try:
+            record = tier.record()
+        except ManifestError as e:  # reading never depends on it
+            logger.warning("%s", e)
+            record = None
+        if record is not None:
+            steps = [s for s in steps if record.owner(s.run_id, s.name, s.save_id) != Owner.FOREIGN]
         name = layout.newest((s.name, s.committed_at_ns) for s in steps)
         if name is None:
             raise CheckpointNotFoundError(

@@ -28,8 +28,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..backends.local import LocalBackend
-from ..errors import CheckpointExistsError, CommitError
-from ..policy import layout
+from ..errors import CheckpointExistsError, CommitError, ForeignPathError, ManifestError
+from ..policy import layout, manifest
 from ..policy.manifest_types import SHARED
 
 logger = logging.getLogger(__name__)
@@ -48,11 +48,20 @@ def write_step_files(
 
 
 def publish_step(
-    backend: LocalBackend, step: str, save_id: str, tmp: str, *, overwrite: bool = True
+    backend: LocalBackend,
+    step: str,
+    save_id: str,
+    tmp: str,
+    *,
+    overwrite: bool = True,
+    may_replace: Callable[[str], bool] | None = None,
 ) -> None:
     """Rename ``tmp`` to ``step``. Without ``overwrite``, a step that appeared at that name
     since the save was planned (another job saving into this root) is never replaced: the
-    rename fails, and CheckpointExistsError says so."""
+    rename fails, and CheckpointExistsError says so. With it, what was replaced is checked
+    with ``may_replace(its hidden name)`` before anything is deleted: when that says it is not
+    ours to replace (it changed since the save checked), it is swapped back, untouched, and
+    ForeignPathError raised."""
     old = layout.old_dir_name(step, save_id)
     pending = backend.exists(step, layout.PENDING_MARKER)
     try:
@@ -65,6 +74,14 @@ def publish_step(
             "untouched and this save was not committed; give each job its own root, or save "
             "under another step name."
         ) from None
+    if replaced and not pending and may_replace is not None and not may_replace(old):
+        backend.publish(old, step, tmp, replace=True)  # ours goes back to tmp, theirs stays
+        discard_tmp(backend, tmp, reason=f"save {save_id} of {step} would have replaced another")
+        raise ForeignPathError(
+            f"{backend.path_of(step)} changed while save {save_id} of it was being written, to "
+            "a step that is not this run's to replace: it was left untouched and this save was "
+            "not committed. Give each job its own root, or save under another step name."
+        )
     if replaced:
         backend.remove_tree(
             old,
@@ -77,6 +94,16 @@ def publish_step(
     # The lock guarded the temporary directory until now; a committed step needs none.
     backend.remove_file(step, layout.LOCK_NAME)
     logger.info("committed-local step=%s root=%s", step, backend.root)
+
+
+def _save_id_of(backend: LocalBackend, directory: str) -> str | None:
+    """The save id a step directory's manifest names (None if it has no readable one)."""
+    try:
+        return manifest.parse(
+            backend.read_file(directory, layout.MANIFEST_NAME), where=directory
+        ).save_id
+    except (ManifestError, OSError):
+        return None
 
 
 def discard_tmp(backend: LocalBackend, tmp: str, *, reason: str) -> None:
@@ -92,12 +119,15 @@ def build_and_publish(
     files: Mapping[str, bytes],
     *,
     what: str,
+    replaces: str | None = None,
 ) -> None:
     """Commit a step made outside a save (adopted or hydrated from the remote) as a save is
     committed: a hidden temporary directory, locked so that no sweep takes it while
     ``fill(tmp)`` writes its data, then the manifest files last, fsync, and the rename.
     A failure or a crash leaves no step that looks committed but lacks files: the temporary
-    directory is removed here, or swept as abandoned once its lock dies with the process."""
+    directory is removed here, or swept as abandoned once its lock dies with the process.
+    A step of that name is replaced only when it is save ``replaces`` (the copy being completed):
+    one committed meanwhile by a job, or any other, is never replaced (CheckpointExistsError)."""
     tmp = layout.tmp_dir_name(step, save_id)
     backend.make_dir(tmp)
     lock = None
@@ -105,7 +135,14 @@ def build_and_publish(
         lock = backend.lock_shared(tmp)
         fill(tmp)
         write_step_files(backend, tmp, files, sync=True)
-        publish_step(backend, step, save_id, tmp)
+        publish_step(
+            backend,
+            step,
+            save_id,
+            tmp,
+            overwrite=replaces is not None,
+            may_replace=lambda old: _save_id_of(backend, old) == replaces,
+        )
     except BaseException:
         if lock is not None:
             backend.unlock(lock)

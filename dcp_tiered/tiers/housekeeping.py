@@ -1,8 +1,11 @@
 """Applies retention policies to the tiers: lists, decides (retention.py), deletes.
 
-Deletes only committed steps found under the tier's own root or remote prefix, each logged at
-INFO by the backend. Vanilla DCP directories and steps whose manifest cannot be read are left
-alone: we do not delete what we cannot vouch for.
+Deletes only committed steps that are provably this run's: under the tier's own root or remote
+prefix, stored under the step name their manifest (or marker) gives, naming the run the root
+records (or adopted by it); each delete is logged at INFO by the backend. Vanilla DCP
+directories, copies, steps of other runs or from before run identities, and steps whose
+manifest or marker cannot be read are left alone: we do not delete what we cannot vouch for.
+A step due on the remote is deleted locally only once the store itself shows its save whole.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import logging
 
 from ..backends.remote import RemoteBackend
 from ..errors import ManifestError, TierError
+from ..policy.identity import Owner
 from ..policy.retention import RetentionPolicy, StepState, evictions
 from . import remote as remote_tier
 from .local import LocalTier
@@ -18,18 +22,24 @@ from .local import LocalTier
 logger = logging.getLogger(__name__)
 
 
+def local_candidates(tier: LocalTier, policy: RetentionPolicy) -> list[str]:
+    """The steps ``policy`` would delete from ``tier``, among this run's own."""
+    record = tier.record()
+    if record is None:  # no run recorded here: nothing is provably ours
+        return []
+    states = [
+        StepState(s.name, s.committed_at_ns) for s in tier.steps() if s.owner(record) == Owner.OURS
+    ]
+    return evictions(states, policy)
+
+
 def prune_local(
     tier: LocalTier, policy: RetentionPolicy, remote: RemoteBackend | None, *, label: str
 ) -> list[str]:
-    """Apply ``policy`` to a memory or local tier. A step whose manifest asks for promotion
-    is kept until ``remote`` holds it durably (or while ``remote`` cannot tell)."""
-    states = [
-        StepState(s.name, s.committed_at_ns)
-        for s in tier.steps()
-        if s.verified_format and s.committed_at_ns >= 0
-    ]
+    """Apply ``policy`` to a local tier's own steps. A step whose manifest asks for promotion
+    is kept until the store holds its save whole (or while that cannot be told)."""
     deleted = []
-    for name in evictions(states, policy):
+    for name in local_candidates(tier, policy):
         if remote is not None and awaiting_remote(tier, remote, name):
             continue
         tier.delete_step(name, reason=f"retention of the {label} tier")
@@ -38,12 +48,13 @@ def prune_local(
 
 
 def awaiting_remote(tier: LocalTier, remote: RemoteBackend, step: str) -> bool:
-    """Whether ``step`` asks for promotion and ``remote`` does not hold it durably yet (or it
-    cannot be told): such a step is the only durable copy and must not be deleted."""
+    """Whether ``step`` asks for promotion and the store does not show its save whole (this
+    root's files of it, by one listing: not the marker alone), or it cannot be told: such a
+    step may be the only durable copy and must not be deleted."""
     try:
         m = tier.read_manifest(step)
-        return m.promote and not remote_tier.is_durable(remote, m)
-    except (ManifestError, OSError):
+        return m.promote and not remote_tier.holds_whole(remote, m)
+    except (ManifestError, OSError, ValueError):
         return True
     except TierError as e:
         logger.warning(
@@ -56,13 +67,21 @@ def awaiting_remote(tier: LocalTier, remote: RemoteBackend, step: str) -> bool:
         return True
 
 
-def prune_remote(remote: RemoteBackend, policy: RetentionPolicy) -> list[str]:
+def prune_remote(remote: RemoteBackend, policy: RetentionPolicy, run_id: str | None) -> list[str]:
+    """Apply ``policy`` to run ``run_id``'s steps on the remote tier; a step whose marker cannot
+    be read is left alone (with a WARNING), never stopping the pass."""
     states = []
     for name in remote.committed_steps():
-        marker = remote_tier.read_marker(remote, name)
-        if marker is not None:
-            states.append(StepState(name, int(marker.get("committed_at_ns", 0))))
+        try:
+            marker = remote_tier.read_marker(remote, name)
+            if marker is None or remote_tier.owner(remote, marker, name, run_id) != Owner.OURS:
+                continue
+            states.append(StepState(name, int(marker["committed_at_ns"])))
+        except (ManifestError, ValueError, KeyError, TypeError) as e:
+            logger.warning("retention leaves remote step %s alone: %s", name, e)
     doomed = evictions(states, policy)
     for name in doomed:
-        remote_tier.delete_remote_step(remote, name, reason="retention of the remote tier")
+        remote_tier.delete_remote_step(
+            remote, name, reason="retention of the remote tier", run_id=run_id
+        )
     return doomed

@@ -11,8 +11,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..backends.local import LocalBackend
-from ..errors import ManifestError
+from ..errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    ForeignPathError,
+    ManifestError,
+)
 from ..policy import layout, manifest
+from ..policy.identity import Owner, RunRecord
+from . import ownership
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +33,18 @@ class StepInfo:
     name: str
     committed_at_ns: int
     verified_format: bool  # False: a vanilla DCP directory without our manifest
+    run_id: str | None = None  # the run its manifest names (None: before run ids, or unread)
+    save_id: str = ""
+    as_saved: bool = False  # stored under the step name its manifest gives (not a copy)
+
+    def owner(self, record: RunRecord | None) -> Owner:
+        """Whose this step is for the run ``record`` (a root's): ours only when its manifest
+        is readable, names this directory's step and the run (or the run adopted it)."""
+        if not self.verified_format or not self.as_saved or self.committed_at_ns < 0:
+            return Owner.FOREIGN
+        if record is None:
+            return Owner.UNOWNED if self.run_id is None else Owner.FOREIGN
+        return record.owner(self.run_id, self.name, self.save_id)
 
 
 class LocalTier:
@@ -51,7 +70,7 @@ class LocalTier:
                 continue
             try:
                 if self.backend.exists(name, layout.MANIFEST_NAME):
-                    found.append(StepInfo(name, self._committed_at(name), True))
+                    found.append(self._describe(name))
                 elif self.backend.exists(name, layout.DCP_METADATA_NAME):
                     mtime = self.backend.mtime(name, layout.DCP_METADATA_NAME)
                     found.append(StepInfo(name, int(mtime * 1e9), False))
@@ -59,14 +78,40 @@ class LocalTier:
                 pass  # deleted while we looked
         return found
 
-    def _committed_at(self, name: str) -> int:
+    def _describe(self, name: str) -> StepInfo:
         try:
-            return self.read_manifest(name).committed_at_ns
+            m = self.read_manifest(name, nodes=())
         except FileNotFoundError:
             raise
         except (ManifestError, OSError) as e:
             logger.warning("step %s in %s has an unreadable manifest: %s", name, self.root, e)
-            return -1
+            return StepInfo(name, -1, True)
+        return StepInfo(name, m.committed_at_ns, True, m.run_id, m.save_id, m.step == name)
+
+    def info(self, step: str) -> StepInfo | None:
+        """The committed step ``step`` as :meth:`steps` lists it; None if there is none."""
+        return next((s for s in self.steps() if s.name == step), None)
+
+    def record(self) -> RunRecord | None:
+        """The run this root records (see :mod:`dcp_tiered.policy.identity`)."""
+        return ownership.read_local(self.backend)
+
+    def require_ours(self, step: str, run_id: str | None) -> None:
+        """ForeignPathError unless committed ``step`` is run ``run_id``'s: a step of another
+        run, one saved before run ids and not adopted, or a copy of a step under another name
+        is never replaced, quarantined or deleted."""
+        record = self.record()
+        info = self.info(step)
+        if info is None:
+            raise CheckpointNotFoundError(f"step {step!r} is not committed in {self.root}")
+        owner = info.owner(record)
+        if owner == Owner.OURS and record is not None and record.run_id == run_id:
+            return
+        raise ForeignPathError(
+            f"{self.backend.path_of(step)} is {_whose(info, owner)}, not run {run_id!r}'s: it "
+            "was left untouched. Save under another step name, or, if it is yours, make it this "
+            f"run's with `dcp-tiered adopt {self.root} {step}`"
+        )
 
     def has_step(self, name: str) -> bool:
         return (
@@ -183,17 +228,29 @@ class LocalTier:
         finally:
             self.backend.unlock(lock)
 
-    def quarantine(self, step: str, *, reason: str) -> str | None:
+    def holds_ours(self, directory: str, step: str, run_id: str | None) -> bool:
+        """Whether ``directory`` (a step, or one moved aside under a hidden name) is a save of
+        ``step`` that is run ``run_id``'s."""
+        record = self.record()
+        try:
+            m = self.read_manifest(directory, nodes=())
+        except (ManifestError, OSError):
+            return False
+        return (
+            m.step == step
+            and record is not None
+            and record.run_id == run_id
+            and record.owner(m.run_id, step, m.save_id) == Owner.OURS
+        )
+
+    def quarantine(self, step: str, *, reason: str, run_id: str | None) -> str | None:
         """Move committed ``step`` aside under a hidden name of ours (never deleted, swept,
-        listed or loaded), so the step can be saved again; None if there is no such step."""
+        listed or loaded), so the step can be saved again; None if there is no such step.
+        ForeignPathError if it is not run ``run_id``'s (see :meth:`require_ours`)."""
         if not self.has_step(step) or self.backend.is_link(step):
             return None
-        try:
-            save_id = self.read_manifest(step).save_id
-        except (ManifestError, OSError):
-            save_id = ""
-        if not layout.is_save_id(save_id):  # unreadable: any fresh id names it uniquely
-            save_id = uuid.uuid4().hex[:12]
+        self.require_ours(step, run_id)
+        save_id = self.read_manifest(step, nodes=()).save_id
         name = layout.quarantine_dir_name(step, save_id)
         self.backend.rename(step, name)
         logger.warning(
@@ -207,6 +264,43 @@ class LocalTier:
         return name
 
     # ------------------------------------------------------------ recovery
+
+    def quarantined(self) -> list[tuple[str, str]]:
+        """``(step, save id)`` of every step quarantined here."""
+        out = []
+        for name in self.backend.list_names():
+            parsed = layout.parse_hidden_dir(name)
+            if parsed and parsed[2] == layout.QUARANTINE_SUFFIX and self.backend.is_dir(name):
+                out.append((parsed[0], parsed[1]))
+        return sorted(out)
+
+    def release_quarantined(self, step: str, save_id: str, *, run_id: str | None) -> None:
+        """Undo :meth:`quarantine`: give quarantined save ``save_id`` of ``step`` its name back.
+        Refused (CheckpointExistsError) while a step of that name exists, and (ForeignPathError)
+        unless it is run ``run_id``'s; logged."""
+        name = layout.quarantine_dir_name(step, save_id)
+        if not self.backend.is_dir(name) or self.backend.is_link(name):
+            raise CheckpointNotFoundError(f"no quarantined save {save_id} of {step} in {self.root}")
+        m = self.read_manifest(name, nodes=())
+        record = self.record()
+        if (
+            m.step != step
+            or record is None
+            or record.run_id != run_id
+            or record.owner(m.run_id, step, m.save_id) != Owner.OURS
+        ):
+            raise ForeignPathError(
+                f"{self.backend.path_of(name)} is not run {run_id!r}'s; it was left as it is"
+            )
+        try:
+            self.backend.publish(name, step, "", replace=False)
+        except FileExistsError:
+            raise CheckpointExistsError(
+                f"{self.backend.path_of(step)} exists (saved again since the quarantine): "
+                f"quarantined save {save_id} was left aside. Remove or quarantine the current "
+                "step first"
+            ) from None
+        logger.warning("released %s/%s from quarantine (save %s)", self.root, step, save_id)
 
     def recover_and_sweep(self) -> None:
         """Undo interrupted overwrites and delete temporary directories of crashed saves.
@@ -275,3 +369,13 @@ class LocalTier:
         if self.backend.exists(name, layout.LOCK_NAME):
             return not self.backend.is_locked(name)
         return time.time() - self.backend.mtime(name) > _UNLOCKED_GRACE_SECS
+
+
+def _whose(info: StepInfo, owner: Owner) -> str:
+    if not info.verified_format or info.committed_at_ns < 0:
+        return "not a step of ours (no readable dcp_tiered manifest)"
+    if not info.as_saved:
+        return "a copy of another step (its manifest names another step)"
+    if owner == Owner.UNOWNED:
+        return "saved before run identities (no run id)"
+    return f"run {info.run_id!r}'s"

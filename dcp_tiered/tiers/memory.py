@@ -13,6 +13,11 @@ whole. The files outlive the processes (not the node), and the copy is the only 
 training step pays, so a snapshot every step is affordable.
 
 Memory snapshots involve no collective: ranks agree on what to restore in the manager.
+
+Each header names the run and the world size that saved it. A tier built for a run sees only
+that run's snapshots of the same world size: another run's (the memory directory records its
+run, so that is refused at start) or one written before run identities is never restored, and a
+snapshot of another world size is left to the disk and remote tiers, which reshard.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from ..backends.local import LocalBackend
 from ..errors import CheckpointNotFoundError, IntegrityError, ManifestError
 from ..policy import layout
 from ..policy import memory_format as fmt
+from . import ownership
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +62,14 @@ class MemoryTier:
         *,
         allow_pickle: bool = False,
         directory: str | None = None,
+        run_id: str | None = None,
+        world_size: int | None = None,
     ) -> None:
         self.root = str(LocalBackend(root).root)
         self.rank = rank  # whose snapshots these are
+        # whose snapshots count here (None: any, as the CLI lists them) and of how many ranks
+        self.run_id, self.world_size = run_id, world_size
+        self._recorded = False  # the memory root records run_id (see save)
         self.allow_pickle = allow_pickle  # non-tensor values load with full pickle (trusted)
         # ``directory``: another rank's copies kept here (peer replication), same format.
         self.backend = LocalBackend(os.path.join(self.root, directory or f"rank-{rank}"))
@@ -88,6 +99,9 @@ class MemoryTier:
         and commit it in the background. The future gives the background timings."""
         layout.validate_step_name(step)
         self.wait()  # the other slot's commit: never leave both slots uncommitted
+        if self.run_id is not None and not self._recorded:  # the directory is the run's
+            ownership.record_local(LocalBackend(self.root), self.run_id)
+            self._recorded = True
         started = time.perf_counter()
         tensors, objects = [], {}
         for path, leaf in fmt.leaves(state):
@@ -156,6 +170,8 @@ class MemoryTier:
             regions=regions,
             checksums=checksums,
             objects=blob,
+            run_id=self.run_id,
+            world_size=self.world_size,
         )
         write_done = time.perf_counter()
         self.backend.replace_root_file(_header(slot), header)
@@ -168,7 +184,7 @@ class MemoryTier:
         """The committed snapshot of ``step`` (header bytes, data), kept from being overwritten
         until :meth:`release`; None if no slot holds it."""
         with self._lock:
-            found = [(s, h) for s, h in read_headers(self.backend).items() if h.step == step]
+            found = [(s, h) for s, h in self._headers().items() if h.step == step]
             if not found:
                 return None
             slot, header = max(found, key=lambda sh: sh[1].committed_at_ns)
@@ -196,6 +212,10 @@ class MemoryTier:
         header = fmt.decode_header(header_bytes, where=where)
         if header.rank != self.rank or header.step != step:
             raise IntegrityError(f"{where}: the header is rank {header.rank}'s {header.step}")
+        if not self._counts(header):
+            raise IntegrityError(
+                f"{where}: the snapshot is run {header.run_id!r}'s, not this run's"
+            )
         slot = self._uncommit_a_slot()
         sig = (
             "received",
@@ -210,7 +230,7 @@ class MemoryTier:
     def raw(self, step: str) -> tuple[bytes, torch.Tensor] | None:
         """The newest copy of ``step`` as stored (header bytes, data), unverified: the reader
         verifies it."""
-        found = [(s, h) for s, h in read_headers(self.backend).items() if h.step == step]
+        found = [(s, h) for s, h in self._headers().items() if h.step == step]
         if not found:
             return None
         slot, header = max(found, key=lambda sh: sh[1].committed_at_ns)
@@ -237,14 +257,14 @@ class MemoryTier:
     def steps(self) -> dict[str, int]:
         """Committed step name -> commit time (ns) of this rank's slots."""
         out: dict[str, int] = {}
-        for h in read_headers(self.backend).values():  # a step saved again: its newest copy
+        for h in self._headers().values():  # a step saved again: its newest copy
             out[h.step] = max(out.get(h.step, 0), h.committed_at_ns)
         return out
 
     def load(self, step: str, app_state: dict[str, Any]) -> None:
         """Verify ``step``'s snapshot and load it into ``app_state`` (Stateful objects get
         ``load_state_dict``); raises CheckpointNotFoundError or IntegrityError."""
-        found = [(s, h) for s, h in read_headers(self.backend).items() if h.step == step]
+        found = [(s, h) for s, h in self._headers().items() if h.step == step]
         if not found:
             raise CheckpointNotFoundError(f"{step} is not in the memory tier {self.backend.root}")
         # Saved again after a restore fell back past it: the newest copy is the step.
@@ -255,6 +275,30 @@ class MemoryTier:
         buffer = self._file(slot, header.data_size)
         verify(header, buffer, where)
         fill_state(header, buffer, app_state, where, allow_pickle=self.allow_pickle)
+
+    def _headers(self) -> dict[int, fmt.Header]:
+        """The committed slots whose snapshots count for this tier's run and world size."""
+        found = read_headers(self.backend)
+        kept = {slot: h for slot, h in found.items() if self._counts(h)}
+        for slot in sorted(set(found) - set(kept)):
+            h = found[slot]
+            logger.debug(
+                "memory tier %s: slot %d (%s) is not restored: run %r, world size %s (this is "
+                "run %r, world size %s)",
+                self.backend.root,
+                slot,
+                h.step,
+                h.run_id,
+                h.world_size,
+                self.run_id,
+                self.world_size,
+            )
+        return kept
+
+    def _counts(self, header: fmt.Header) -> bool:
+        if self.run_id is not None and header.run_id != self.run_id:
+            return False
+        return self.world_size is None or header.world_size == self.world_size
 
 
 def verify(header: fmt.Header, buffer: torch.Tensor, where: str) -> None:

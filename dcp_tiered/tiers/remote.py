@@ -1,21 +1,16 @@
-"""The remote tier's commit protocol: promoting one committed local step, and what it means.
+"""The remote tier: what a committed remote step is, and the acts on one (read, quarantine,
+release, delete), each on proof.
 
-Which steps are promoted, when and on which threads is :mod:`dcp_tiered.tiers.uploads`'s job.
-Durability of a step moves staged → committed-local → durable-remote. On the remote tier a
-step is committed by this protocol, so partial uploads are never visible:
+A step is committed on the remote once its marker ``STEP/_COMMITTED.json`` names a save whose
+objects live under ``STEP/<save id>/`` (how a save gets there, and the proof a marker needs, is
+:mod:`dcp_tiered.tiers.promotion`'s). Readers trust only steps with a marker. The root's
+``latest`` pointer is moved before the marker is written, so no step is ever committed while
+the pointer names an older one: a pointer whose step has no marker of the save it names is
+stale, and readers then list the root instead.
 
-1. every node uploads its own data files (skipping objects already there with the right size
-   and checksum), then writes its completion record ``STEP/_nodes/node-K.json``;
-2. the coordinator's node (the one holding rank 0's files and every manifest section) waits
-   for every node's record, then writes the sections, ``.metadata`` and the manifest's index;
-3. it moves the root's ``latest`` pointer forward to this step (compare-and-set), then, last,
-   creates the commit marker ``STEP/_COMMITTED.json`` exclusively (If-None-Match).
-Readers trust only steps with a marker. The pointer is written before the marker so that no
-step is ever committed while the pointer names an older one: a pointer whose step has no
-marker of the save it names is stale, and readers then list the root instead.
-
-Requests: a node HEADs only its own keys (none for files its early uploads recorded done),
-never lists the save; the coordinator polls the node records with one LIST per round.
+Acts that un-commit or delete (quarantine, delete) act only on a marker that names this run
+(or a save the run adopted), and delete only keys of our exact name grammar; anything else
+under the prefix is left alone.
 """
 
 from __future__ import annotations
@@ -29,11 +24,12 @@ import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from .._daemon_pool import DaemonPool
 from ..backends.remote import RemoteBackend
 from ..errors import (
+    CheckpointExistsError,
     CheckpointNotFoundError,
     ConfigError,
+    ForeignPathError,
     InsufficientSpaceError,
     IntegrityError,
     ManifestError,
@@ -41,8 +37,9 @@ from ..errors import (
     UploadFailedError,
 )
 from ..policy import integrity, layout, manifest
+from ..policy.identity import Owner
 from ..policy.manifest import Manifest
-from . import commit
+from . import commit, ownership
 from .local import LocalTier
 
 logger = logging.getLogger(__name__)
@@ -51,7 +48,7 @@ _CHUNK_BYTES = 16 * 2**20
 _MAX_CHUNK_BYTES = 64 * 2**20  # memory a read-back or a download holds at once
 
 
-def _chunk_bytes(remote: RemoteBackend) -> int:
+def chunk_bytes(remote: RemoteBackend) -> int:
     """Ranged GETs as large as the upload's parts (fewer requests), within a memory bound."""
     return min(max(_CHUNK_BYTES, remote.config.part_size_bytes), _MAX_CHUNK_BYTES)
 
@@ -60,15 +57,6 @@ class Durability(str, enum.Enum):
     STAGED = "staged"  # being written on the local tier
     COMMITTED_LOCAL = "committed-local"
     DURABLE_REMOTE = "durable-remote"
-
-
-def node_of_local_files(m: Manifest, present: set[str]) -> int:
-    """Which node's shards this local step directory holds (the lowest, if several)."""
-    ranks = {int(info["rank"]) for name, info in m.files.items() if name in present}
-    for node, node_ranks in enumerate(m.nodes):
-        if ranks & set(node_ranks):
-            return node
-    return 0
 
 
 def read_marker(remote: RemoteBackend, step: str) -> dict[str, Any] | None:
@@ -81,220 +69,6 @@ def read_marker(remote: RemoteBackend, step: str) -> dict[str, Any] | None:
 def is_durable(remote: RemoteBackend, m: Manifest) -> bool:
     marker = read_marker(remote, m.step)
     return marker is not None and marker.get("save_id") == m.save_id
-
-
-class Promotion:
-    """Uploads one node's part of one committed step; the coordinator's node also commits."""
-
-    def __init__(
-        self, tier: LocalTier, remote: RemoteBackend, step: str, files_pool: DaemonPool
-    ) -> None:
-        self.tier, self.remote, self.step, self._pool = tier, remote, step, files_pool
-
-    def run(self) -> None:
-        m = self.tier.read_manifest(self.step)
-        marker = read_marker(self.remote, self.step)
-        area = layout.upload_area_name(self.step, m.save_id)
-        if marker is not None:
-            if marker.get("save_id") == m.save_id:  # already durable
-                if self.tier.backend.is_dir(area):
-                    self.tier.backend.remove_tree(area, reason="upload records of a durable step")
-                return
-            # Remote steps are immutable: the step is another save's. Leave that copy whole.
-            raise UploadFailedError(
-                f"step {self.step!r} is already committed on {self.remote.config.url} by another "
-                f"save ({marker.get('save_id')}, not this one's {m.save_id}): two jobs save "
-                "into this prefix, or the step was saved again after it became durable. Remote "
-                "steps are never overwritten: give each job its own remote prefix, or save "
-                "under a new step name."
-            )
-        keys = self.keys(m)
-        present = set(self.tier.backend.list_files(self.step)) & set(m.files)
-        node = node_of_local_files(m, present)
-        mine = sorted(n for n in present if int(m.files[n]["rank"]) in m.nodes[node])
-        # What an earlier, interrupted attempt already uploaded: each file's own HEAD (no
-        # listing of the whole save, whose pages grow with every node's objects).
-        jobs = [self._pool.submit(self._upload, m, n, keys.file(n)) for n in mine]
-        for fut in jobs:
-            fut.result()
-        record = {"save_id": m.save_id, "files": {n: m.files[n] for n in mine}}
-        self.remote.put_bytes(keys.node_record(node), json.dumps(record).encode())
-        if self.tier.backend.is_dir(area):
-            self.tier.backend.remove_tree(area, reason="upload records of a node copy now uploaded")
-        logger.info(
-            "uploaded step=%s node=%d files=%d to %s",
-            self.step,
-            node,
-            len(mine),
-            self.remote.config.url,
-        )
-        if node == 0:
-            self._commit(m, keys)
-
-    def keys(self, m: Manifest) -> layout.RemoteKeys:
-        cfg = self.remote.config
-        return layout.RemoteKeys(self.step, m.save_id, cfg.prefix_strategy, cfg.hash_prefixes)
-
-    def _upload(self, m: Manifest, name: str, key: str) -> None:
-        size, checksum = int(m.files[name]["size"]), str(m.files[name]["checksum"])
-        backend, area = self.tier.backend, layout.upload_area_name(self.step, m.save_id)
-        # An upload started before the commit (by any rank of this node) holds this lock.
-        lock = backend.lock_exclusive(area, f"{name}.lock") if backend.is_dir(area) else None
-        try:
-            if lock is not None and backend.exists(area, f"{name}.done"):
-                return
-            if remote_checksum(self.remote, key, size) == checksum:
-                logger.debug("skip %s: already uploaded", key)
-                return
-            # Holding the lock, no upload of this key from this node is in flight: any
-            # incomplete multipart upload of it is a leftover of an interrupted attempt.
-            self.remote.abort_multipart_uploads(key, only={key})
-            upload_verified(self.tier, self.remote, (self.step,), name, key, checksum)
-            if lock is not None:  # an early upload of it still queued skips it
-                backend.write_file(area, f"{name}.done", b"", sync=False)
-        finally:
-            if lock is not None:
-                backend.unlock(lock)
-
-    def _commit(self, m: Manifest, keys: layout.RemoteKeys) -> None:
-        deadline = time.monotonic() + self.remote.config.durable_timeout_secs
-        pending = set(range(1, len(m.nodes)))
-        delay = 0.05
-        while pending:
-            # One listing per round (a page per 1,000 nodes), not a GET per node: the records
-            # sit under this save's own prefix STEP/<save id>/, so one there is this save's.
-            listed = set(self.remote.sizes(keys.node_records_prefix))
-            pending -= {n for n in pending if keys.node_record(n) in listed}
-            if pending:
-                if time.monotonic() > deadline:
-                    raise UploadFailedError(
-                        f"step {self.step!r}: nodes {sorted(pending)} did not finish uploading "
-                        f"within {self.remote.config.durable_timeout_secs:.0f} s; the step stays "
-                        "committed locally and is retried at the next start"
-                    )
-                time.sleep(delay)
-                delay = min(delay * 2, 2.0)
-        if not m.complete:
-            raise UploadFailedError(
-                f"step {self.step!r} in {self.tier.root} lacks manifest sections "
-                f"{m.missing(m.sections)}, so it cannot be committed on the remote; it stays "
-                "committed locally"
-            )
-        backend = self.tier.backend
-        for node in m.sections:
-            name = layout.manifest_section_name(node)
-            self.remote.put_bytes(keys.section(node), backend.read_file(self.step, name))
-        self.remote.put_bytes(keys.metadata, backend.read_file(self.step, layout.DCP_METADATA_NAME))
-        self.remote.put_bytes(keys.manifest, backend.read_file(self.step, layout.MANIFEST_NAME))
-        cfg = self.remote.config
-        marker = layout.marker_body(
-            self.step, m.save_id, m.committed_at_ns, cfg.prefix_strategy, cfg.hash_prefixes
-        )
-        advance_latest(self.remote, self.step, marker)
-        if not self.remote.create_exclusive(
-            f"{self.step}/{layout.REMOTE_MARKER}", json.dumps(marker).encode()
-        ):
-            existing = read_marker(self.remote, self.step) or {}
-            if existing.get("save_id") != m.save_id:
-                # Another save won the marker: ours is an orphan, and nobody else removes it.
-                remove_save(
-                    self.remote,
-                    keys,
-                    reason=f"save {m.save_id} of step {self.step} "
-                    f"lost its commit to save {existing.get('save_id')}",
-                )
-                raise UploadFailedError(
-                    f"step {self.step!r} was committed on {self.remote.config.url} by another "
-                    f"save ({existing.get('save_id')}) while this one ({m.save_id}) uploaded: two "
-                    "jobs save into this prefix. The other copy was left untouched and this "
-                    "one's objects were removed; give each job its own remote prefix."
-                )
-        remove_orphan_saves(self.remote, self.step, keep={m.save_id})
-        logger.info("durable-remote step=%s url=%s", self.step, self.remote.config.url)
-
-
-def upload_verified(
-    tier: LocalTier,
-    remote: RemoteBackend,
-    directory: tuple[str, ...],
-    name: str,
-    key: str,
-    checksum: str,
-) -> None:
-    """Upload a local file after checking it against its manifest checksum, so promotion
-    never copies corruption; then, with ``verify_uploads``, read the stored object back and
-    check it too, so what the store holds is what was written (a store or proxy that
-    corrupts a body gets it again, a few times, before the promotion fails)."""
-    actual = tier.backend.file_checksum(*directory, name)
-    path = tier.backend.path_of(*directory, name)
-    if actual != checksum:
-        raise IntegrityError(
-            f"local file {path} fails its checksum ({actual} != manifest {checksum}); it was "
-            "not uploaded. Re-save the step."
-        )
-    size = tier.backend.file_size(*directory, name)
-    attempts = min(3, remote.config.retry.max_attempts)  # each one is a whole upload
-    for attempt in range(1, attempts + 1):
-        remote.put_file(path, key, checksum)
-        if not remote.config.verify_uploads:
-            return
-        stored = remote_checksum(remote, key, size, read_back=True)
-        if stored == checksum:
-            return
-        logger.warning(
-            "%s holds other bytes than were uploaded (%s, manifest %s; attempt "
-            "%d of %d): uploading it again",
-            remote.url(key),
-            stored,
-            checksum,
-            attempt,
-            attempts,
-        )
-    remote.remove(key, reason="its stored bytes fail the manifest checksum")
-    raise UploadFailedError(
-        f"{remote.url(key)}: the store kept other bytes than were uploaded ({attempts} "
-        f"attempts; CRC32C of the stored object != manifest {checksum}). Something between "
-        "here and the store corrupts uploads (a proxy, a gateway, the store itself); the step "
-        "stays committed locally and is retried at the next start."
-    )
-
-
-def remote_checksum(
-    remote: RemoteBackend, key: str, size: int, *, read_back: bool | None = None
-) -> str | None:
-    """CRC32C of the object at ``key`` if it has ``size`` bytes and is whole, else None. Unless told
-    otherwise, reads it back only where ``verify_uploads`` asks (or the store keeps no
-    metadata); otherwise trusts the checksum recorded with it at upload (one HEAD)."""
-    if read_back is None:
-        read_back = remote.config.verify_uploads
-    if not read_back:
-        stat = remote.stat(key)
-        if stat is None or stat[0] != size:
-            return None
-        if stat[1] is not None:
-            return stat[1]
-    # One GET for the whole object (a ranged GET per part would double the requests), no
-    # HEAD before it: its length is counted as it streams, and an object longer than
-    # ``size`` (not the one sought) is not read to its end.
-
-    def fold(acc: tuple[int, int], chunk: bytes) -> tuple[int, int]:
-        length = acc[1] + len(chunk)
-        if length > size:
-            raise _OtherObject
-        return integrity.checksum(chunk, acc[0]), length
-
-    try:
-        crc, length = remote.fold_object(key, _chunk_bytes(remote), fold, (0, 0))
-    except (FileNotFoundError, _OtherObject):
-        return None
-    except IntegrityError as e:  # the store's own checksum of it disagrees with its bytes
-        logger.warning("%s", e)
-        return None
-    return integrity.format_checksum(crc) if length == size else None
-
-
-class _OtherObject(Exception):
-    """Ends a read-back early: the object is longer than the one sought."""
 
 
 def keys_of_step(remote: RemoteBackend, step: str) -> layout.RemoteKeys | None:
@@ -312,7 +86,9 @@ def keys_of_step(remote: RemoteBackend, step: str) -> layout.RemoteKeys | None:
 
 
 def remove_save(remote: RemoteBackend, keys: layout.RemoteKeys, *, reason: str) -> None:
-    """Delete every object of one save (never a marker, nor another save's objects)."""
+    """Delete every object of one save by our name grammar, its claims last (never a marker,
+    another save's objects, or anything else someone put under its prefixes)."""
+    found: list[str] = []
     for prefix in keys.prefixes():
         if (
             prefix.startswith(layout.HASHED_DATA)
@@ -320,55 +96,71 @@ def remove_save(remote: RemoteBackend, keys: layout.RemoteKeys, *, reason: str) 
             and keys.prefix_strategy != "hash"
         ):
             continue
-        for key in sorted(remote.sizes(prefix)):
-            if keys.owns(key):
-                remote.remove(key, reason=reason)
+        found += [key for key in remote.sizes(prefix) if keys.owns(key)]
+    for key in sorted(found, key=lambda k: (k.startswith(keys.claims_prefix), k)):
+        remote.remove(key, reason=reason)
+
+
+def owner(remote: RemoteBackend, marker: dict[str, Any], step: str, run_id: str | None) -> Owner:
+    """Whose the save a marker (or a quarantine record) commits is, for run ``run_id``: this
+    run's when it names the run, or the prefix's record says the run adopted it."""
+    written_by = layout.run_of(marker)
+    save_id = str(marker.get("save_id"))
+    if run_id is not None and written_by == run_id:
+        return Owner.OURS
+    record = ownership.read_remote(remote)
+    if record is not None and record.run_id == run_id:
+        return record.owner(written_by, step, save_id)
+    return Owner.UNOWNED if written_by is None else Owner.FOREIGN
+
+
+def _require_ours(
+    remote: RemoteBackend, marker: dict[str, Any], step: str, run_id: str | None, doing: str
+) -> None:
+    whose = owner(remote, marker, step, run_id)
+    if whose == Owner.OURS:
+        return
+    written = (
+        "saved before run identities"
+        if whose == Owner.UNOWNED
+        else f"run {layout.run_of(marker)!r}'s"
+    )
+    raise ForeignPathError(
+        f"{remote.url(f'{step}/{layout.REMOTE_MARKER}')} commits a save {written}, not run "
+        f"{run_id!r}'s: it was not {doing}. If it is yours, make it this run's with "
+        f"`dcp-tiered adopt ROOT {step} --remote {remote.config.url}`"
+    )
+
+
+def holds_whole(remote: RemoteBackend, m: Manifest) -> bool:
+    """Whether the store holds save ``m`` whole as far as ``m`` knows its files: its marker
+    names that save, and one listing per prefix shows every file ``m`` lists with its size.
+    What deletes the last local copy of a step asks this first."""
+    marker = read_marker(remote, m.step)
+    if marker is None or marker.get("save_id") != m.save_id:
+        return False
+    keys = layout.keys_of_marker(m.step, marker)
+    wanted = {keys.file(name): int(info["size"]) for name, info in m.files.items()}
+    listed: dict[str, tuple[int, str | None]] = {}
+    for prefix in sorted({key.rpartition("/")[0] + "/" for key in wanted}):
+        listed.update(remote.listing(prefix))
+    return all(key in listed and listed[key][0] == size for key, size in wanted.items())
+
+
+def quarantined(remote: RemoteBackend) -> list[tuple[str, str]]:
+    """``(step, save id)`` of every save quarantined on the remote."""
+    out = []
+    for key in remote.glob(f"*/{layout.REMOTE_QUARANTINE}/*.json"):
+        step, _, rest = key.partition("/")
+        sid = rest.rpartition("/")[2].removesuffix(".json")
+        if layout.is_step_name(step) and layout.is_save_id(sid):
+            out.append((step, sid))
+    return out
 
 
 def quarantined_saves(remote: RemoteBackend, step: str) -> set[str]:
     prefix = f"{step}/{layout.REMOTE_QUARANTINE}/"
     return {k[len(prefix) :].removesuffix(".json") for k in remote.sizes(prefix)}
-
-
-def remove_orphan_saves(
-    remote: RemoteBackend, step: str, *, keep: set[str], older_than: float | None = None
-) -> None:
-    """Delete the objects of saves of ``step`` that no marker or quarantine record names
-    (killed or lost uploads), except the saves in ``keep``; with ``older_than`` (epoch s),
-    only saves whose newest object is older than that (younger ones may still be uploading).
-    Layout-1 objects (directly under the step) are left alone: they may be a quarantined step's."""
-    prefixes = [f"{step}/"]
-    if remote.config.prefix_strategy == "hash":  # every bucket there is, whatever the count
-        buckets = remote.children(f"{layout.HASHED_DATA}/")
-        prefixes += [f"{layout.HASHED_DATA}/{b}/{step}/" for b in buckets]
-    # The save ids under each prefix (one delimited listing each), then only the orphans' own
-    # objects: never a listing of the kept saves' objects, which grow with the job.
-    candidates = {
-        prefix: [
-            sid for sid in remote.children(prefix) if layout.is_save_id(sid) and sid not in keep
-        ]
-        for prefix in prefixes
-    }
-    if not any(candidates.values()):
-        return
-    marker = read_marker(remote, step)
-    keep = (
-        keep | quarantined_saves(remote, step) | ({str(marker.get("save_id"))} if marker else set())
-    )
-    newest: dict[str, float] = {}
-    found: dict[str, list[str]] = {}
-    for prefix, sids in candidates.items():
-        for sid in sids:
-            if sid in keep:
-                continue
-            for key, mtime in remote.modified(f"{prefix}{sid}/").items():
-                found.setdefault(sid, []).append(key)
-                newest[sid] = max(newest.get(sid, 0.0), mtime)
-    for sid, keys in sorted(found.items()):
-        if older_than is not None and newest[sid] >= older_than:
-            continue
-        for key in sorted(keys):
-            remote.remove(key, reason=f"orphan of step {step}: save {sid} was never committed")
 
 
 def read_latest(remote: RemoteBackend) -> tuple[dict[str, Any] | None, str | None] | None:
@@ -413,37 +205,13 @@ def advance_latest(remote: RemoteBackend, step: str, marker: dict[str, Any]) -> 
     )
 
 
-def sweep_orphans(tier: LocalTier, remote: RemoteBackend) -> None:
-    """Remove what killed uploads left on the remote: saves never committed there, whose
-    newest object is older than ``orphan_grace_secs``, and that are not committed on this
-    (the coordinator's) local tier, whose promotion would still commit them."""
-    pending = {
-        (s.name, tier.read_manifest(s.name).save_id)
-        for s in tier.steps()
-        if s.verified_format and _readable(tier, s.name)
-    }
-    cutoff = time.time() - remote.config.orphan_grace_secs
-    names = set(remote.children()) - {layout.HASHED_DATA}
-    if remote.config.prefix_strategy == "hash":  # a step's data may sit only under data/
-        for bucket in remote.children(f"{layout.HASHED_DATA}/"):
-            names.update(remote.children(f"{layout.HASHED_DATA}/{bucket}/"))
-    for step in sorted(n for n in names if layout.is_step_name(n)):
-        keep = {sid for name, sid in pending if name == step}
-        remove_orphan_saves(remote, step, keep=keep, older_than=cutoff)
-
-
-def _readable(tier: LocalTier, step: str) -> bool:
-    try:
-        tier.read_manifest(step)
-        return True
-    except (ManifestError, OSError):
-        return False
-
-
-def quarantine_remote_step(remote: RemoteBackend, step: str, *, reason: str) -> bool:
+def quarantine_remote_step(
+    remote: RemoteBackend, step: str, *, reason: str, run_id: str | None
+) -> bool:
     """Move the commit marker of ``step`` aside (its objects stay where they are), so that
     ``latest``, retention and the step's immutability ignore it and the step can be saved
-    again. Returns whether a marker was there."""
+    again. Returns whether a marker was there. ForeignPathError if it commits a save that is
+    not run ``run_id``'s (see :func:`owner`): that is never touched."""
     marker = read_marker(remote, step)
     if marker is None:
         return False
@@ -453,6 +221,7 @@ def quarantine_remote_step(remote: RemoteBackend, step: str, *, reason: str) -> 
             f"{remote.url(f'{step}/{layout.REMOTE_MARKER}')} names no valid "
             "save id; it was left in place"
         )
+    _require_ours(remote, marker, step, run_id, "quarantined")
     record = {**marker, "quarantined_at_ns": time.time_ns(), "reason": reason}
     remote.put_bytes(layout.quarantine_record_key(step, sid), json.dumps(record).encode())
     remote.remove(f"{step}/{layout.REMOTE_MARKER}", reason=f"quarantined: {reason}")
@@ -465,6 +234,33 @@ def quarantine_remote_step(remote: RemoteBackend, step: str, *, reason: str) -> 
         layout.quarantine_record_key(step, sid),
     )
     return True
+
+
+def release_remote_step(remote: RemoteBackend, step: str, save_id: str, *, run_id: str) -> None:
+    """Undo :func:`quarantine_remote_step`: commit quarantined save ``save_id`` of ``step`` again
+    (its marker back, exclusively, then its quarantine record removed). Refused while the step
+    is committed by another save (saved again since), and for a save not run ``run_id``'s."""
+    key = layout.quarantine_record_key(step, save_id)
+    try:
+        record = json.loads(remote.get_bytes(key))
+        marker = {k: v for k, v in record.items() if k not in ("quarantined_at_ns", "reason")}
+        layout.keys_of_marker(step, marker)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(
+            f"no quarantined save {save_id} of {step} on {remote.config.url}"
+        ) from None
+    except (ValueError, TypeError, AttributeError) as e:
+        raise ManifestError(f"{remote.url(key)} is not a quarantine record of ours: {e}") from e
+    if marker.get("step") != step or marker.get("save_id") != save_id:
+        raise ManifestError(f"{remote.url(key)} names another save than {step}/{save_id}")
+    _require_ours(remote, marker, step, run_id, "released")
+    if not remote.create_exclusive(f"{step}/{layout.REMOTE_MARKER}", json.dumps(marker).encode()):
+        raise CheckpointExistsError(
+            f"{step} is committed on {remote.config.url} by another save (saved again since the "
+            f"quarantine): quarantined save {save_id} was left aside"
+        )
+    remote.remove(key, reason=f"released from quarantine: {step} is save {save_id} again")
+    logger.warning("released remote step %s (save %s) of %s", step, save_id, remote.config.url)
 
 
 def durability(tier: LocalTier, remote: RemoteBackend | None, step: str) -> Durability:
@@ -551,7 +347,7 @@ def adopt_remote_step(tier: LocalTier, remote: RemoteBackend, step: str) -> None
     files = {layout.DCP_METADATA_NAME: remote.get_bytes(keys.metadata), **files}
     commit.build_and_publish(
         tier.backend, step, m.save_id, lambda tmp: None, files, what="adoption of the remote step"
-    )
+    )  # a step committed here meanwhile (a save) is never replaced: CheckpointExistsError
     logger.info(
         "adopted step=%s from %s into %s (data stays remote)", step, remote.config.url, tier.root
     )
@@ -592,6 +388,7 @@ def hydrate_step(
     lock = backend.lock_root_exclusive(layout.HYDRATE_LOCK_NAME)
     try:
         keep: list[str] = []
+        replaces = None  # the local copy this completes, if any: nothing else is replaced
         if tier.has_step(step):
             here = tier.read_manifest(step)
             if here.save_id != m.save_id:
@@ -599,6 +396,7 @@ def hydrate_step(
                     f"the local {step} in {tier.root} is another save ({here.save_id}) than the "
                     f"remote copy being read ({m.save_id}); they are never mixed"
                 )
+            replaces = here.save_id
             meta = {}
             for name in backend.list_files(step):
                 if layout.is_step_metadata(name):
@@ -639,6 +437,7 @@ def hydrate_step(
             fill,
             {**_sections_for(remote, keys, sections, meta), **meta},
             what="hydration",
+            replaces=replaces,
         )
     finally:
         backend.unlock(lock)
@@ -656,7 +455,7 @@ def _download(
     """Stream one remote object into a local file in bounded chunks, checking its checksum."""
     crc = 0
     with tier.backend.open_write(*dst) as f:
-        span = _chunk_bytes(remote)
+        span = chunk_bytes(remote)
         for start in range(0, size, span):
             chunk = remote.get_range(key, start, min(size, start + span))
             crc = integrity.checksum(chunk, crc)
@@ -670,9 +469,16 @@ def _download(
         )
 
 
-def delete_remote_step(remote: RemoteBackend, step: str, *, reason: str) -> None:
+def delete_remote_step(
+    remote: RemoteBackend, step: str, *, reason: str, run_id: str | None
+) -> None:
     """Remove a committed remote step: its marker first, so readers stop trusting it before
-    any of its objects go; then its save's objects (quarantined saves of the name stay)."""
+    any of its objects go; then its save's objects (quarantined saves of the name stay).
+    ForeignPathError if it is not run ``run_id``'s: never deleted."""
+    marker = read_marker(remote, step)
+    if marker is None:
+        return
+    _require_ours(remote, marker, step, run_id, "deleted")
     keys = keys_of_step(remote, step)
     remote.remove(f"{step}/{layout.REMOTE_MARKER}", reason=reason)
     if keys is not None:

@@ -120,6 +120,8 @@ class Replicator:
                 source,
                 allow_pickle=self.memory.allow_pickle,
                 directory=_directory(source),
+                run_id=self.memory.run_id,
+                world_size=self.memory.world_size,
             )
         return self._stores[source]
 

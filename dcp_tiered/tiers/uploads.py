@@ -22,10 +22,13 @@ from .. import _retry
 from .._daemon_pool import DaemonPool
 from .._priority import lower_this_thread
 from ..backends.remote import RemoteBackend
-from ..errors import ManifestError, UploadFailedError
+from ..errors import ForeignRunError, ManifestError, UploadFailedError
 from ..policy import layout
+from ..policy.identity import Owner
+from . import ownership
 from .local import LocalTier
-from .remote import Durability, Promotion, durability, read_marker, upload_verified
+from .promotion import CLAIMED, Promotion, claim_body, done_record, upload_verified
+from .remote import Durability, durability, read_marker
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +52,7 @@ class Uploader:
         self._resume_lock: int | None = None
         self._times: dict[str, tuple[float, float]] = {}  # step -> (started, durable) epoch s
         self._step_free: dict[tuple[str, str], bool] = {}  # see _remote_step_free
+        self._remote_run: str | None = None  # the run the prefix is known to record
 
     def submit(self, step: str, *, new_commit: bool = True) -> Future[None]:
         """Enqueue the promotion of ``step``. A new commit always gets its own promotion (it
@@ -60,7 +64,15 @@ class Uploader:
                 self._futures[step] = fut
             return fut
 
-    def upload_early(self, step: str, save_id: str, name: str, checksum: str) -> None:
+    def remote_run(self, run_id: str) -> None:
+        """The remote prefix recorded as run ``run_id``'s before anything of the run is written
+        there (once per process); ForeignRunError if it is another run's."""
+        if self._remote_run != run_id:
+            self._remote_run = ownership.record_remote(self.remote, run_id, self.tier.root).run_id
+
+    def upload_early(
+        self, step: str, save_id: str, name: str, checksum: str, node: int, run_id: str
+    ) -> None:
         """Start uploading a data file as soon as it is written, before the local commit.
 
         Data objects are invisible until the step's marker exists, so this only overlaps the
@@ -72,9 +84,11 @@ class Uploader:
         except OSError as e:
             logger.debug("early upload of %s/%s deferred to the promotion: %s", step, name, e)
             return
-        self._files.submit(self._upload_early, step, save_id, name, checksum)
+        self._files.submit(self._upload_early, step, save_id, name, checksum, node, run_id)
 
-    def _upload_early(self, step: str, save_id: str, name: str, checksum: str) -> None:
+    def _upload_early(
+        self, step: str, save_id: str, name: str, checksum: str, node: int, run_id: str
+    ) -> None:
         backend, area = self.tier.backend, layout.upload_area_name(step, save_id)
         try:
             backend.make_dir(area)
@@ -82,25 +96,27 @@ class Uploader:
             try:
                 if backend.exists(area, f"{name}.done"):  # the promotion got there first
                     return
-                if not self._remote_step_free(step, save_id, area):
+                cfg = self.remote.config
+                keys = layout.RemoteKeys(step, save_id, cfg.prefix_strategy, cfg.hash_prefixes)
+                if not self._remote_step_free(keys, area, node, run_id):
                     return
                 tmp = layout.tmp_dir_name(step, save_id)
                 where = (tmp,) if backend.exists(tmp, name) else (step,)  # committed meanwhile
-                cfg = self.remote.config
-                key = layout.RemoteKeys(step, save_id, cfg.prefix_strategy, cfg.hash_prefixes).file(
-                    name
-                )
-                upload_verified(self.tier, self.remote, where, name, key, checksum)
-                backend.write_file(area, f"{name}.done", b"", sync=False)
+                key = keys.file(name)
+                tag = upload_verified(self.tier, self.remote, where, name, key, checksum)
+                backend.write_file(area, f"{name}.done", done_record(tag), sync=False)
             finally:
                 backend.unlock(lock)
         except Exception as e:  # noqa: BLE001 - the promotion uploads it instead
             logger.debug("early upload of %s/%s deferred to the promotion: %s", step, name, e)
 
-    def _remote_step_free(self, step: str, save_id: str, area: str) -> bool:
-        """Whether no save of ``step`` is committed on the remote (remote steps are immutable:
-        never write under a committed one). One marker read per node and save: the first
-        rank to ask records the answer in the node's upload area for the others."""
+    def _remote_step_free(self, keys: layout.RemoteKeys, area: str, node: int, run_id: str) -> bool:
+        """Whether no save of the step is committed on the remote (remote steps are immutable:
+        never write under a committed one) and the prefix is this run's; if so, this node's
+        claim on the save is written before its first object. One marker read per node and
+        save: the first rank to ask records the answer in the node's upload area for the
+        others."""
+        step, save_id = keys.step, str(keys.save_id)
         with self._lock:
             free = self._step_free.get((step, save_id))
         if free is not None:
@@ -113,7 +129,15 @@ class Uploader:
             elif backend.exists(area, _REMOTE_STEP_TAKEN):
                 free = False
             else:
-                free = read_marker(self.remote, step) is None
+                try:
+                    self.remote_run(run_id)
+                    free = read_marker(self.remote, step) is None
+                except ForeignRunError as e:  # the promotion says so, to the caller
+                    logger.debug("no early upload of %s: %s", step, e)
+                    free = False
+                if free:
+                    self.remote.put_bytes(keys.claim(node), claim_body(keys, node, run_id))
+                    backend.write_file(area, CLAIMED, b"", sync=False)
                 answer = _REMOTE_STEP_FREE if free else _REMOTE_STEP_TAKEN
                 backend.write_file(area, answer, b"", sync=False)
         finally:
@@ -125,7 +149,7 @@ class Uploader:
     def _promote(self, step: str) -> None:
         started = time.time()
         try:
-            Promotion(self.tier, self.remote, step, self._files).run()
+            Promotion(self.tier, self.remote, step, self._files, self.remote_run).run()
         except BaseException as e:
             if not _retry.EXITING.is_set():  # at exit, _abandon_at_exit says it once
                 logger.error("step %s is not durable on %s: %s", step, self.remote.config.url, e)
@@ -187,9 +211,22 @@ class Uploader:
             self._resume_lock = self.tier.backend.try_lock_exclusive(layout.UPLOADER_LOCK_NAME)
             if self._resume_lock is None:
                 return  # another process on this node resumes them
+        record = self.tier.record()
         for info in sorted(self.tier.steps(), key=lambda s: s.committed_at_ns):
-            if info.verified_format and self._wants_promotion(info.name):
-                self.submit(info.name, new_commit=False)
+            if not info.verified_format or not self._wants_promotion(info.name):
+                continue
+            if record is not None and info.owner(record) != Owner.OURS:
+                logger.warning(
+                    "not resuming the upload of %s/%s: it is not run %s's (saved before run "
+                    "identities, or by another run); `dcp-tiered adopt %s %s` makes it so",
+                    self.tier.root,
+                    info.name,
+                    record.run_id,
+                    self.tier.root,
+                    info.name,
+                )
+                continue
+            self.submit(info.name, new_commit=False)
 
     def _wants_promotion(self, step: str) -> bool:
         try:

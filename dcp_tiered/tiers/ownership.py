@@ -1,0 +1,235 @@
+"""Run records and live-job locks: which run a local root, a remote prefix or a memory directory
+belongs to (:mod:`dcp_tiered.policy.identity`), and which job uses a root now.
+
+A run record is created once, exclusively, where a run first writes, and read at every start;
+it changes only through ``dcp-tiered adopt``. A job holds a shared lock on a file named after its
+instance (every rank of one launch shares it) while it uses a root, so a second job starting on
+a root in use is refused, naming the first; a crashed job's lock dies with its processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from ..backends.local import LocalBackend
+from ..backends.remote import RemoteBackend
+from ..config import RetryConfig
+from ..errors import ForeignRunError, ManifestError
+from ..policy import identity
+from ..policy.identity import RunRecord
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def instance_token() -> str:
+    """The job instance this process belongs to: every rank of one launch shares its
+    rendezvous endpoint and run id; a process started without one is an instance of its own."""
+    port = os.environ.get("MASTER_PORT")
+    if port:
+        basis = ":".join(
+            (os.environ.get("MASTER_ADDR", ""), port, os.environ.get("TORCHELASTIC_RUN_ID", ""))
+        )
+    else:
+        basis = f"{socket.gethostname()}:{os.getpid()}"
+    return hashlib.sha256(basis.encode()).hexdigest()[:16]
+
+
+def new_record(run_id: str, where: str) -> RunRecord:
+    return RunRecord(run_id, time.time_ns(), socket.gethostname(), where)
+
+
+# ---------------------------------------------------------------- local roots
+
+
+def read_local(backend: LocalBackend) -> RunRecord | None:
+    """The run record of a local root or memory directory; None if it has none (ManifestError
+    if it has one that cannot be read: nothing is decided from it)."""
+    try:
+        data = backend.read_file(identity.RUN_RECORD)
+    except FileNotFoundError:
+        return None
+    return identity.decode_record(data, where=backend.path_of(identity.RUN_RECORD))
+
+
+def record_local(backend: LocalBackend, run_id: str) -> RunRecord:
+    """Record ``run_id`` in a local root or memory directory unless it records one already;
+    ForeignRunError if that is another run's."""
+    found = read_local(backend)
+    if found is None:
+        record = new_record(run_id, str(backend.root))
+        if backend.create_root_file(identity.RUN_RECORD, identity.encode_record(record)):
+            logger.info("%s belongs to run %s from now on", backend.root, run_id)
+            return record
+        found = read_local(backend)  # another process recorded it meanwhile
+        assert found is not None
+    if found.run_id != run_id:
+        raise ForeignRunError(
+            f"{backend.root} belongs to {found.describe()}, not to run {run_id!r}: nothing was "
+            "written there. Give this job its own directory, or pass that run_id to continue it"
+        )
+    return found
+
+
+def save_local(backend: LocalBackend, record: RunRecord) -> None:
+    """Replace a local run record (adoptions), atomically."""
+    backend.replace_root_file(identity.RUN_RECORD, identity.encode_record(record))
+
+
+# Processes of a job that was just killed may take a moment to exit (and drop their locks).
+_EXIT_GRACE_SECS = 10.0
+_HELD: set[int] = set()  # descriptors of this process's live locks
+
+
+def _drop_in_child() -> None:
+    """A forked child does not hold its parent's root: flock belongs to the open file, which
+    fork shares, so a long-lived child would otherwise keep the job "live" after it ends."""
+    for fd in list(_HELD):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_drop_in_child)
+
+
+class LiveLock:
+    """This job instance's hold on a root: a shared lock on ``.dcp-tiered-live.<token>.lock``,
+    which every process of the instance takes. Taking it refuses a root another live instance
+    holds (ForeignRunError naming it; the processes of a job just killed get a few seconds to
+    exit first) and removes the files of instances that are gone."""
+
+    def __init__(self, backend: LocalBackend, token: str, about: dict[str, object]) -> None:
+        self.backend, self.token = backend, token
+        name = identity.live_lock_name(token)
+        for _ in range(8):
+            backend.create_root_file(name, json.dumps(about).encode())  # who, for the message
+            fd = backend.lock_root_shared(name)
+            if backend.names_file(fd, name):  # not removed as stale between open and lock
+                break
+            LocalBackend.unlock(fd)
+        else:  # pragma: no cover - a sweeper removing our file eight times in a row
+            raise ForeignRunError(f"cannot hold {backend.path_of(name)}: it keeps disappearing")
+        self.fd: int | None = fd
+        _HELD.add(fd)
+        try:
+            self._refuse_others()
+        except BaseException:
+            self.release()
+            raise
+
+    def _refuse_others(self) -> None:
+        backend = self.backend
+        for name in backend.list_names():
+            token = identity.parse_live_lock(name)
+            if token is None or token == self.token:
+                continue
+            deadline = time.monotonic() + _EXIT_GRACE_SECS
+            while backend.root_lock_held(name) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if backend.root_lock_held(name):
+                raise ForeignRunError(
+                    f"{backend.root} is in use by another job ({_describe_holder(backend, name)})"
+                    ": a root holds one job's checkpoints at a time, and nothing was changed. "
+                    "Give this job its own root, or stop the other job first"
+                )
+            logger.info(
+                "deleting %s (the job instance it stood for has ended)", backend.path_of(name)
+            )
+            backend.remove_file(name)
+
+    def release(self) -> None:
+        if self.fd is not None:
+            _HELD.discard(self.fd)
+            LocalBackend.unlock(self.fd)
+            self.fd = None
+
+
+def _describe_holder(backend: LocalBackend, name: str) -> str:
+    try:
+        about = json.loads(backend.read_file(name)[:4096])
+        return ", ".join(f"{k} {about[k]}" for k in ("run", "host", "pid", "root") if k in about)
+    except (OSError, ValueError, TypeError):
+        return f"its lock file {backend.path_of(name)}"
+
+
+def hold_root(backend: LocalBackend, run_id: str | None) -> LiveLock:
+    """Take this job instance's hold on ``backend``'s root (see :class:`LiveLock`)."""
+    about = {"run": run_id, "host": socket.gethostname(), "pid": os.getpid()}
+    return LiveLock(backend, instance_token(), {**about, "root": str(backend.root)})
+
+
+# ---------------------------------------------------------------- the remote prefix
+
+
+def read_remote(remote: RemoteBackend) -> RunRecord | None:
+    try:
+        data = remote.get_bytes(identity.RUN_RECORD)
+    except FileNotFoundError:
+        return None
+    return identity.decode_record(data, where=remote.url(identity.RUN_RECORD))
+
+
+class Unknown(Exception):
+    """The remote prefix's record could not be read in time (unreachable, slow)."""
+
+
+def soon(remote: RemoteBackend, act: Callable[[RemoteBackend], T], within_secs: float = 5.0) -> T:
+    """``act`` on ``remote`` with one attempt per request, waited for at most ``within_secs``
+    (it goes on in the background): a start or a first save never waits long on a store that
+    does not answer. Unknown if it did not answer in time or failed on the store; our own
+    errors about what it holds (ManifestError, ForeignRunError) as themselves."""
+    once = RemoteBackend(dataclasses.replace(remote.config, retry=RetryConfig(max_attempts=1)))
+    box: list[Any] = []
+
+    def run() -> None:
+        try:
+            box.append(act(once))
+        except Exception as e:  # noqa: BLE001 - reported below
+            box.append(e)
+
+    thread = threading.Thread(target=run, name="dcp-tiered-run-record", daemon=True)
+    thread.start()
+    thread.join(within_secs)
+    if not box:
+        raise Unknown(f"{remote.config.url} did not answer within {within_secs:.0f} s")
+    if isinstance(box[0], (ManifestError, ForeignRunError)):
+        raise box[0]
+    if isinstance(box[0], BaseException):
+        raise Unknown(f"{remote.config.url}: {box[0]}") from box[0]
+    return box[0]
+
+
+def record_remote(remote: RemoteBackend, run_id: str, where: str) -> RunRecord:
+    """Record ``run_id`` at the remote prefix unless it records one already (created
+    exclusively: of two jobs starting at once, one wins); ForeignRunError if that is another
+    run's."""
+    found = read_remote(remote)
+    if found is None:
+        record = new_record(run_id, where)
+        if remote.create_exclusive(identity.RUN_RECORD, identity.encode_record(record)):
+            logger.info("%s belongs to run %s from now on", remote.config.url, run_id)
+            return record
+        found = read_remote(remote)
+        assert found is not None
+    if found.run_id != run_id:
+        raise ForeignRunError(
+            f"{remote.config.url} belongs to {found.describe()}, not to run {run_id!r}: nothing "
+            "of this run was written there. Give this job its own remote prefix, or pass that "
+            "run_id to continue it"
+        )
+    return found
+
+
+def save_remote(remote: RemoteBackend, record: RunRecord) -> None:
+    remote.put_bytes(identity.RUN_RECORD, identity.encode_record(record))

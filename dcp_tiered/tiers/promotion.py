@@ -1,0 +1,413 @@
+"""Promotion: making one committed local step durable on the remote tier, and the proof of it.
+
+Which steps are promoted, when and on which threads is :mod:`dcp_tiered.tiers.uploads`'s job;
+what a remote step is, :mod:`dcp_tiered.tiers.remote`'s. A step is committed on the remote so
+that partial uploads are never visible, and a marker never claims what the store does not hold:
+
+1. before its first object of a save, each node writes a claim ``STEP/<sid>/_claims/node-K.json``
+   naming the run (only a claimed save is ever swept as an orphan by that run);
+2. every node uploads its own data files, each verified on the store (read back, CRC32C), and
+   writes its completion record ``STEP/<sid>/_nodes/node-K.json`` with each object's size and
+   the version tag the store gave the bytes it verified;
+3. the coordinator's node waits for every node's record, then lists the save on the store:
+   every file of the manifest must be there with its size and the tag its node verified. Only
+   then does it write the sections, ``.metadata``, the manifest's index, move the root's
+   ``latest`` pointer forward and, last, create the marker ``STEP/_COMMITTED.json`` exclusively.
+
+Local records of earlier uploads (the early uploads' ``.done`` files) only ever save this
+process work it did itself: after a restart every file is checked on the store again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import uuid
+from typing import Any
+
+from .._daemon_pool import DaemonPool
+from ..backends.remote import RemoteBackend
+from ..errors import IntegrityError, UploadFailedError
+from ..policy import integrity, layout
+from ..policy.identity import Owner
+from ..policy.manifest import Manifest
+from . import ownership
+from .local import LocalTier
+from .orphans import remove_orphan_saves
+from .remote import advance_latest, read_marker, remove_save
+from .remote import chunk_bytes as _chunk_bytes
+
+logger = logging.getLogger(__name__)
+
+# Marks this process's own records of early uploads: a record another process wrote (before a
+# restart) proves nothing about what the store holds now.
+PROCESS_TOKEN = uuid.uuid4().hex
+os.register_at_fork(after_in_child=lambda: globals().update(PROCESS_TOKEN=uuid.uuid4().hex))
+CLAIMED = "claimed"  # in a save's upload area: this node's claim is written
+
+
+def done_record(tag: str | None) -> bytes:
+    """What an upload area's ``<file>.done`` holds: who verified the upload, and its tag."""
+    return json.dumps({"process": PROCESS_TOKEN, "tag": tag}).encode()
+
+
+def trusted_tag(data: bytes) -> tuple[bool, str | None]:
+    """``(trusted, tag)`` of a ``.done`` record: trusted only if this process wrote it."""
+    try:
+        body = json.loads(data)
+        return body.get("process") == PROCESS_TOKEN, body.get("tag")
+    except (ValueError, AttributeError):
+        return False, None
+
+
+def claim_body(keys: layout.RemoteKeys, node: int, run_id: str) -> bytes:
+    return json.dumps(
+        {
+            "format": "dcp-tiered-claim",
+            "run_id": run_id,
+            "step": keys.step,
+            "save_id": keys.save_id,
+            "node": node,
+            "prefix_strategy": keys.prefix_strategy,
+            "hash_prefixes": keys.hash_prefixes,
+            "created_at_ns": time.time_ns(),
+        }
+    ).encode()
+
+
+def node_of_local_files(m: Manifest, present: set[str]) -> int:
+    """Which node's shards this local step directory holds (the lowest, if several)."""
+    ranks = {int(info["rank"]) for name, info in m.files.items() if name in present}
+    for node, node_ranks in enumerate(m.nodes):
+        if ranks & set(node_ranks):
+            return node
+    return 0
+
+
+class Promotion:
+    """Uploads one node's part of one committed step; the coordinator's node also commits."""
+
+    def __init__(
+        self,
+        tier: LocalTier,
+        remote: RemoteBackend,
+        step: str,
+        files_pool: DaemonPool,
+        remote_run: Any = None,
+    ) -> None:
+        self.tier, self.remote, self.step, self._pool = tier, remote, step, files_pool
+        # ``remote_run(run_id)``: the prefix recorded as that run's (once per process)
+        self._remote_run = remote_run or (
+            lambda run_id: ownership.record_remote(remote, run_id, tier.root)
+        )
+
+    def run(self) -> None:
+        m = self.tier.read_manifest(self.step)
+        run_id = self._run_of(m)
+        marker = read_marker(self.remote, self.step)
+        backend, area = self.tier.backend, layout.upload_area_name(self.step, m.save_id)
+        if marker is not None:
+            if marker.get("save_id") == m.save_id:  # already durable
+                if backend.is_dir(area):
+                    backend.remove_tree(area, reason="upload records of a durable step")
+                return
+            # Remote steps are immutable: the step is another save's. Leave that copy whole.
+            raise UploadFailedError(
+                f"step {self.step!r} is already committed on {self.remote.config.url} by another "
+                f"save ({marker.get('save_id')}, not this one's {m.save_id}): two jobs save "
+                "into this prefix, or the step was saved again after it became durable. Remote "
+                "steps are never overwritten: give each job its own remote prefix, or save "
+                "under a new step name."
+            )
+        self._remote_run(run_id)
+        keys = self.keys(m)
+        present = set(backend.list_files(self.step)) & set(m.files)
+        node = node_of_local_files(m, present)
+        mine = sorted(n for n in present if int(m.files[n]["rank"]) in m.nodes[node])
+        if not (backend.is_dir(area) and backend.exists(area, CLAIMED)):
+            self.remote.put_bytes(keys.claim(node), claim_body(keys, node, run_id))
+        # What an earlier attempt already uploaded: each file's own check (no listing of the
+        # whole save, whose pages grow with every node's objects).
+        jobs = {n: self._pool.submit(self._upload, m, n, keys.file(n), True) for n in mine}
+        tags = {n: fut.result() for n, fut in jobs.items()}
+        record = {
+            "save_id": m.save_id,
+            "run_id": run_id,
+            "files": {n: {**m.files[n], "tag": tags[n]} for n in mine},
+        }
+        self.remote.put_bytes(keys.node_record(node), json.dumps(record).encode())
+        if backend.is_dir(area):
+            backend.remove_tree(area, reason="upload records of a node copy now uploaded")
+        logger.info(
+            "uploaded step=%s node=%d files=%d to %s",
+            self.step,
+            node,
+            len(mine),
+            self.remote.config.url,
+        )
+        if node == 0:
+            self._commit(m, keys, run_id, tags)
+
+    def _run_of(self, m: Manifest) -> str:
+        """The run the step is promoted for: the root's, when the step is that run's."""
+        record = self.tier.record()
+        info = self.tier.info(self.step)
+        if record is None or info is None or info.owner(record) != Owner.OURS:
+            raise UploadFailedError(
+                f"{self.tier.backend.path_of(self.step)} is not this root's run's step (saved "
+                "before run identities, by another run, or a copy under another name): it is "
+                f"not uploaded. If it is yours: `dcp-tiered adopt {self.tier.root} {self.step}`"
+            )
+        return record.run_id
+
+    def keys(self, m: Manifest) -> layout.RemoteKeys:
+        cfg = self.remote.config
+        return layout.RemoteKeys(self.step, m.save_id, cfg.prefix_strategy, cfg.hash_prefixes)
+
+    def _upload(self, m: Manifest, name: str, key: str, trust_records: bool) -> str | None:
+        """Make sure the store holds ``name`` as the manifest says; the tag of the object it
+        verified."""
+        size, checksum = int(m.files[name]["size"]), str(m.files[name]["checksum"])
+        backend, area = self.tier.backend, layout.upload_area_name(self.step, m.save_id)
+        # An upload started before the commit (by any rank of this node) holds this lock.
+        lock = backend.lock_exclusive(area, f"{name}.lock") if backend.is_dir(area) else None
+        try:
+            if trust_records and lock is not None and backend.exists(area, f"{name}.done"):
+                trusted, tag = trusted_tag(backend.read_file(area, f"{name}.done"))
+                if trusted:  # this process verified it; the commit's listing checks it again
+                    return tag
+            stored, tag = verify_object(self.remote, key, size)
+            if stored == checksum:
+                logger.debug("skip %s: already uploaded", key)
+                return tag
+            # Holding the lock, no upload of this key from this node is in flight: any
+            # incomplete multipart upload of it is a leftover of an interrupted attempt.
+            self.remote.abort_multipart_uploads(key, only={key})
+            tag = upload_verified(self.tier, self.remote, (self.step,), name, key, checksum)
+            if lock is not None:  # an early upload of it still queued skips it
+                backend.write_file(area, f"{name}.done", done_record(tag), sync=False)
+            return tag
+        finally:
+            if lock is not None:
+                backend.unlock(lock)
+
+    def _commit(
+        self, m: Manifest, keys: layout.RemoteKeys, run_id: str, tags: dict[str, str | None]
+    ) -> None:
+        self._await_nodes(m, keys)
+        if not m.complete:
+            raise UploadFailedError(
+                f"step {self.step!r} in {self.tier.root} lacks manifest sections "
+                f"{m.missing(m.sections)}, so it cannot be committed on the remote; it stays "
+                "committed locally"
+            )
+        self._confirm(m, keys, tags)
+        backend = self.tier.backend
+        for node in m.sections:
+            name = layout.manifest_section_name(node)
+            self.remote.put_bytes(keys.section(node), backend.read_file(self.step, name))
+        self.remote.put_bytes(keys.metadata, backend.read_file(self.step, layout.DCP_METADATA_NAME))
+        self.remote.put_bytes(keys.manifest, backend.read_file(self.step, layout.MANIFEST_NAME))
+        cfg = self.remote.config
+        marker = layout.marker_body(
+            self.step, m.save_id, m.committed_at_ns, cfg.prefix_strategy, cfg.hash_prefixes, run_id
+        )
+        advance_latest(self.remote, self.step, marker)
+        if not self.remote.create_exclusive(
+            f"{self.step}/{layout.REMOTE_MARKER}", json.dumps(marker).encode()
+        ):
+            existing = read_marker(self.remote, self.step) or {}
+            if existing.get("save_id") != m.save_id:
+                # Another save won the marker: ours is an orphan, and nobody else removes it.
+                remove_save(
+                    self.remote,
+                    keys,
+                    reason=f"save {m.save_id} of step {self.step} "
+                    f"lost its commit to save {existing.get('save_id')}",
+                )
+                raise UploadFailedError(
+                    f"step {self.step!r} was committed on {self.remote.config.url} by another "
+                    f"save ({existing.get('save_id')}) while this one ({m.save_id}) uploaded: two "
+                    "jobs save into this prefix. The other copy was left untouched and this "
+                    "one's objects were removed; give each job its own remote prefix."
+                )
+        remove_orphan_saves(self.remote, self.step, run_id, keep={m.save_id})
+        logger.info("durable-remote step=%s url=%s", self.step, self.remote.config.url)
+
+    def _await_nodes(self, m: Manifest, keys: layout.RemoteKeys) -> None:
+        deadline = time.monotonic() + self.remote.config.durable_timeout_secs
+        pending = set(range(1, len(m.nodes)))
+        delay = 0.05
+        while pending:
+            # One listing per round (a page per 1,000 nodes), not a GET per node: the records
+            # sit under this save's own prefix STEP/<save id>/, so one there is this save's.
+            listed = set(self.remote.sizes(keys.node_records_prefix))
+            pending -= {n for n in pending if keys.node_record(n) in listed}
+            if pending:
+                if time.monotonic() > deadline:
+                    raise UploadFailedError(
+                        f"step {self.step!r}: nodes {sorted(pending)} did not finish uploading "
+                        f"within {self.remote.config.durable_timeout_secs:.0f} s; the step stays "
+                        "committed locally and is retried at the next start"
+                    )
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    def _confirm(self, m: Manifest, keys: layout.RemoteKeys, tags: dict[str, str | None]) -> None:
+        """The store's own word, before the marker: every file of the save is there with its
+        size and the tag its node verified (another node's tags from its record). This node's
+        files it does not show are uploaded again; another node's make the promotion fail (its
+        record is removed, so its next attempt checks its files on the store again)."""
+        expected = {**self._recorded_tags(m, keys), **tags}
+        missing = unconfirmed(self.remote, keys, m, expected)
+        mine = [n for n in missing if n in tags]
+        for name in mine:
+            logger.warning(
+                "%s is not on the store as verified: uploading it again",
+                self.remote.url(keys.file(name)),
+            )
+            expected[name] = self._upload(m, name, keys.file(name), False)
+        if mine:
+            missing = unconfirmed(self.remote, keys, m, expected)
+        if missing:
+            for node in {m.node_of_rank(int(m.files[n]["rank"])) for n in missing} - {0}:
+                self.remote.remove(keys.node_record(node), reason="its objects are not all there")
+            raise UploadFailedError(
+                f"step {self.step!r}: the store does not hold {', '.join(missing[:5])}"
+                f"{' ...' if len(missing) > 5 else ''} as uploaded (missing, resized or replaced "
+                f"since), so the step was not committed on {self.remote.config.url}. It stays "
+                "committed locally; its upload is retried at the next start"
+            )
+
+    def _recorded_tags(self, m: Manifest, keys: layout.RemoteKeys) -> dict[str, str | None]:
+        """The tags other nodes recorded for their files (none for a record that cannot be read:
+        those files are then checked by size alone)."""
+        out: dict[str, str | None] = {}
+        for node in range(1, len(m.nodes)):
+            try:
+                files = json.loads(self.remote.get_bytes(keys.node_record(node)))["files"]
+                out.update({str(n): f.get("tag") for n, f in files.items() if isinstance(f, dict)})
+            except (FileNotFoundError, ValueError, KeyError, TypeError, AttributeError) as e:
+                logger.warning("node %d's record of %s is unreadable: %s", node, self.step, e)
+        return out
+
+
+def unconfirmed(
+    remote: RemoteBackend,
+    keys: layout.RemoteKeys,
+    m: Manifest,
+    tags: dict[str, str | None] | None = None,
+) -> list[str]:
+    """The files of ``m`` the store does not show whole, by one listing of each prefix that holds
+    them: missing, of another size, or another object than the one verified (``tags``)."""
+    tags = tags or {}
+    wanted = {name: keys.file(name) for name in m.files}
+    listed: dict[str, tuple[int, str | None]] = {}
+    for prefix in sorted({key.rpartition("/")[0] + "/" for key in wanted.values()}):
+        listed.update(remote.listing(prefix))
+    missing = []
+    for name, key in sorted(wanted.items()):
+        got = listed.get(key)
+        tag = tags.get(name)
+        if (
+            got is None
+            or got[0] != int(m.files[name]["size"])
+            or (tag is not None and got[1] is not None and got[1] != tag)
+        ):
+            missing.append(name)
+    return missing
+
+
+def upload_verified(
+    tier: LocalTier,
+    remote: RemoteBackend,
+    directory: tuple[str, ...],
+    name: str,
+    key: str,
+    checksum: str,
+) -> str | None:
+    """Upload a local file after checking it against its manifest checksum, so promotion
+    never copies corruption; then, with ``verify_uploads``, read the stored object back and
+    check it too, so what the store holds is what was written (a store or proxy that
+    corrupts a body gets it again, a few times, before the promotion fails). Returns the
+    stored object's version tag (None without ``verify_uploads``)."""
+    actual = tier.backend.file_checksum(*directory, name)
+    path = tier.backend.path_of(*directory, name)
+    if actual != checksum:
+        raise IntegrityError(
+            f"local file {path} fails its checksum ({actual} != manifest {checksum}); it was "
+            "not uploaded. Re-save the step."
+        )
+    size = tier.backend.file_size(*directory, name)
+    attempts = min(3, remote.config.retry.max_attempts)  # each one is a whole upload
+    for attempt in range(1, attempts + 1):
+        remote.put_file(path, key, checksum)
+        if not remote.config.verify_uploads:
+            return None
+        stored, tag = verify_object(remote, key, size, read_back=True)
+        if stored == checksum:
+            return tag
+        logger.warning(
+            "%s holds other bytes than were uploaded (%s, manifest %s; attempt "
+            "%d of %d): uploading it again",
+            remote.url(key),
+            stored,
+            checksum,
+            attempt,
+            attempts,
+        )
+    remote.remove(key, reason="its stored bytes fail the manifest checksum")
+    raise UploadFailedError(
+        f"{remote.url(key)}: the store kept other bytes than were uploaded ({attempts} "
+        f"attempts; CRC32C of the stored object != manifest {checksum}). Something between "
+        "here and the store corrupts uploads (a proxy, a gateway, the store itself); the step "
+        "stays committed locally and is retried at the next start."
+    )
+
+
+def verify_object(
+    remote: RemoteBackend, key: str, size: int, *, read_back: bool | None = None
+) -> tuple[str | None, str | None]:
+    """``(CRC32C, version tag)`` of the object at ``key`` if it has ``size`` bytes and is whole,
+    else ``(None, None)``. Unless told otherwise, reads it back only where ``verify_uploads``
+    asks (or the store keeps no metadata); otherwise trusts the checksum recorded with it at
+    upload (one HEAD, no tag)."""
+    if read_back is None:
+        read_back = remote.config.verify_uploads
+    if not read_back:
+        stat = remote.stat(key)
+        if stat is None or stat[0] != size:
+            return None, None
+        if stat[1] is not None:
+            return stat[1], None
+    # One GET for the whole object (a ranged GET per part would double the requests), no
+    # HEAD before it: its length is counted as it streams, and an object longer than
+    # ``size`` (not the one sought) is not read to its end.
+
+    def fold(acc: tuple[int, int], chunk: bytes) -> tuple[int, int]:
+        length = acc[1] + len(chunk)
+        if length > size:
+            raise _OtherObject
+        return integrity.checksum(chunk, acc[0]), length
+
+    try:
+        (crc, length), tag = remote.fold_object(key, _chunk_bytes(remote), fold, (0, 0))
+    except (FileNotFoundError, _OtherObject):
+        return None, None
+    except IntegrityError as e:  # the store's own checksum of it disagrees with its bytes
+        logger.warning("%s", e)
+        return None, None
+    return (integrity.format_checksum(crc), tag) if length == size else (None, None)
+
+
+def remote_checksum(
+    remote: RemoteBackend, key: str, size: int, *, read_back: bool | None = None
+) -> str | None:
+    """The CRC32C part of :func:`verify_object`."""
+    return verify_object(remote, key, size, read_back=read_back)[0]
+
+
+class _OtherObject(Exception):
+    """Ends a read-back early: the object is longer than the one sought."""
