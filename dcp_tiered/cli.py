@@ -111,6 +111,16 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--remote", metavar="URL", help=remote)
         return p
 
+    def instead_on_remote(p: argparse.ArgumentParser, what: str) -> None:
+        """``--remote [URL]``: act on the remote tier instead (URL: the one ROOT records)."""
+        p.add_argument(
+            "--remote",
+            nargs="?",
+            const="",
+            metavar="URL",
+            help=f"{what} (URL: default the one recorded in ROOT)",
+        )
+
     remote_help = (
         "remote URL (default: the one recorded in ROOT); S3 credentials and "
         "endpoint come from the AWS_* environment"
@@ -192,14 +202,7 @@ def _parser() -> argparse.ArgumentParser:
         "tier; refuses the only durable copy without --force",
     )
     rm.add_argument("step", help="the step name")
-    rm.add_argument(
-        "--remote",
-        nargs="?",
-        const="",
-        metavar="URL",
-        help="delete the remote "
-        "copy instead of the local one (URL: default the one recorded in ROOT)",
-    )
+    instead_on_remote(rm, "delete the remote copy instead of the local one")
     rm.add_argument(
         "--force", action="store_true", help="delete even the only durable copy of the step"
     )
@@ -231,13 +234,7 @@ def _parser() -> argparse.ArgumentParser:
         "ROOT records (retention, rm, quarantine and uploads then treat them as its own)",
     )
     adopt.add_argument("steps", nargs="*", metavar="STEP", help="step names (default: all)")
-    adopt.add_argument(
-        "--remote",
-        nargs="?",
-        const="",
-        metavar="URL",
-        help="adopt the remote tier's steps instead (URL: default the one recorded in ROOT)",
-    )
+    instead_on_remote(adopt, "adopt the remote tier's steps instead")
     adopt.add_argument("--run-id", help="for a ROOT that records no run yet: its run id")
     quarantine = command(
         "quarantine",
@@ -245,13 +242,7 @@ def _parser() -> argparse.ArgumentParser:
         "with --release give a quarantined save its name back",
     )
     quarantine.add_argument("step", help="the step name")
-    quarantine.add_argument(
-        "--remote",
-        nargs="?",
-        const="",
-        metavar="URL",
-        help="on the remote tier instead (URL: default the one recorded in ROOT)",
-    )
+    instead_on_remote(quarantine, "on the remote tier instead")
     quarantine.add_argument("--release", action="store_true", help="undo a quarantine")
     quarantine.add_argument(
         "--save-id", help="with --release: which quarantined save (when there are several)"

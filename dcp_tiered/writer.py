@@ -46,7 +46,6 @@ from .errors import (
     ConfigError,
     ForeignPathError,
     InsufficientSpaceError,
-    NotWritableError,
     TierError,
     TransientTierError,
     UploadFailedError,
@@ -231,12 +230,7 @@ class TieredStorageWriter(StorageWriter):
         self._coordinator, self._use_collectives = False, True
         self._remote_checked = False  # recover() checks the remote once
         explicit = run_id if run_id is not None else os.environ.get("DCP_TIERED_RUN_ID") or None
-        self._explicit_run = None if explicit is None else identity.validate_run_id(explicit)
-        self._run_id: str | None = self._explicit_run  # known once recorded, joined or planned
-        self._live: ownership.LiveLock | None = None  # this job's hold on the root
-        self._recorded: str | None = None  # the run id this root is known to record
-        self._remote_run: str | None = None  # the run id the remote prefix records, once read
-        self._remote_asked = False
+        self._run = ownership.RootRun(self._tier.backend, self._remote, explicit)
 
     @property
     def root(self) -> str:
@@ -262,7 +256,6 @@ class TieredStorageWriter(StorageWriter):
         state["_leading"] = None
         state["_uploader"] = None
         state["_watch"] = None
-        state["_live"] = None
         return state
 
     def _watch_collective(self, phase: str | None) -> None:
@@ -288,11 +281,11 @@ class TieredStorageWriter(StorageWriter):
 
         ForeignRunError if ``root`` records another run than ``run_id=``, or another job
         uses it now."""
-        self._start_run()
+        self._run.start(hold=self._stager is not None)  # not a copy in DCP's worker
         self._tier.recover_and_sweep()
         reached = self._check_remote()
-        if reached and self._run_id is None:
-            self._join_remote_run()
+        if reached:
+            self._run.join_remote()
         self._hold_uploads()
         if reached and is_job_leader():
             self._sweep_orphans()
@@ -300,59 +293,17 @@ class TieredStorageWriter(StorageWriter):
     @property
     def run_id(self) -> str | None:
         """This writer's run (None until ``root`` records one, or the first save decides)."""
-        return self._run_id
+        return self._run.run_id
 
     @property
     def explicit_run(self) -> str | None:
         """The run this writer was told to be (``run_id=`` or ``$DCP_TIERED_RUN_ID``)."""
-        return self._explicit_run
-
-    def _start_run(self) -> None:
-        """Hold the root for this job instance and learn the run it records (once a process;
-        a read-only root is left to the save's own check)."""
-        if self._live is None and self._stager is not None:  # not a copy in DCP's worker
-            try:
-                self._live = ownership.hold_root(self._tier.backend, self._run_id)
-            except NotWritableError as e:
-                logger.debug("not holding %s: %s", self.root, e)
-        if self._recorded is None:
-            found = ownership.read_local(self._tier.backend)
-            if found is not None:
-                self._recorded = identity.decide(self._explicit_run, {self.root: found.run_id})
-                self._run_id = self._recorded
-
-    def _join_remote_run(self) -> None:
-        """A root that records no run yet joins the run its remote prefix records (a fresh
-        node of that run), as its first save would."""
-        if self._learn_remote_run():
-            assert self._remote_run is not None
-            try:
-                self.join_run(self._remote_run)
-            except NotWritableError:  # a read-only root: its saves say so; reads go on
-                self._run_id = self._remote_run
-
-    def _learn_remote_run(self) -> bool:
-        """Whether the remote prefix records a run (then :attr:`_remote_run`), asked once per
-        writer and never waited on for long: a store that does not answer leaves it to the
-        uploads, which check it before writing anything there."""
-        if self._remote is None or self._remote_asked:
-            return self._remote_run is not None
-        self._remote_asked = True
-        try:
-            found = ownership.soon(self._remote, ownership.read_remote)
-        except ownership.Unknown as e:
-            logger.warning("cannot read the run record of %s now: %s", self._remote.config.url, e)
-            return False
-        self._remote_run = found.run_id if found is not None else None
-        return found is not None
+        return self._run.explicit
 
     def join_run(self, run_id: str) -> None:
         """Make ``run_id`` this writer's run and record it in ``root`` (ForeignRunError if the
         root records another). Every rank calls it once the ranks agreed on the run."""
-        identity.validate_run_id(run_id)
-        if self._recorded != run_id:
-            self._recorded = ownership.record_local(self._tier.backend, run_id).run_id
-        self._run_id = run_id
+        self._run.join(run_id)
 
     def _check_remote(self) -> bool:
         """Probe the remote once per writer; whether this call reached it."""
@@ -376,13 +327,13 @@ class TieredStorageWriter(StorageWriter):
         for the upload retry policy's minute. The coordinator's root decides: a save it does
         not hold committed can never be committed remotely (its promotion writes the marker)."""
         assert self._remote is not None
-        if self._run_id is None:
+        if self._run.run_id is None:
             return  # no run recorded yet: nothing on the remote can be proven this run's
         once = RemoteBackend(
             dataclasses.replace(self._remote.config, retry=RetryConfig(max_attempts=1))
         )
         try:
-            orphans.sweep_orphans(self._tier, once, self._run_id)
+            orphans.sweep_orphans(self._tier, once, self._run.run_id)
         except (TierError, OSError) as e:
             logger.warning(
                 "could not look for orphaned uploads on %s: %s", self._remote.config.url, e
@@ -493,9 +444,7 @@ class TieredStorageWriter(StorageWriter):
             self._stager.close()
         if self._watch is not None:
             self._watch.cancel()
-        if self._live is not None:  # this job no longer uses the root
-            self._live.release()
-            self._live = None
+        self._run.release()  # this job no longer uses the root
         up, self._uploader = self._uploader, None
         if up is None:
             return
@@ -559,8 +508,8 @@ class TieredStorageWriter(StorageWriter):
         self._coordinator = is_coordinator
         self._use_collectives = kwargs.get("use_collectives", True)
         self._begin_save()
-        if is_coordinator and self._run_id is None:  # a root that records no run yet
-            self._learn_remote_run()
+        if is_coordinator and self._run.run_id is None:  # a root that records no run yet
+            self._run.learn_remote()
         self._facts = self._save = None
         if self._step is None:
             raise ConfigError(
@@ -578,7 +527,7 @@ class TieredStorageWriter(StorageWriter):
         if self._leading is not None:  # the previous save we led never reached finish()
             LocalBackend.unlock(self._leading[1])
             self._leading = None
-        self._start_run()
+        self._run.start(hold=self._stager is not None)
         # Every earlier save of this process is over, so unlocked leftovers are abandoned.
         self._tier.recover_and_sweep()
         if self._stager is not None:  # the trainer's writer, not a copy in DCP's subprocess
@@ -593,7 +542,7 @@ class TieredStorageWriter(StorageWriter):
                 "or construct the writer with overwrite=True"
             )
         if self._tier.has_step(step):
-            self._tier.require_ours(step, self._run_id)
+            self._tier.require_ours(step, self._run.run_id)
         if (
             self._tier.backend.exists(step)
             and not self._tier.has_step(step)
@@ -615,7 +564,7 @@ class TieredStorageWriter(StorageWriter):
                 root=self.root,
                 step=step,
                 free_bytes=self._free_bytes,
-                run_id=self._run_id,
+                run_id=self._run.run_id,
             )
             planned = dataclasses.replace(plan, storage_data=info)
         if self._use_collectives:
@@ -640,7 +589,7 @@ class TieredStorageWriter(StorageWriter):
             step=step,
             save_id=uuid.uuid4().hex[:12],
             promote=self._remote is not None and step not in self.local_only_steps,
-            run_id=self._decide_run(plans),
+            run_id=self._run.decide(_roots(plans, self._node_key(), self._run.run_id)),
         )
         self.local_only_steps.discard(step)
         if len(plans) > 1:
@@ -652,18 +601,6 @@ class TieredStorageWriter(StorageWriter):
         if self._use_collectives:
             self._watch_collective("the plan scatter (the global plan to every rank)")
         return out
-
-    def _decide_run(self, plans: list[SavePlan]) -> str:
-        """The run of this save (coordinator): the one every rank's root and the remote prefix
-        record (ForeignRunError if they disagree), else a new one, which each node records."""
-        infos = [p.storage_data for p in plans if isinstance(p.storage_data, _RankInfo)]
-        found: dict[str, str | None] = {i.node_key: i.run_id for i in infos}
-        found[self._node_key()] = self._run_id
-        if self._remote is not None:  # as set_up_storage_writer learnt it, without I/O here
-            found[self._remote.config.url] = self._remote_run
-        run = identity.decide(self._explicit_run, found) or identity.new_run_id()
-        self._run_id = run
-        return run
 
     def _lay_out(self, step: str, plans: list[SavePlan]) -> list[SavePlan]:
         """Each usable plan with its rank's layout. With DCP's plan caching, ranks whose final
@@ -715,8 +652,8 @@ class TieredStorageWriter(StorageWriter):
                 raise ConfigError("a save on several ranks needs torch.distributed initialised")
             facts = _SaveFacts.decode(bytes(store.get(_facts_key(lay.coordinator))))
         save = _SaveInfo(lay, facts)
-        if self._recorded != facts.run_id:
-            self.join_run(facts.run_id)  # a new run, or a root joining the run of the others
+        if self._run.recorded != facts.run_id:
+            self._run.join(facts.run_id)  # a new run, or a root joining the run of the others
         if facts.step != self._step:
             raise ConfigError(
                 f"ranks disagree on the step name: {sorted({facts.step, str(self._step)})} "
@@ -994,6 +931,14 @@ def _as_saveable(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.untyped_storage().size() != tensor.numel() * tensor.element_size():
         tensor = tensor.clone()
     return tensor
+
+
+def _roots(plans: list[SavePlan], own: str, own_run: str | None) -> dict[str, str | None]:
+    """The run each node's root records (or was told), as its ranks planned it (plans DCP's
+    cache replays carry none: the coordinator's own root stands for them)."""
+    found = {i.node_key: i.run_id for p in plans if isinstance(i := p.storage_data, _RankInfo)}
+    found[own] = own_run or found.get(own)
+    return found
 
 
 def _planned_bytes(item: WriteItem) -> int:

@@ -295,25 +295,15 @@ class LocalBackend:
     def replace_root_file(self, name: str, data: bytes) -> None:
         """Write a small file directly under the root via a temporary file and a rename, both
         fsynced: readers see the old content or the new, even after a power loss."""
-        self.ensure_root()
-        tmp = self._child(f".{name}.{os.getpid()}{TMP_SUFFIX}")
-        try:
-            with self._writing("write", self._child(name)):
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, self._child(name))
-                fsync_dir(self.root)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                tmp.unlink()  # never leave the half-written temporary file behind
-            raise
+        self._put_root_file(name, data, exclusive=False)
 
     def create_root_file(self, name: str, data: bytes) -> bool:
-        """Create small file ``name`` directly under the root only if it does not exist
-        (written aside, fsynced, then linked into place: readers see it whole or not at all);
-        False if it exists."""
+        """Create small file ``name`` directly under the root only if it does not exist, whole
+        or not at all (as :meth:`replace_root_file`, but linked into place); False if it
+        exists."""
+        return self._put_root_file(name, data, exclusive=True)
+
+    def _put_root_file(self, name: str, data: bytes, *, exclusive: bool) -> bool:
         self.ensure_root()
         tmp = self._child(f".{name}.{os.getpid()}-{threading.get_ident()}{TMP_SUFFIX}")
         try:
@@ -322,15 +312,18 @@ class LocalBackend:
                     f.write(data)
                     f.flush()
                     os.fsync(f.fileno())
-                try:
-                    os.link(tmp, self._child(name), follow_symlinks=False)
-                except FileExistsError:
-                    return False
+                if not exclusive:
+                    os.replace(tmp, self._child(name))
+                else:
+                    try:
+                        os.link(tmp, self._child(name), follow_symlinks=False)
+                    except FileExistsError:
+                        return False
                 fsync_dir(self.root)
             return True
         finally:
             with contextlib.suppress(OSError):
-                tmp.unlink()
+                tmp.unlink()  # never leave the temporary file behind
 
     def sync_dir(self, name: str | None = None) -> None:
         fsync_dir(self._child(name) if name else self.root)

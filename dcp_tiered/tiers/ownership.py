@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 from ..backends.local import LocalBackend
 from ..backends.remote import RemoteBackend
 from ..config import RetryConfig
-from ..errors import ForeignRunError, ManifestError
+from ..errors import ForeignRunError, ManifestError, NotWritableError
 from ..policy import identity
 from ..policy.identity import RunRecord
 
@@ -233,3 +233,91 @@ def record_remote(remote: RemoteBackend, run_id: str, where: str) -> RunRecord:
 
 def save_remote(remote: RemoteBackend, record: RunRecord) -> None:
     remote.put_bytes(identity.RUN_RECORD, identity.encode_record(record))
+
+
+class RootRun:
+    """What a writer knows of its root's run: the run ``run_id=`` names (``explicit``), the
+    one the root records, the one the remote prefix records, and this job's hold on the root.
+    The writer asks it; only :meth:`join` and the first :meth:`start` write (the root's
+    record, the live lock)."""
+
+    def __init__(
+        self, backend: LocalBackend, remote: RemoteBackend | None, explicit: str | None
+    ) -> None:
+        self.backend, self.remote = backend, remote
+        self.explicit = None if explicit is None else identity.validate_run_id(explicit)
+        self.run_id: str | None = self.explicit  # known once recorded, joined or decided
+        self.remote_run: str | None = None  # what the prefix records, once asked
+        self._recorded: str | None = None  # what the root is known to record
+        self._asked = False
+        self._live: LiveLock | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_live": None}  # the hold stays with the trainer's process
+
+    def start(self, *, hold: bool) -> None:
+        """Hold the root for this job instance (``hold``; a read-only root is left to the
+        save's own check) and learn the run it records. ForeignRunError if that is not
+        ``explicit``, or another job holds the root."""
+        if hold and self._live is None:
+            try:
+                self._live = hold_root(self.backend, self.run_id)
+            except NotWritableError as e:
+                logger.debug("not holding %s: %s", self.backend.root, e)
+        if self._recorded is None:
+            found = read_local(self.backend)
+            if found is not None:
+                decided = identity.decide(self.explicit, {str(self.backend.root): found.run_id})
+                self._recorded = self.run_id = decided
+
+    def join(self, run_id: str) -> None:
+        """Make ``run_id`` the run and record it in the root (ForeignRunError if the root
+        records another)."""
+        identity.validate_run_id(run_id)
+        if self._recorded != run_id:
+            self._recorded = record_local(self.backend, run_id).run_id
+        self.run_id = run_id
+
+    def learn_remote(self) -> bool:
+        """Whether the remote prefix records a run (then :attr:`remote_run`): asked once, and
+        never waited on for long (a store that does not answer leaves it to the uploads, which
+        check it before writing anything there)."""
+        if self.remote is None or self._asked:
+            return self.remote_run is not None
+        self._asked = True
+        try:
+            found = soon(self.remote, read_remote)
+        except Unknown as e:
+            logger.warning("cannot read the run record of %s now: %s", self.remote.config.url, e)
+            return False
+        self.remote_run = found.run_id if found is not None else None
+        return found is not None
+
+    def join_remote(self) -> None:
+        """A root that records no run yet joins the run its remote prefix records (a fresh
+        node of that run)."""
+        if self.run_id is None and self.learn_remote():
+            assert self.remote_run is not None
+            try:
+                self.join(self.remote_run)
+            except NotWritableError:  # a read-only root: its saves say so; reads go on
+                self.run_id = self.remote_run
+
+    def decide(self, roots: dict[str, str | None]) -> str:
+        """The run of a save (the coordinator's call): the one ``roots`` (each node's, as its
+        ranks planned) and the prefix record, else a new one; ForeignRunError if they
+        disagree. No I/O: the prefix as :meth:`learn_remote` found it."""
+        found = dict(roots)
+        if self.remote is not None:
+            found[self.remote.config.url] = self.remote_run
+        self.run_id = identity.decide(self.explicit, found) or identity.new_run_id()
+        return self.run_id
+
+    @property
+    def recorded(self) -> str | None:
+        return self._recorded
+
+    def release(self) -> None:
+        if self._live is not None:
+            self._live.release()
+            self._live = None
