@@ -237,7 +237,7 @@ class Lifecycle:
     ) -> TieredStorageWriter:
         """Collective, when an entry point starts: the writer of ``root``, recovered (crashed
         saves swept, uploads resumed, the remote checked), and the run every rank joins
-        (:attr:`run_id`), recorded in ``root``, ``memory`` (a memory tier's directory) and the
+        (``run_id``), recorded in ``root``, ``memory`` (a memory tier's directory) and the
         remote prefix. A failure on any rank, such as a remote with no such bucket or bad
         credentials, or a root, prefix or memory directory of another run, is raised on every
         rank, so no rank goes on to wait for the others at the next collective."""

@@ -279,7 +279,7 @@ class RootRun:
         self.run_id = run_id
 
     def learn_remote(self) -> bool:
-        """Whether the remote prefix records a run (then :attr:`remote_run`): asked once, and
+        """Whether the remote prefix records a run (then ``remote_run``): asked once, and
         never waited on for long (a store that does not answer leaves it to the uploads, which
         check it before writing anything there)."""
         if self.remote is None or self._asked:
