@@ -92,7 +92,7 @@ def common_load_strategy(allow_pickle: bool) -> Any:
 
 if TorchCommonLoadStrategy is not None:
 
-    class _TrustedCommonLoad(TorchCommonLoadStrategy):  # type: ignore[misc]
+    class _TrustedCommonLoad(TorchCommonLoadStrategy):
         """mcore's ``common.pt`` loader with full pickle (mcore's own uses torch's default,
         ``weights_only``): only for checkpoints the caller trusts (``allow_pickle=True``)."""
 

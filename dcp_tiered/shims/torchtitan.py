@@ -121,6 +121,10 @@ class TieredCheckpointMixin:
     has a ``tiers: TierOptions`` field. Construct on every rank, as torchtitan does."""
 
     lifecycle: Lifecycle
+    # torchtitan's manager sets these (the class this is mixed into).
+    folder: str
+    states: dict[str, Any]
+    save_future: Future[None] | None
     _closed = True  # until the lifecycle exists: nothing to close
 
     def __init__(self, config: Any, **kwargs: Any) -> None:
@@ -178,7 +182,7 @@ class TieredCheckpointMixin:
         another folder (torchft's per-replica data-loader checkpoints) is torchtitan's."""
         root, step = os.path.split(os.path.abspath(checkpoint_id))
         if to_hf or root != self.root:
-            return super().dcp_save(  # type: ignore[misc, no-any-return]
+            return super().dcp_save(  # type: ignore[misc]
                 state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf
             )
         # DCP would call each Stateful's state_dict(); called once here, the restorability
@@ -217,7 +221,7 @@ class TieredCheckpointMixin:
         """The newest committed step of ours; another folder (torchft's per-replica
         checkpoints) is torchtitan's to search."""
         if folder and os.path.abspath(folder) != self.root:
-            return super()._find_load_step(folder)  # type: ignore[misc, no-any-return]
+            return super()._find_load_step(folder)  # type: ignore[misc]
         steps = self.committed()
         return _number(steps[0]) if steps else -1
 
@@ -288,7 +292,7 @@ class TieredCheckpointMixin:
                 f"--checkpoint.load_step={step}: no committed {wanted} in {self.root}"
                 + (f" nor on {self.tiers.remote}" if self.tiers.remote else "")
             )
-        return super()._load(step)  # type: ignore[misc, no-any-return]
+        return super()._load(step)  # type: ignore[misc]
 
     def _load_step(self, step: str) -> str | None:
         """Collective: loads ``step`` into the live states; None, or why it could not."""
@@ -303,7 +307,7 @@ class TieredCheckpointMixin:
             # As torchtitan: the seed checkpoint (step 0) restores the model alone, and so
             # does a model-only step asked for by number.
             full = _number(step) != 0 and self._is_full(step, reader)
-            return self._states_to_load(not full)  # type: ignore[attr-defined, no-any-return]
+            return self._states_to_load(not full)  # type: ignore[attr-defined]
 
         states, problem = attempt(prepare)
         if not self.lifecycle.agree.all(problem is None):
@@ -315,9 +319,9 @@ class TieredCheckpointMixin:
             storage_reader=reader,
             process_group=self.lifecycle.group,
         )
-        if problem is None and MODEL in self.states:  # type: ignore[attr-defined]
+        if problem is None and MODEL in self.states:
             # Model tensors are flattened into the state; torchtitan applies them the same way.
-            _, problem = attempt(self.states[MODEL].load_state_dict, states)  # type: ignore[attr-defined]
+            _, problem = attempt(self.states[MODEL].load_state_dict, states)
         GarbageCollection.collect("GC collection for checkpoint loading.")
         return problem
 
@@ -328,7 +332,7 @@ class TieredCheckpointMixin:
                 self.root, remote=self.tiers.remote, storage_options=self.tiers.storage_options
             )
         reader.reset(step)
-        others = set(self.states) - {MODEL}  # type: ignore[attr-defined]
+        others = set(self.states) - {MODEL}
         return any(k.split(".")[0] in others for k in reader.read_metadata().state_dict_metadata)
 
 

@@ -15,7 +15,7 @@ per-replica data-loader checkpoints torchft saves every step into ``folder/ft-re
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal  # noqa: F401 - pdoc resolves the inherited Config annotations here
 
 from .torchtitan import TieredCheckpointMixin, TierOptions  # torchtitan's ImportError
 
