@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.framework]
 MODES = ["disabled", "async", "async_with_pinned_mem"]
 
 
-def titan(out: Path, *args: str, check: bool = True):
+def titan(out: Path, *args: str, check: bool = True, env: dict | None = None):
     out.mkdir(parents=True, exist_ok=True)
     return torchrun(
         "titan.py",
@@ -36,6 +36,7 @@ def titan(out: Path, *args: str, check: bool = True):
         *args,
         timeout=300,
         check=check,
+        env=env,
     )
 
 
@@ -70,10 +71,11 @@ def step_dirs(path: Path) -> list[str]:
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("mode", [*MODES, "torchft-async"])
-def test_each_async_mode_restores_from_the_remote_alone_bit_exact(tmp_path, mode):
+def test_each_async_mode_restores_from_the_remote_alone_bit_exact(tmp_path, mode, nccl_like):
     """Saves every 2 steps through 6 (keep_latest_k=2), then trains on unsaved to 8. The node
     is lost: a fresh one, with other initial weights, restores step-6 from the remote tier
-    alone, bit for bit, and trains 7 and 8 exactly as the first job did."""
+    alone, bit for bit, and trains 7 and 8 exactly as the first job did. Beside a default group
+    that refuses dcp_tiered's collectives, as an NCCL-only one would."""
     ft = mode.startswith("torchft-")
     args = [
         "--mode",
@@ -84,12 +86,13 @@ def test_each_async_mode_restores_from_the_remote_alone_bit_exact(tmp_path, mode
         "6",
         *(["--ft"] if ft else []),
     ]
-    titan(tmp_path, *args)
+    titan(tmp_path, *args, env=nccl_like.env)
     assert step_dirs(tmp_path / "ckpt") == ["step-4", "step-6"]  # retention: keep_latest_k
     assert step_dirs(tmp_path / "remote") == ["step-2", "step-4", "step-6"]  # keeps every one
     first = {r: runs(tmp_path, r)[0] for r in range(2)}
     shutil.rmtree(tmp_path / "ckpt")  # a fresh node: no local disk
-    titan(tmp_path, *args, "--attempt", "1")
+    titan(tmp_path, *args, "--attempt", "1", env=nccl_like.env)
+    assert nccl_like.refused(processes=4) == []
     for rank in range(2):
         assert_resumed(first[rank], runs(tmp_path, rank)[1], 6)
         assert [r["step"] for r in runs(tmp_path, rank)[1][1:]] == [7, 8]

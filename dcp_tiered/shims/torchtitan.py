@@ -190,7 +190,7 @@ class TieredCheckpointMixin:
         state = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
         sync = async_mode == AsyncMode.DISABLED
         self.lifecycle.save(root, step, state, sync=sync)
-        logger.info("torchtitan checkpoint %s: %s", step, "committed" if sync else "written async")
+        logger.info("torchtitan checkpoint %s %s", step, "committed" if sync else "being written")
         if enable_garbage_collection:
             GarbageCollection.collect("GC collection invoked by checkpointer.")
         if sync:
