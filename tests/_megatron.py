@@ -15,9 +15,16 @@ mcore's own helpers (the recipe of ``FP32Optimizer.sharded_state_dict``).
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 from typing import Any
 
 import torch
+from packaging.version import Version
+
+# megatron-core < 0.19 writes common.pt into the step directory before the sharded save; 0.19
+# keeps the common state inside the DCP checkpoint.
+MCORE = Version(importlib.metadata.version("megatron-core"))
+WRITES_COMMON_PT = MCORE < Version("0.19")
 
 _patched = False
 

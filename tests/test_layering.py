@@ -117,3 +117,13 @@ def test_the_checker_resolves_imports_and_would_catch_a_violation():
     assert "backends" in FORBIDDEN[_layer("policy.layout")]
     assert _layer("backends.local") == "backends" and _layer("shims.deepspeed") == "shims"
     assert "lifecycle" in FORBIDDEN[_layer("writer")] and "entry" in FORBIDDEN["lifecycle"]
+
+
+def test_the_newer_shims_sit_on_the_lifecycle_and_the_public_modules():
+    """The torchtitan adapter builds on the lifecycle like the other shims; the megatron-core
+    compatibility layer and loader stay inside the shims layer."""
+    for module in ("torchtitan", "torchtitan_ft", "_mcore_compat", "megatron_load"):
+        assert _layer(f"shims.{module}") == "shims" and f"shims.{module}" in MODULES
+    titan = imports_of(PACKAGE / "shims" / "torchtitan.py")
+    assert "lifecycle" in titan and "writer" not in titan
+    assert imports_of(PACKAGE / "shims" / "torchtitan_ft.py") == {"shims.torchtitan"}

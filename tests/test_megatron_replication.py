@@ -70,10 +70,14 @@ def _launch(out: Path, memory: str, *extra: str) -> list[subprocess.Popen]:
 
 
 def _stop(procs: list[subprocess.Popen]) -> str:
+    """Kill what still runs; the tail of each node's output. Again on the same processes (a
+    failure's message, then the fixture's clean-up), the same text: their pipes were read."""
     for p in procs:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
-    return "\n".join(f"--- node {n}\n{p.communicate()[0][-4000:]}" for n, p in enumerate(procs))
+        if not hasattr(p, "output_read"):
+            p.output_read = p.communicate()[0]
+    return "\n".join(f"--- node {n}\n{p.output_read[-4000:]}" for n, p in enumerate(procs))
 
 
 def _runs(out: Path, rank: int) -> list[list[dict]]:
@@ -209,3 +213,23 @@ def test_facade_replication_needs_the_memory_tier(tmp_path):
 
     with pytest.raises(ConfigError, match="needs save_mem_interval"):
         EasyCkpt(0, 4, 2, save=tmp_path / "ckpt", replication=Replication())
+
+
+def test_stopping_the_job_twice_keeps_its_output():
+    """The fixture stops the job in its failure message and again in its clean-up: the second
+    stop must not raise (ValueError: I/O operation on closed file), which hid the first."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", f"print('node {n} ran')"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for n in range(NODES)
+    ]
+    for p in procs:
+        p.wait(timeout=60)
+    first = _stop(procs)
+    assert "node 0 ran" in first and "node 1 ran" in first
+    assert _stop(procs) == first

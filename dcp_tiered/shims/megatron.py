@@ -58,14 +58,15 @@ from ..tiers.local import LocalTier
 from ..tiers.memory import MemoryTier
 from ..tiers.replica import Replicator
 from .megatron_strategy import (  # raises a clear ImportError without megatron-core
-    TieredLoadShardedStrategy,
     TieredSaveShardedStrategy,
     claim_step_dir,
-    common_load_strategy,
     remove_sidecars,
     replace_file,
     write_sidecars,
 )
+
+# isort: split
+from . import megatron_load
 
 # isort: split
 from megatron.core import dist_checkpointing
@@ -474,8 +475,10 @@ class EasyCkpt:
     def _load_storage(
         self, root: str, iteration: int, model: Any, optimizer: Any, scheduler: Any
     ) -> tuple[Any, str | None]:
-        """Collective. mcore's loader reads ``metadata.json`` and ``common.pt`` from the
-        directory: they are written from the step's verified data first, one writer a node."""
+        """Collective. The state is read through the tiers (:func:`megatron_load.load`, common
+        state included); ``metadata.json`` and ``common.pt`` are written into the directory
+        from the step's verified data first, one writer a node, so that stock mcore and
+        Megatron-LM can load a committed step too."""
         step = iteration_dir(iteration)
         agree = self.lifecycle.agree
         leader = is_node_leader()
@@ -493,15 +496,13 @@ class EasyCkpt:
         )
         if not agree.all(problem is None):
             return None, problem or "failed on another rank"
-        strategy = TieredLoadShardedStrategy(
-            remote=self.remote, storage_options=self.storage_options, allow_pickle=self.allow_pickle
-        )
         loaded, problem = attempt(
-            dist_checkpointing.load,
+            megatron_load.load,
             state_dict(iteration, model, optimizer, scheduler, is_loading=True),
             os.path.join(root, step),
-            sharded_strategy=strategy,
-            common_strategy=common_load_strategy(self.allow_pickle),
+            remote=self.remote,
+            storage_options=self.storage_options,
+            allow_pickle=self.allow_pickle,
         )
         agree.barrier()
         if leader and not LocalTier(LocalBackend(root)).has_step(step):

@@ -14,11 +14,14 @@ stays ``torch_dist``, so stock ``dist_checkpointing.load`` reads the result, res
 included; :class:`TieredLoadShardedStrategy` reads it from the nearest tier holding a valid
 copy instead, verifying every byte.
 
-mcore writes ``common.pt`` (rank 0) into the directory before the sharded save and
-``metadata.json`` after it. The atomic rename replaces that directory, so ``common.pt`` is
-carried inside the DCP step as one more byte item (and so is checksummed and uploaded), and
-both files are written back once the step is committed (:func:`write_sidecars`, which also
-rebuilds them for a copy restored from the remote tier).
+mcore < 0.19 writes ``common.pt`` (rank 0) into the directory before the sharded save, and
+every release writes ``metadata.json`` after it. The atomic rename replaces that directory, so
+``common.pt`` is carried inside the DCP step as one more byte item (and so is checksummed and
+uploaded; mcore >= 0.19 saves the common state as a ShardedObject in the step itself), and both
+files are written back once the step is committed (:func:`write_sidecars`, which also rebuilds
+them for a copy restored from the remote tier or held by another node's root: every release
+reads a directory's ``common.pt`` first). Supported: megatron-core 0.16 to 0.19, whose
+differences live in ``_mcore_compat``.
 """
 
 from __future__ import annotations
@@ -54,10 +57,6 @@ try:
         is_main_replica,
     )
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
-    from megatron.core.dist_checkpointing.strategies.common import (
-        COMMON_STATE_FNAME,
-        TorchCommonLoadStrategy,
-    )
     from megatron.core.dist_checkpointing.strategies.torch import (
         MCoreLoadPlanner,
         MCoreSavePlanner,
@@ -74,13 +73,13 @@ except ImportError as e:  # pragma: no cover - exercised only without megatron-c
         "dcp_tiered.shims.megatron needs megatron-core: pip install 'dcp-tiered[megatron]'"
     ) from e
 
+from . import _mcore_compat  # isort: skip - after megatron-core's own ImportError
+
 logger = logging.getLogger(__name__)
 
-COMMON_NAME = "common.pt"
+COMMON_NAME = _mcore_compat.COMMON_NAME
 CONFIG_NAME = "metadata.json"
-# A ShardedObject-shaped key (<key>/shard_<offset>_<shape>), so mcore's metadata readers,
-# which parse every byte item's key that way, accept it.
-COMMON_KEY = "dcp_tiered.common_pt/shard_0_1"
+COMMON_KEY = _mcore_compat.CARRIED_COMMON_KEY
 
 
 def split_dir(checkpoint_dir: str | os.PathLike[str]) -> tuple[str, str]:
@@ -168,7 +167,8 @@ class TieredSaveShardedStrategy(TorchDistSaveShardedStrategy):
 
         The request has no ``async_fn`` (the write runs on the writer's threads, not in mcore's
         forked worker); its first finalize step waits for the write and publishes the step.
-        ``async_strategy`` (megatron-core >= 0.20) names mcore's own writers and is ignored.
+        ``async_strategy`` (passed by megatron-core >= 0.17) names mcore's own writers and
+        is ignored.
         """
         root, step = split_dir(checkpoint_dir)
         self._require_restorable(sharded_state_dict, checkpoint_dir)
@@ -209,13 +209,21 @@ class TieredSaveShardedStrategy(TorchDistSaveShardedStrategy):
             for sh in nested_values(sharded_state_dict)
             if isinstance(sh, ShardedObject)
         }
+        # mcore >= 0.19 saves its common state as one of them; older ones as common.pt.
+        common_state = objects.pop(_mcore_compat.COMMON_STATE_KEY, None)
         why = first_refused(objects)
+        if why is None and common_state is not None:
+            problem = first_refused({"common": common_state})
+            why = f"in mcore's common state, {problem}" if problem is not None else None
         common = os.path.join(checkpoint_dir, COMMON_NAME)
         if why is None and _rank() == 0 and os.path.isfile(common):  # mcore's, just written
             with open(common, "rb") as f:
                 problem = refused_saved(f.read())
             if problem is not None:
-                why = f"mcore's {COMMON_NAME} would not load back with weights_only ({problem})"
+                why = (
+                    f"mcore's common state ({COMMON_NAME}) would not load back with "
+                    f"weights_only ({problem})"
+                )
         everyone = [why]
         if dist.is_initialized():
             everyone = [None] * dist.get_world_size(self._group)
@@ -277,7 +285,15 @@ class TieredLoadShardedStrategy(TorchDistLoadShardedStrategy):
         self.allow_pickle = allow_pickle
         self._group = checkpoint_process_group()  # DCP's collectives: never the training group
 
-    def load(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> Any:
+    def load(
+        self,
+        sharded_state_dict: Any,
+        checkpoint_dir: str | Path,
+        async_strategy: Any = None,
+        **_: Any,
+    ) -> Any:
+        """``async_strategy`` (passed by megatron-core >= 0.17) names mcore's own readers and
+        is ignored."""
         root, step = split_dir(checkpoint_dir)
         strict_shape = [
             sh
@@ -327,20 +343,12 @@ class TieredLoadShardedStrategy(TorchDistLoadShardedStrategy):
         return reader
 
 
-class _TrustedCommonLoad(TorchCommonLoadStrategy):
-    """mcore's ``common.pt`` loader with full pickle (mcore's own uses torch's default,
-    ``weights_only``): only for checkpoints the caller trusts (``allow_pickle=True``)."""
-
-    def load_common(self, checkpoint_dir: str | Path) -> Any:
-        return torch.load(
-            os.path.join(checkpoint_dir, COMMON_STATE_FNAME), map_location="cpu", weights_only=False
-        )
-
-
-def common_load_strategy(allow_pickle: bool) -> TorchCommonLoadStrategy | None:
-    """The ``common_strategy`` for ``dist_checkpointing.load``: mcore's default (None) unless
-    the checkpoint is trusted (``allow_pickle``)."""
-    return _TrustedCommonLoad() if allow_pickle else None
+def common_load_strategy(allow_pickle: bool) -> Any:
+    """The ``common_strategy`` for ``dist_checkpointing.load`` on megatron-core < 0.17: mcore's
+    default (None) unless the checkpoint is trusted (``allow_pickle``). From 0.17 on mcore takes
+    none (pass nothing): None, or ConfigError with ``allow_pickle``, naming what loads trusted
+    checkpoints there (:func:`dcp_tiered.shims.megatron_load.load`)."""
+    return _mcore_compat.common_load_strategy(allow_pickle)
 
 
 def write_sidecars(
@@ -369,7 +377,8 @@ def write_sidecars(
         root, remote=remote, storage_options=storage_options, allow_pickle=allow_pickle
     )
     reader.reset(step)
-    if COMMON_KEY not in reader.read_metadata().state_dict_metadata:
+    common = _mcore_compat.read_common_state(reader)
+    if common is None:
         logger.warning(
             "%s holds no mcore common state (not saved through "
             "dist_checkpointing.save): no %s written",
@@ -377,13 +386,9 @@ def write_sidecars(
             COMMON_NAME,
         )
         return
-    out: dict[str, Any] = {COMMON_KEY: io.BytesIO()}
-    dcp.load(out, storage_reader=reader, no_dist=True)
-    common = out[COMMON_KEY]  # DCP's planner hands back the (vetted) value, not the bytes
-    if not isinstance(common, io.BytesIO):
-        common = io.BytesIO()
-        torch.save(out[COMMON_KEY], common)
-    replace_file(os.path.join(step_dir, COMMON_NAME), common.getvalue())
+    data = io.BytesIO()
+    torch.save(common, data)
+    replace_file(os.path.join(step_dir, COMMON_NAME), data.getvalue())
 
 
 def claim_step_dir(root: str, step: str) -> None:
