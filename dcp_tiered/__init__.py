@@ -30,7 +30,9 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
         ManifestError,
         MissingShardError,
         NotWritableError,
+        PeerLostError,
         PermanentTierError,
+        ReplicationError,
         SaveFailedError,
         StagingError,
         TierError,
@@ -43,6 +45,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from .planner import TieredSavePlanner
     from .policy.admission import Admission
     from .policy.cadence import Every, SavePolicy
+    from .policy.outcomes import SaveOutcome
     from .policy.replication import Replication
     from .policy.retention import Retention, RetentionPolicy
     from .rank_state import RankState
@@ -62,7 +65,9 @@ _ERRORS = (
     "ManifestError",
     "MissingShardError",
     "NotWritableError",
+    "PeerLostError",
     "PermanentTierError",
+    "ReplicationError",
     "SaveFailedError",
     "StagingError",
     "TierError",
@@ -81,6 +86,7 @@ _PUBLIC = {
     "Admission": "policy.admission",
     "Every": "policy.cadence",
     "SavePolicy": "policy.cadence",
+    "SaveOutcome": "policy.outcomes",
     "Replication": "policy.replication",
     "Retention": "policy.retention",
     "RetentionPolicy": "policy.retention",
@@ -167,14 +173,17 @@ __all__ = [
     "ManifestError",
     "MissingShardError",
     "NotWritableError",
+    "PeerLostError",
     "PermanentTierError",
     "RankState",
     "RemoteConfig",
     "Replication",
+    "ReplicationError",
     "Retention",
     "RetentionPolicy",
     "RetryConfig",
     "SaveFailedError",
+    "SaveOutcome",
     "SavePolicy",
     "StagingError",
     "TierError",

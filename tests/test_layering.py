@@ -22,6 +22,7 @@ DCP = {
     "planner",
     "writer",
     "reader",
+    "reader_checks",
     "staging",
     "step_items",
 }  # torch's StorageWriter/StorageReader, and staging
@@ -106,6 +107,7 @@ def test_the_checker_resolves_imports_and_would_catch_a_violation():
     assert imports_of(PACKAGE / "tiers" / "local.py") == {
         "policy.layout",
         "policy.manifest",
+        "policy.records",
         "backends.local",
         "errors",
     }

@@ -363,9 +363,11 @@ class LocalBackend:
         except FileNotFoundError:
             return False
 
-    def read_file(self, *names: str) -> bytes:
+    def read_file(self, *names: str, limit: int | None = None) -> bytes:
+        """The file's bytes; with ``limit``, at most ``limit + 1`` of them, so that a parser
+        refusing more than ``limit`` never has a huge (or sparse) file read into memory."""
         with self.open_read(*names) as f:
-            return f.read()
+            return f.read() if limit is None else f.read(limit + 1)
 
     def open_read(self, *names: str) -> BinaryIO:
         """Open a plain file of ours for reading. Links are never followed (they could lead

@@ -36,10 +36,15 @@ def runs(values: Sequence[int]) -> list[list[int]]:
     return out
 
 
-def unruns(encoded: Any, what: str) -> list[int]:
+def unruns(encoded: Any, what: str, *, total: int) -> list[int]:
+    """Runs of positive values (the split sizes of one dimension) whose sum is ``total``:
+    checked before they are expanded, so a count of 2**40 in a few bytes is refused, not
+    allocated."""
+    pairs = [_ints(pair, 2, what) for pair in _list(encoded, what)]
+    if any(value <= 0 for value, _ in pairs) or sum(v * n for v, n in pairs) != total:
+        raise ManifestError(f"{what}: split sizes {encoded!r} do not add up to {total}")
     out: list[int] = []
-    for pair in _list(encoded, what):
-        value, count = _ints(pair, 2, what)
+    for value, count in pairs:
         out.extend([value] * count)
     return out
 
@@ -59,12 +64,17 @@ def progressions(values: Sequence[int]) -> list[list[int]]:
     return out
 
 
-def unprogressions(encoded: Any, what: str) -> list[int]:
+def unprogressions(encoded: Any, what: str, *, length: int, low: int, high: int) -> list[int]:
+    """Progressions of ``length`` values in all, each in ``[low, high)``: counts and bounds
+    are checked before anything is expanded."""
+    triples = [_ints(t, 3, what, signed=True) for t in _list(encoded, what)]
+    if any(count <= 0 for _, _, count in triples) or sum(c for _, _, c in triples) != length:
+        raise ManifestError(f"{what}: {encoded!r} does not hold {length} values")
+    for start, step, count in triples:  # a progression's extremes are its ends
+        if not (low <= start < high and low <= start + step * (count - 1) < high):
+            raise ManifestError(f"{what}: {[start, step, count]} leaves {low}..{high - 1}")
     out: list[int] = []
-    for triple in _list(encoded, what):
-        start, step, count = _ints(triple, 3, what, signed=True)
-        if count < 0:
-            raise ManifestError(f"{what}: negative count")
+    for start, step, count in triples:
         out.extend(range(start, start + step * count, step) if step else [start] * count)
     return out
 
@@ -89,19 +99,33 @@ def encode_chunks(size: Sequence[int], chunks: Sequence[tuple[Sequence[int], Seq
     return {"chunks": [[*offsets, *sizes] for offsets, sizes in chunks]}
 
 
-def decode_chunks(encoded: Any, ndim: int, what: str) -> list[tuple[list[int], list[int]]]:
+def decode_chunks(
+    encoded: Any, size: Sequence[int], what: str, *, max_chunks: int
+) -> list[tuple[list[int], list[int]]]:
+    """The chunks of a tensor of ``size``, each inside it, at most ``max_chunks`` of them (a
+    grid's cell count is checked before the grid is expanded)."""
+    ndim = len(size)
     if not isinstance(encoded, dict):
         raise ManifestError(f"{what}: bad chunk list {encoded!r}")
     if "grid" in encoded:
         dims = _list(encoded["grid"], what)
         if len(dims) != ndim:
             raise ManifestError(f"{what}: grid has {len(dims)} dimensions, tensor {ndim}")
-        cells = itertools.product(*[with_offsets(unruns(d, what)) for d in dims])
+        cuts = [unruns(d, what, total=n) for d, n in zip(dims, size)]
+        if _product(len(c) for c in cuts) > max_chunks:
+            raise ManifestError(f"{what}: a grid of more than {max_chunks} chunks")
+        cells = itertools.product(*[with_offsets(c) for c in cuts])
         return [([o for o, _ in cell], [s for _, s in cell]) for cell in cells]
+    rows = _list(encoded.get("chunks"), what)
+    if len(rows) > max_chunks:
+        raise ManifestError(f"{what}: more than {max_chunks} chunks")
     out = []
-    for row in _list(encoded.get("chunks"), what):
+    for row in rows:
         values = _ints(row, 2 * ndim, what)
-        out.append((values[:ndim], values[ndim:]))
+        offsets, sizes = values[:ndim], values[ndim:]
+        if any(o + s > n for o, s, n in zip(offsets, sizes, size)):
+            raise ManifestError(f"{what}: chunk {row!r} lies outside the tensor's {list(size)}")
+        out.append((offsets, sizes))
     return out
 
 
@@ -146,5 +170,5 @@ def _ints(value: Any, n: int, what: str, *, signed: bool = False) -> list[int]:
         or len(value) != n
         or not all(type(v) is int and (signed or v >= 0) for v in value)
     ):
-        raise ManifestError(f"{what}: expected {n} non-negative integers, got {value!r}")
+        raise ManifestError(f"{what}: expected {n} integers, got {value!r}")
     return value

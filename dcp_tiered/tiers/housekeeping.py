@@ -59,7 +59,11 @@ def awaiting_remote(tier: LocalTier, remote: RemoteBackend, step: str) -> bool:
 def prune_remote(remote: RemoteBackend, policy: RetentionPolicy) -> list[str]:
     states = []
     for name in remote.committed_steps():
-        marker = remote_tier.read_marker(remote, name)
+        try:
+            marker = remote_tier.read_marker(remote, name)
+        except ManifestError as e:  # never deleted: we cannot vouch for what it is
+            logger.warning("retention keeps remote step %s: %s", name, e)
+            continue
         if marker is not None:
             states.append(StepState(name, int(marker.get("committed_at_ns", 0))))
     doomed = evictions(states, policy)

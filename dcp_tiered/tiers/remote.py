@@ -33,14 +33,13 @@ from .._daemon_pool import DaemonPool
 from ..backends.remote import RemoteBackend
 from ..errors import (
     CheckpointNotFoundError,
-    ConfigError,
     InsufficientSpaceError,
     IntegrityError,
     ManifestError,
     TierError,
     UploadFailedError,
 )
-from ..policy import integrity, layout, manifest
+from ..policy import integrity, layout, manifest, records
 from ..policy.manifest import Manifest
 from . import commit
 from .local import LocalTier
@@ -72,10 +71,16 @@ def node_of_local_files(m: Manifest, present: set[str]) -> int:
 
 
 def read_marker(remote: RemoteBackend, step: str) -> dict[str, Any] | None:
+    """The commit marker of ``step``, checked field by field (:func:`records.marker`); None if
+    there is none. ManifestError if it is not a marker dcp_tiered wrote (truncated, replaced,
+    nested deep, naming a save id that is not one of ours): the step is then unreadable, and
+    callers that look at many steps skip it with a warning."""
+    key = f"{step}/{layout.REMOTE_MARKER}"
     try:
-        return json.loads(remote.get_bytes(f"{step}/{layout.REMOTE_MARKER}"))
+        data = remote.get_bytes(key)
     except FileNotFoundError:
         return None
+    return records.marker(data, step=step, where=remote.url(key))
 
 
 def is_durable(remote: RemoteBackend, m: Manifest) -> bool:
@@ -351,7 +356,11 @@ def remove_orphan_saves(
     }
     if not any(candidates.values()):
         return
-    marker = read_marker(remote, step)
+    try:
+        marker = read_marker(remote, step)
+    except ManifestError as e:  # which save is committed is unknown: delete none of them
+        logger.warning("not sweeping the saves of %s: %s", step, e)
+        return
     keep = (
         keep | quarantined_saves(remote, step) | ({str(marker.get("save_id"))} if marker else set())
     )
@@ -378,12 +387,9 @@ def read_latest(remote: RemoteBackend) -> tuple[dict[str, Any] | None, str | Non
     if got is None:
         return None
     try:
-        body = json.loads(got[0])
-        layout.validate_step_name(body["step"])
-        int(body["marker"]["committed_at_ns"])
-        layout.keys_of_marker(body["step"], body["marker"])
-    except (ValueError, KeyError, TypeError, ConfigError) as e:
-        logger.warning("ignoring %s: %s", remote.url(layout.REMOTE_LATEST), e)
+        body = records.latest_pointer(got[0], where=remote.url(layout.REMOTE_LATEST))
+    except ManifestError as e:
+        logger.warning("ignoring the latest pointer: %s", e)
         return None, got[1]
     return body, got[1]
 
@@ -400,7 +406,11 @@ def advance_latest(remote: RemoteBackend, step: str, marker: dict[str, Any]) -> 
             cur = current[0]
             there = (str(cur["step"]), int(cur["marker"]["committed_at_ns"]))
             if not layout.is_newer(step, int(marker["committed_at_ns"]), there):
-                found = read_marker(remote, there[0])
+                try:
+                    found = read_marker(remote, there[0])
+                except ManifestError as e:  # not a commit of that step: the pointer is stale
+                    logger.warning("%s", e)
+                    found = None
                 if found is not None and found.get("save_id") == cur["marker"].get("save_id"):
                     return  # a newer step is committed: it stays latest
                 if time.time_ns() - there[1] < remote.config.durable_timeout_secs * 1e9:
