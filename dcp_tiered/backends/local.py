@@ -364,10 +364,17 @@ class LocalBackend:
             return False
 
     def read_file(self, *names: str, limit: int | None = None) -> bytes:
-        """The file's bytes; with ``limit``, at most ``limit + 1`` of them, so that a parser
-        refusing more than ``limit`` never has a huge (or sparse) file read into memory."""
+        """The file's bytes. With ``limit``, a file larger than that (a huge or sparse one
+        where a small file of ours belongs) raises OSError (EFBIG) before anything is read."""
         with self.open_read(*names) as f:
-            return f.read() if limit is None else f.read(limit + 1)
+            if limit is not None and (size := os.fstat(f.fileno()).st_size) > limit:
+                raise OSError(
+                    errno.EFBIG,
+                    f"{size} bytes, more than the {limit} such a file of ours ever holds; "
+                    "not read",
+                    str(self._child(*names)),
+                )
+            return f.read()
 
     def open_read(self, *names: str) -> BinaryIO:
         """Open a plain file of ours for reading. Links are never followed (they could lead

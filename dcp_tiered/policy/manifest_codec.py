@@ -36,13 +36,17 @@ def runs(values: Sequence[int]) -> list[list[int]]:
     return out
 
 
-def unruns(encoded: Any, what: str, *, total: int) -> list[int]:
-    """Runs of positive values (the split sizes of one dimension) whose sum is ``total``:
-    checked before they are expanded, so a count of 2**40 in a few bytes is refused, not
-    allocated."""
+def checked_runs(encoded: Any, what: str, *, total: int) -> list[list[int]]:
+    """Runs of positive values (the split sizes of one dimension) whose sum is ``total``,
+    checked, not expanded: a count of 2**40 in a few bytes is judged, never allocated."""
     pairs = [_ints(pair, 2, what) for pair in _list(encoded, what)]
     if any(value <= 0 for value, _ in pairs) or sum(v * n for v, n in pairs) != total:
         raise ManifestError(f"{what}: split sizes {encoded!r} do not add up to {total}")
+    return pairs
+
+
+def unruns(pairs: list[list[int]]) -> list[int]:
+    """Runs checked by :func:`checked_runs`, expanded."""
     out: list[int] = []
     for value, count in pairs:
         out.extend([value] * count)
@@ -111,10 +115,10 @@ def decode_chunks(
         dims = _list(encoded["grid"], what)
         if len(dims) != ndim:
             raise ManifestError(f"{what}: grid has {len(dims)} dimensions, tensor {ndim}")
-        cuts = [unruns(d, what, total=n) for d, n in zip(dims, size)]
-        if _product(len(c) for c in cuts) > max_chunks:
+        runs_of = [checked_runs(d, what, total=n) for d, n in zip(dims, size)]
+        if _product(sum(c for _, c in r) for r in runs_of) > max_chunks:
             raise ManifestError(f"{what}: a grid of more than {max_chunks} chunks")
-        cells = itertools.product(*[with_offsets(c) for c in cuts])
+        cells = itertools.product(*[with_offsets(unruns(r)) for r in runs_of])
         return [([o for o, _ in cell], [s for _, s in cell]) for cell in cells]
     rows = _list(encoded.get("chunks"), what)
     if len(rows) > max_chunks:

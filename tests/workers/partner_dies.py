@@ -23,8 +23,13 @@ from dcp_tiered import CheckpointManager, Every, Replication, SavePolicy
 def main() -> None:
     rank, port, base = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
     os.environ.update(
-        RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-        LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", TEST_NODE=f"n{rank}",
+        RANK=str(rank),
+        WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=port,
+        LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE="1",
+        TEST_NODE=f"n{rank}",
     )
     dist.init_process_group("gloo")
     mgr = CheckpointManager(
@@ -47,8 +52,11 @@ def main() -> None:
         mgr.wait()
         mgr.save(4, state)
     except BaseException as e:  # noqa: BLE001 - what the caller gets is the answer
-        outcome = {"raised": type(e).__name__, "mro": [c.__name__ for c in type(e).__mro__],
-                   "message": str(e)}
+        outcome = {
+            "raised": type(e).__name__,
+            "mro": [c.__name__ for c in type(e).__mro__],
+            "message": str(e),
+        }
     common.write_json(base / "outcome.json", outcome)
     os._exit(0)  # the dead partner would make a clean shutdown wait
 
