@@ -42,8 +42,7 @@ class Outcomes:
 
     def record(self, step: int, tiers: list[str], state: str, reason: str | None = None) -> None:
         assert state in STATES, state
-        entry = self._by_step.setdefault(step, {})
-        self._by_step.move_to_end(step)
+        entry = self._by_step.setdefault(step, {})  # kept in the order steps were first saved
         for tier in tiers:
             entry[tier] = SaveOutcome(step, tier, state, reason)
         while len(self._by_step) > self.keep:
@@ -56,6 +55,6 @@ class Outcomes:
         return dict(self._by_step.get(step, {}))
 
     def steps(self, steps: list[int] | None = None) -> dict[int, dict[str, SaveOutcome]]:
-        """The outcomes of ``steps`` (default: every step kept), oldest save first."""
+        """The outcomes of ``steps`` (default: every step kept, in the order first saved)."""
         wanted = list(self._by_step) if steps is None else steps
         return {s: dict(self._by_step[s]) for s in wanted if s in self._by_step}

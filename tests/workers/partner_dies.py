@@ -1,8 +1,8 @@
-"""A replication partner dies: 2 processes (two simulated nodes, started without torchrun, whose
-agent would stop the survivor), peer replication on. Both save steps 0-2 to memory; rank 1
+"""A rank dies: 2 processes (two simulated nodes, started without torchrun, whose agent would
+stop the survivor), with or without peer replication. Both save steps 0-2 to memory; rank 1
 then SIGKILLs itself; rank 0 saves again and records what ``save`` raised.
 
-Usage: partner_dies.py RANK PORT BASE (the ranks rendezvous on 127.0.0.1:PORT).
+Usage: partner_dies.py RANK PORT BASE replication|plain (rendezvous on 127.0.0.1:PORT).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from dcp_tiered import CheckpointManager, Every, Replication, SavePolicy
 
 def main() -> None:
     rank, port, base = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+    replicated = sys.argv[4] == "replication"
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE="2",
@@ -37,7 +38,7 @@ def main() -> None:
         local=str(base / f"disk-{rank}"),
         policy=SavePolicy(memory=Every(steps=1), local=Every(steps=100), remote=None),
         collective_timeout_secs=30,
-        replication=Replication(node_key="TEST_NODE"),
+        replication=Replication(node_key="TEST_NODE") if replicated else None,
     )
     state = {"w": torch.full((256,), float(rank))}
     for step in range(3):
