@@ -42,7 +42,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
         UploadFailedError,
     )
     from .manager import CheckpointManager
-    from .planner import TieredSavePlanner
+    from .planner import TieredLoadPlanner, TieredSavePlanner
     from .policy.admission import Admission
     from .policy.cadence import Every, SavePolicy
     from .policy.outcomes import SaveOutcome
@@ -94,6 +94,7 @@ _PUBLIC = {
     "TieredStorageReader": "reader",
     "Durability": "tiers.remote",
     "TieredStorageWriter": "writer",
+    "TieredLoadPlanner": "planner",
     "TieredSavePlanner": "planner",
 }
 
@@ -188,6 +189,7 @@ __all__ = [
     "StagingError",
     "TierError",
     "TierUnavailableError",
+    "TieredLoadPlanner",
     "TieredSavePlanner",
     "TieredStorageReader",
     "TieredStorageWriter",

@@ -50,7 +50,7 @@ from .errors import (
 )
 from .events import EventLog
 from .lifecycle import Conventions, Lifecycle, failure, raise_failures
-from .planner import TieredSavePlanner
+from .planner import TieredLoadPlanner, TieredSavePlanner
 from .policy import cadence, layout
 from .policy.admission import Admission, Headroom, shortfall
 from .policy.cadence import Decision, SavePolicy
@@ -696,6 +696,7 @@ class CheckpointManager:
                 self._loadable(app_state, reader, name),
                 checkpoint_id=name,
                 storage_reader=reader,
+                planner=TieredLoadPlanner(reader=reader),
                 process_group=self._save_pg,
             )
         except (CheckpointException, DcpTieredError) as e:  # DCP told every rank already

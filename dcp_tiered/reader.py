@@ -13,6 +13,7 @@ import io
 import logging
 import math
 import os
+import types
 import warnings
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -669,6 +670,33 @@ class TieredStorageReader(StorageReader):
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             raw = torch.frombuffer(data, dtype=dtype, count=count, offset=loc.raw_offset)
         return raw.view(sizes)
+
+    def stored_tensor(self, fqn: str) -> torch.Tensor | None:
+        """The first chunk of tensor ``fqn`` of the step being loaded, as stored: read,
+        checked against its checksum, loaded with ``weights_only``. For telling a manifest
+        that misstates a shape from a state that differs from the checkpoint
+        (:class:`~dcp_tiered.planner.TieredLoadPlanner`); not for loading. None for a
+        vanilla DCP step (no manifest to misstate anything)."""
+        m = self._manifest
+        if m is None:
+            return None
+        md = m.metadata.state_dict_metadata.get(fqn)
+        if not isinstance(md, TensorStorageMetadata) or not md.chunks:
+            raise ManifestError(f"{fqn!r} is no tensor of step {self.checkpoint_id!r}")
+        index = MetadataIndex(fqn, md.chunks[0].offsets, 0)
+        self._locate([types.SimpleNamespace(storage_index=index)])  # type: ignore[list-item]
+        loc = self._locations[index]
+        name = loc.relative_path
+        if self._valid_locally(name):
+            with self._tier.backend.open_read(*self._dir, name) as f:
+                f.seek(loc.offset)
+                data = f.read(loc.length)
+        else:
+            data = self._fetch(name, loc.offset, loc.offset + loc.length)
+        problem = self._problem(loc, [data])
+        if problem:
+            raise self._integrity_error(name, fqn, loc, problem)
+        return self._loaded_tensor(MetadataIndex(fqn), data)
 
     def _what(self, index: MetadataIndex) -> str:
         return f"item {index.fqn!r} of step {self.checkpoint_id!r} in {self.root}"

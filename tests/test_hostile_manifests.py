@@ -24,10 +24,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_tiered import (
     CheckpointManager,
+    CheckpointNotFoundError,
+    ConfigError,
     Every,
     IntegrityError,
     ManifestError,
     SavePolicy,
+    TieredLoadPlanner,
     TieredStorageReader,
     TieredStorageWriter,
 )
@@ -240,6 +243,53 @@ def test_a_shape_that_disagrees_with_the_stored_bytes_is_an_integrity_error(tmp_
         _load(tmp_path, "run-10", _blank(**{fqn: torch.zeros(n)}))
     cause = _cause(e.value)
     assert isinstance(cause, IntegrityError) and fqn in str(cause), repr(cause)
+
+
+def test_a_shape_the_manifest_misstates_is_a_manifest_error_not_the_planners_valueerror(
+    tmp_path,
+):
+    """The index says twice the elements, consistently (resealed); the state holds what was
+    saved. DCP's planner compares the two before any byte is read and raises a bare
+    ValueError; the load planner reads the stored chunk and says which side is wrong."""
+    _save(tmp_path, "run-12")
+    n = SMALL.numel() * 2
+    _manifests.tamper(
+        tmp_path / "run-12",
+        edit_index=lambda b: _tensor_entry(b, "small")[1].update(size=[n], grid=[[[n, 1]]]),
+    )
+    reader = TieredStorageReader(tmp_path)
+    with pytest.raises(CheckpointException) as e:
+        dcp.load(
+            _blank(),
+            checkpoint_id="run-12",
+            storage_reader=reader,
+            no_dist=True,
+            planner=TieredLoadPlanner(reader=reader),
+        )
+    cause = _cause(e.value)
+    assert isinstance(cause, ManifestError) and "stored bytes hold [6]" in str(cause), cause
+    # Through the manager, which plans with it: the reason the step failed is typed.
+    _save(tmp_path / "mgr", "step-3")
+    _manifests.tamper(
+        tmp_path / "mgr" / "step-3",
+        edit_index=lambda b: _tensor_entry(b, "small")[1].update(size=[n], grid=[[[n, 1]]]),
+    )
+    with CheckpointManager(local=tmp_path / "mgr", events=None) as mgr:
+        with pytest.raises(CheckpointNotFoundError, match="ManifestError.*stored bytes hold"):
+            mgr.restore(_blank())
+    # A state that is not the saved model (an untouched step): typed, naming both shapes.
+    _save(tmp_path / "clean", "run-13")
+    reader = TieredStorageReader(tmp_path / "clean")
+    with pytest.raises(CheckpointException) as e:
+        dcp.load(
+            _blank(big=torch.zeros(7)),
+            checkpoint_id="run-13",
+            storage_reader=reader,
+            no_dist=True,
+            planner=TieredLoadPlanner(reader=reader),
+        )
+    cause = _cause(e.value)
+    assert isinstance(cause, ConfigError) and "[20000]" in str(cause) and "[7]" in str(cause)
 
 
 def test_a_shape_whose_chunks_do_not_add_up_is_refused_before_planning(tmp_path):

@@ -370,8 +370,7 @@ class LocalBackend:
             if limit is not None and (size := os.fstat(f.fileno()).st_size) > limit:
                 raise OSError(
                     errno.EFBIG,
-                    f"{size} bytes, more than the {limit} such a file of ours ever holds; "
-                    "not read",
+                    f"{size} bytes, more than the {limit} such a file of ours ever holds; not read",
                     str(self._child(*names)),
                 )
             return f.read()
