@@ -39,8 +39,14 @@ def runs(values: Sequence[int]) -> list[list[int]]:
 def checked_runs(encoded: Any, what: str, *, total: int) -> list[list[int]]:
     """Runs of positive values (the split sizes of one dimension) whose sum is ``total``,
     checked, not expanded: a count of 2**40 in a few bytes is judged, never allocated."""
-    pairs = [_ints(pair, 2, what) for pair in _list(encoded, what)]
-    if any(value <= 0 for value, _ in pairs) or sum(v * n for v, n in pairs) != total:
+    pairs = _list(encoded, what)
+    covered = 0
+    for pair in pairs:
+        value, count = _ints(pair, 2, what)
+        if value <= 0:
+            raise ManifestError(f"{what}: split size {value} in {encoded!r}")
+        covered += value * count
+    if covered != total:
         raise ManifestError(f"{what}: split sizes {encoded!r} do not add up to {total}")
     return pairs
 
@@ -71,12 +77,16 @@ def progressions(values: Sequence[int]) -> list[list[int]]:
 def unprogressions(encoded: Any, what: str, *, length: int, low: int, high: int) -> list[int]:
     """Progressions of ``length`` values in all, each in ``[low, high)``: counts and bounds
     are checked before anything is expanded."""
-    triples = [_ints(t, 3, what, signed=True) for t in _list(encoded, what)]
-    if any(count <= 0 for _, _, count in triples) or sum(c for _, _, c in triples) != length:
+    triples = _list(encoded, what)
+    total = 0
+    for triple in triples:
+        start, step, count = _ints(triple, 3, what, signed=True)
+        # a progression's extremes are its ends
+        if count <= 0 or not (low <= start < high and low <= start + step * (count - 1) < high):
+            raise ManifestError(f"{what}: {triple!r} is empty or leaves {low}..{high - 1}")
+        total += count
+    if total != length:
         raise ManifestError(f"{what}: {encoded!r} does not hold {length} values")
-    for start, step, count in triples:  # a progression's extremes are its ends
-        if not (low <= start < high and low <= start + step * (count - 1) < high):
-            raise ManifestError(f"{what}: {[start, step, count]} leaves {low}..{high - 1}")
     out: list[int] = []
     for start, step, count in triples:
         out.extend(range(start, start + step * count, step) if step else [start] * count)
@@ -116,10 +126,13 @@ def decode_chunks(
         if len(dims) != ndim:
             raise ManifestError(f"{what}: grid has {len(dims)} dimensions, tensor {ndim}")
         runs_of = [checked_runs(d, what, total=n) for d, n in zip(dims, size)]
-        if _product(sum(c for _, c in r) for r in runs_of) > max_chunks:
+        cells = 1
+        for runs_of_dim in runs_of:
+            cells *= sum([count for _, count in runs_of_dim])
+        if cells > max_chunks:
             raise ManifestError(f"{what}: a grid of more than {max_chunks} chunks")
-        cells = itertools.product(*[with_offsets(unruns(r)) for r in runs_of])
-        return [([o for o, _ in cell], [s for _, s in cell]) for cell in cells]
+        grid = itertools.product(*[with_offsets(unruns(r)) for r in runs_of])
+        return [([o for o, _ in cell], [s for _, s in cell]) for cell in grid]
     rows = _list(encoded.get("chunks"), what)
     if len(rows) > max_chunks:
         raise ManifestError(f"{what}: more than {max_chunks} chunks")

@@ -35,26 +35,29 @@ MAX_MANIFEST_BYTES = 8 * 2**30
 MAX_DEPTH = 32
 
 _ESCAPE = re.compile(rb"\\.", re.DOTALL)
-_STRING = re.compile(rb'"[^"]*"')
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
-_OPEN_ARRAY, _OPEN_OBJECT = ord("["), ord("{")
-_DEPTH_CHUNK = 2**20
+_QUOTE, _OPEN_ARRAY, _OPEN_OBJECT, _CLOSE_ARRAY, _CLOSE_OBJECT = b'"[{]}'
+_DEPTH_CHUNK = 4 * 2**20
 
 
 def nesting_depth(data: bytes | bytearray | memoryview) -> int:
-    """The deepest nesting of arrays and objects in JSON text ``data``, counted in one pass
-    over its brackets outside strings (no recursion; numpy's cumulative sum, in chunks)."""
+    """The deepest nesting of arrays and objects in JSON text ``data``, counted without
+    recursion: brackets outside strings (a string is inside an odd number of unescaped quotes),
+    their running sum, its maximum; vectorised (numpy), in chunks of bounded memory."""
     raw = bytes(data)
     if b"\\" in raw:  # escaped characters (\" in particular) never open or close a string
         raw = _ESCAPE.sub(b"", raw)
-    brackets = _STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
-    depth = deepest = 0
-    for start in range(0, len(brackets), _DEPTH_CHUNK):
-        chunk = np.frombuffer(brackets[start : start + _DEPTH_CHUNK], dtype=np.uint8)
-        opens = (chunk == _OPEN_ARRAY) | (chunk == _OPEN_OBJECT)
-        running = np.cumsum(opens.astype(np.int64) * 2 - 1) + depth
-        deepest = max(deepest, int(running.max()))
-        depth = int(running[-1])
+    depth = deepest = quotes = 0
+    for start in range(0, len(raw), _DEPTH_CHUNK):
+        chunk = np.frombuffer(raw[start : start + _DEPTH_CHUNK], dtype=np.uint8)
+        is_quote = chunk == _QUOTE
+        outside = ((np.cumsum(is_quote, dtype=np.int32) + quotes) & 1) == 0
+        step = ((chunk == _OPEN_ARRAY) | (chunk == _OPEN_OBJECT)).astype(np.int8)
+        step -= ((chunk == _CLOSE_ARRAY) | (chunk == _CLOSE_OBJECT)).astype(np.int8)
+        step *= outside
+        running = np.cumsum(step, dtype=np.int32)
+        deepest = max(deepest, depth + int(running.max()))
+        depth += int(running[-1])
+        quotes += int(np.count_nonzero(is_quote))
     return deepest
 
 
