@@ -188,6 +188,18 @@ def test_a_hostile_marker_makes_only_its_step_unreadable(tmp_path, remote, caplo
         rows = {r["step"]: r for r in json.loads(out)["steps"]}
         assert rows["epoch-3"]["remote"] and rows["epoch-5"]["remote"], case
         assert ("epoch-4" in rows) == (not hostile), case
+        # verify --remote reports that step and checks the others; pull of it is a typed
+        # refusal, pull of 'latest' works.
+        capsys.readouterr()
+        code = main(["verify", str(root), "--remote", remote.url, "--json"])
+        results = {r["step"]: r for r in json.loads(capsys.readouterr().out)["steps"]}
+        assert code == 1 and not results["epoch-4"]["ok"], (case, results)
+        assert results["epoch-3"]["ok"] and results["epoch-5"]["ok"], case
+        pulled = tmp_path / f"pulled-{n}"
+        code = main(["pull", str(pulled), "epoch-4", "--remote", remote.url])
+        assert code in (1, 2) and "Traceback" not in capsys.readouterr().err, case
+        assert main(["pull", str(pulled), "latest", "--remote", remote.url]) == 0, case
+        assert (pulled / "epoch-5" / "manifest.json").is_file(), case
     store.put_bytes(key, raw)
 
 

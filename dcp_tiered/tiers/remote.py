@@ -517,8 +517,17 @@ def merge_sections(
 def read_manifest_files(
     remote: RemoteBackend, keys: layout.RemoteKeys, nodes: Iterable[int] | None = None
 ) -> tuple[Manifest, dict[str, bytes]]:
-    """The manifest (as :func:`read_manifest`) and the bytes of its files, by file name."""
-    index = remote.get_bytes(keys.manifest)
+    """The manifest (as :func:`read_manifest`) and the bytes of its files, by file name.
+    CheckpointNotFoundError when the save's manifest is not on the store (its marker names a
+    save whose objects are gone)."""
+    try:
+        index = remote.get_bytes(keys.manifest)
+    except FileNotFoundError as e:
+        raise CheckpointNotFoundError(
+            f"{remote.url(keys.manifest)} is not there: the commit marker of step "
+            f"{keys.step!r} names a save ({keys.save_id}) whose objects are gone from the "
+            "store. That step cannot be restored from it; restore another step."
+        ) from e
     m = manifest.parse(index, where=remote.url(keys.manifest))
     files = {}
     for node in m.sections if nodes is None else nodes:
