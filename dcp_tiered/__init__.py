@@ -31,7 +31,9 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
         ManifestError,
         MissingShardError,
         NotWritableError,
+        PeerLostError,
         PermanentTierError,
+        ReplicationError,
         SaveFailedError,
         StagingError,
         TierError,
@@ -41,9 +43,10 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
         UploadFailedError,
     )
     from .manager import CheckpointManager
-    from .planner import TieredSavePlanner
+    from .planner import TieredLoadPlanner, TieredSavePlanner
     from .policy.admission import Admission
     from .policy.cadence import Every, SavePolicy
+    from .policy.outcomes import SaveOutcome
     from .policy.replication import Replication
     from .policy.retention import Retention, RetentionPolicy
     from .rank_state import RankState
@@ -64,7 +67,9 @@ _ERRORS = (
     "ManifestError",
     "MissingShardError",
     "NotWritableError",
+    "PeerLostError",
     "PermanentTierError",
+    "ReplicationError",
     "SaveFailedError",
     "StagingError",
     "TierError",
@@ -83,6 +88,7 @@ _PUBLIC = {
     "Admission": "policy.admission",
     "Every": "policy.cadence",
     "SavePolicy": "policy.cadence",
+    "SaveOutcome": "policy.outcomes",
     "Replication": "policy.replication",
     "Retention": "policy.retention",
     "RetentionPolicy": "policy.retention",
@@ -90,6 +96,7 @@ _PUBLIC = {
     "TieredStorageReader": "reader",
     "Durability": "tiers.remote",
     "TieredStorageWriter": "writer",
+    "TieredLoadPlanner": "planner",
     "TieredSavePlanner": "planner",
 }
 
@@ -170,18 +177,22 @@ __all__ = [
     "ManifestError",
     "MissingShardError",
     "NotWritableError",
+    "PeerLostError",
     "PermanentTierError",
     "RankState",
     "RemoteConfig",
     "Replication",
+    "ReplicationError",
     "Retention",
     "RetentionPolicy",
     "RetryConfig",
     "SaveFailedError",
+    "SaveOutcome",
     "SavePolicy",
     "StagingError",
     "TierError",
     "TierUnavailableError",
+    "TieredLoadPlanner",
     "TieredSavePlanner",
     "TieredStorageReader",
     "TieredStorageWriter",

@@ -11,14 +11,15 @@ process alone.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from .distributed import agreement_group, is_node_leader
-from .errors import DcpTieredError, ForeignRunError, PermanentTierError, describe
+from .errors import DcpTieredError, ForeignRunError, PeerLostError, PermanentTierError, describe
 
 T = TypeVar("T")
 # Errors raised as their own kind on the ranks where they did not happen (None: any other)
@@ -34,12 +35,31 @@ class Agreement:
         self.group = agreement_group(timeout_secs)
         self.world_size = dist.get_world_size() if self.group is not None else 1
 
+    @contextlib.contextmanager
+    def _collective(self, what: str) -> Iterator[None]:
+        """The process group's own error (gloo's RuntimeError: a peer closed the connection,
+        a timeout) as PeerLostError, saying what it means and what to do."""
+        try:
+            yield
+        except RuntimeError as e:
+            if isinstance(e, DcpTieredError):
+                raise
+            rank = dist.get_rank()
+            raise PeerLostError(
+                f"rank {rank}: dcp_tiered's {what} with the other rank(s) of {self.world_size} "
+                f"failed ({str(e)[:500]}): another rank's process is gone (killed, crashed, "
+                "its node lost) or cannot be reached, so this job can no longer checkpoint. "
+                "Restart the job (torchrun --max-restarts, your scheduler): its restore "
+                "takes the newest step every rank can still get."
+            ) from e
+
     def vote(self, flags: list[int]) -> list[int]:
         """Each flag's maximum over all ranks."""
         if self.group is None:
             return flags
         t = torch.tensor(flags, dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        with self._collective("vote"):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return [int(v) for v in t.tolist()]
 
     def any(self, flag: bool) -> bool:
@@ -55,7 +75,8 @@ class Agreement:
         if self.group is None:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
+        with self._collective("exchange"):
+            dist.all_gather_object(out, obj, group=self.group)
         return out
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
@@ -63,7 +84,8 @@ class Agreement:
         if self.group is None:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=src, group=self.group)
+        with self._collective("broadcast"):
+            dist.broadcast_object_list(box, src=src, group=self.group)
         return box[0]
 
     def from_rank0(self, fn: Callable[[], T]) -> T:
@@ -132,4 +154,5 @@ class Agreement:
 
     def barrier(self) -> None:
         if self.group is not None:
-            dist.barrier(group=self.group)
+            with self._collective("barrier"):
+                dist.barrier(group=self.group)

@@ -10,6 +10,7 @@ prints one JSON object on stdout (schema in docs/cli.md), also when it fails.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -324,6 +325,9 @@ def _run(args: argparse.Namespace, fields: dict[str, Any], errors: list[dict[str
     """Run the command; errors are said on stderr and collected for --json."""
     if args.command == "convert":
         return cmd_convert(args, fields, errors)
+    if args.command == "pull":  # a fresh node's local tier: the pull makes its root
+        with contextlib.suppress(OSError):  # a file there, or no permission: said below
+            os.makedirs(args.root, exist_ok=True)
     if not os.path.isdir(args.root):
         what = "is not a directory" if os.path.exists(args.root) else "does not exist"
         message = (

@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .cli import OK, PROBLEM
 from .cli_steps import Run, human, progress, read_remote_manifest, read_step_manifest
-from .errors import CheckpointNotFoundError
+from .errors import CheckpointNotFoundError, ManifestError
 from .policy import integrity, layout
 from .step_items import StepItems
 from .tiers import catalog, promotion
@@ -180,7 +180,13 @@ def cmd_verify_remote(run: Run) -> int:
         steps = [layout.validate_step_name(step)]
     results = []
     for name in steps:
-        m, keys = read_remote_manifest(remote, name)
+        try:
+            m, keys = read_remote_manifest(remote, name)
+        except (ManifestError, FileNotFoundError) as e:  # this step only
+            why = f"{type(e).__name__}: {e}"
+            results.append({"step": name, "tier": "remote", "ok": False, "problems": [why]})
+            run.say(f"{name} on {remote.config.url}: CORRUPT\n  {why}")
+            continue
         problems: list[str] = []
         checked = {"recorded": 0, "read": 0}
         read_bytes = 0

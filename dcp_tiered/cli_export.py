@@ -278,7 +278,7 @@ def _require_export(out: str) -> None:
             with open(os.path.join(out, EXPORT_RECORD), "rb") as f:
                 body = json.loads(f.read(1 << 20))
             listed = set(body["files"]) if body.get("format") == EXPORT_FORMAT else None
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
             listed = None
         if listed is None:
             problem = f"it holds no readable {EXPORT_RECORD} (not made by dcp-tiered export)"

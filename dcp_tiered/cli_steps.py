@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
+import logging
 import sys
 from typing import Any
 
@@ -22,12 +22,14 @@ from .errors import (
     TierError,
     TierUnavailableError,
 )
-from .policy import integrity, layout, manifest
+from .policy import integrity, layout, manifest, records
 from .policy.identity import Owner
 from .tiers import catalog, replica
 from .tiers import memory as memory_tier
 from .tiers import remote as remote_tier
 from .tiers.local import LocalTier
+
+logger = logging.getLogger(__name__)
 
 
 class Run:
@@ -50,9 +52,15 @@ class Run:
 
     def recorded(self) -> dict[str, Any]:
         """The tiers the writer or manager recorded in the root (never credentials)."""
-        if not self.tier.backend.exists(layout.TIERS_RECORD):
+        backend = self.tier.backend
+        try:
+            data = backend.read_file(layout.TIERS_RECORD, limit=records.MAX_RECORD_BYTES)
+            return records.tiers_record(data, where=backend.path_of(layout.TIERS_RECORD))
+        except FileNotFoundError:
             return {}
-        return json.loads(self.tier.backend.read_file(layout.TIERS_RECORD))
+        except (OSError, ManifestError) as e:  # give --remote / --memory instead
+            logger.warning("ignoring %s: %s", backend.path_of(layout.TIERS_RECORD), e)
+            return {}
 
     def remote(self, url: str | None = None) -> RemoteBackend | None:
         """The remote tier: ``url``, else ``--remote``, else the one recorded in the root."""
@@ -111,10 +119,15 @@ def cmd_ls(run: Run) -> int:
             "owner": s.owner(record).value,
         }
         if s.verified_format:
+            try:
+                world_size = tier.read_manifest(s.name).world_size
+            except (ManifestError, OSError) as e:  # that step is unreadable; list the rest
+                logger.warning("%s", e)
+                row.update(state="unreadable", world_size=None, committed_at=None, error=str(e))
+                rows.append(row)
+                continue
             row.update(
-                state="committed",
-                world_size=tier.read_manifest(s.name).world_size,
-                committed_at=iso(s.committed_at_ns),
+                state="committed", world_size=world_size, committed_at=iso(s.committed_at_ns)
             )
         else:
             row.update(state="vanilla", world_size=None, committed_at=None)
@@ -144,6 +157,7 @@ def cmd_ls(run: Run) -> int:
         state = {
             "committed": f"committed  world={r.get('world_size')}  {r.get('committed_at')}",
             "vanilla": "vanilla DCP (no manifest: cannot be verified)",
+            "unreadable": "UNREADABLE manifest (`dcp-tiered verify` says why)",
             "in-progress": "in progress",
             "abandoned": "abandoned (swept by the next writer)",
             "quarantined": f"quarantined as {r.get('path')} (a restore fell back past it; "
@@ -175,7 +189,10 @@ def cmd_verify(run: Run) -> int:
             problems = ["vanilla DCP checkpoint without a manifest, cannot be verified"]
             run.say(f"{name}: {problems[0]}")
         else:
-            problems = _verify_step(run, name)
+            try:
+                problems = _verify_step(run, name)
+            except (ManifestError, OSError) as e:  # this step only: the others are verified
+                problems = [f"{type(e).__name__}: {e}"]
             run.say(f"{name}: " + ("OK" if not problems else "CORRUPT\n  " + "\n  ".join(problems)))
         results.append({"step": name, "ok": not problems, "problems": problems})
     run.fields["steps"] = results
@@ -243,7 +260,7 @@ def cmd_status(run: Run) -> int:
         if s.local and not s.remote and s.verified_format and remote is not None:
             try:
                 row["promote"] = tier.read_manifest(s.name).promote
-            except ManifestError:
+            except (ManifestError, OSError):
                 row["promote"] = False
     for name in _in_progress(tier):
         rows.setdefault(name, {})["saving"] = True

@@ -18,6 +18,8 @@ Library errors subclass the built-in exception a caller would naturally catch::
     ├── StagingError                         staging buffers still held by an earlier save
     ├── CommitError                          a node failed to publish the step
     ├── SaveFailedError                      a background save or upload failed on some rank
+    ├── PeerLostError(RuntimeError)          another rank is gone: a checkpoint collective failed
+    │   └── ReplicationError                 ... and it is (or took) a replication partner
     └── TierError                            a storage tier failed
         ├── TransientTierError               5xx, SlowDown, timeouts, resets; retried
         ├── PermanentTierError               AccessDenied, NoSuchBucket; not retried
@@ -44,7 +46,9 @@ __all__ = [
     "ManifestError",
     "MissingShardError",
     "NotWritableError",
+    "PeerLostError",
     "PermanentTierError",
+    "ReplicationError",
     "SaveFailedError",
     "StagingError",
     "TierError",
@@ -141,6 +145,18 @@ class SaveFailedError(DcpTieredError):
     def __init__(self, message: str, failures: list[dict[str, object]]) -> None:
         super().__init__(message)
         self.failures = failures
+
+
+class PeerLostError(DcpTieredError, RuntimeError):
+    """A collective of the checkpoint lifecycle failed because another rank is gone (its
+    process died, its node was lost) or cannot be reached: the job can no longer checkpoint.
+    A RuntimeError, as the process group's own error is; the message says what to do (restart
+    the job: the restore takes the newest step every rank can still get)."""
+
+
+class ReplicationError(PeerLostError):
+    """As PeerLostError, on a job with peer replication: the message names this rank's
+    replication partners (ranks and nodes) and why replication stopped, if it had."""
 
 
 class TierError(DcpTieredError):

@@ -43,17 +43,20 @@ from .errors import (
     ConfigError,
     DcpTieredError,
     InsufficientSpaceError,
+    PeerLostError,
+    ReplicationError,
     causes,
     describe,
 )
 from .events import EventLog
 from .lifecycle import Conventions, Lifecycle, LoadFailure, failure, raise_failures
-from .planner import TieredSavePlanner
+from .planner import TieredLoadPlanner, TieredSavePlanner
 from .policy import cadence, layout
 from .policy.admission import Admission, Headroom, shortfall
 from .policy.cadence import Decision, SavePolicy
 from .policy.identity import Owner
 from .policy.memory_format import first_refused
+from .policy.outcomes import COMMITTED, FAILED, PENDING, SKIPPED, Outcomes, SaveOutcome
 from .policy.replication import Replication
 from .policy.retention import Retention
 from .rank_state import RankState
@@ -206,6 +209,8 @@ class CheckpointManager:
         self._in_flight: list[_InFlight] = []
         self._uploading: list[_InFlight] = []
         self._failures: list[dict[str, Any]] = []
+        self._outcomes = Outcomes()  # what each save achieved, per tier (see wait())
+        self._unreported: list[int] = []  # steps wait() has not reported final yet
         self._housekeeper = ThreadPoolExecutor(1, thread_name_prefix="dcp-tiered-retention")
         self._housekeeping: Future[None] | None = None
         self.restored_step: int | None = None
@@ -267,16 +272,21 @@ class CheckpointManager:
             for tier in ("memory", "local")
         }
         refused = None if self._restorable else _refused_value(app_state)
-        flags = self._agree.vote(
-            cadence.encode(wanted)
-            + [
-                int(bool(self._failures)),
-                int(busy),
-                int(short["memory"] is not None),
-                int(short["local"] is not None),
-                int(refused is not None),
-            ]
-        )
+        try:
+            flags = self._agree.vote(
+                cadence.encode(wanted)
+                + [
+                    int(bool(self._failures)),
+                    int(busy),
+                    int(short["memory"] is not None),
+                    int(short["local"] is not None),
+                    int(refused is not None),
+                ]
+            )
+        except PeerLostError as e:
+            if self._replica is None:
+                raise
+            raise ReplicationError(f"{e} {self._replica.describe_partners()}") from e
         if flags[7]:
             why = next(w for w in self._agree.gather(refused) if w)
             raise ConfigError(
@@ -293,9 +303,12 @@ class CheckpointManager:
             return decision
         tier = "local" if decision.local else "memory"
         if flags[5 if tier == "memory" else 6]:
-            return self._refuse(step, tier, short[tier] or "another rank's node has no room", t0)
+            why = short[tier] or "another rank's node has no room"
+            self._record(step, decision, SKIPPED, why)
+            return self._refuse(step, tier, why, t0)
         if flags[4] and tier == "local":
             if self.admission.when_busy == "skip":
+                self._record(step, decision, SKIPPED, "saves in flight at the cap")
                 self.skipped_saves += 1
                 logger.warning(
                     "skipping the save of step %d: %d disk saves already in flight "
@@ -376,9 +389,20 @@ class CheckpointManager:
     def _has(self, tier: str) -> bool:
         return tier == "local" or self._memory is not None
 
+    def _record(self, step: int, decision: Decision, state: str, why: str | None = None) -> None:
+        """The outcome of the tiers ``decision`` saves ``step`` to: the disk (and remote) or
+        host memory."""
+        tiers = ["local"] if decision.local else ["memory"]
+        if decision.local and decision.remote and self._remote is not None:
+            tiers.append("remote")
+        self._outcomes.record(step, tiers, state, why)
+        if step not in self._unreported:
+            self._unreported.append(step)
+
     def _start(self, step: int, app_state: dict[str, Any], decision: Decision, t0: float) -> None:
         name = step_name(step)
         started = time.time()
+        self._record(step, decision, PENDING)
         if decision.local:
             if not decision.remote:
                 self._local.keep_local(name)
@@ -424,14 +448,39 @@ class CheckpointManager:
 
     # ------------------------------------------------------------ completion
 
-    def wait(self) -> None:
+    def wait(self) -> dict[int, dict[str, SaveOutcome]]:
         """Block until this rank's saves in flight are committed on their tier (uploads go
-        on in the background). Their failures are raised at the next ``save`` or ``close``."""
+        on in the background). Their failures are raised at the next ``save`` or ``close``.
+
+        Returns what each save achieved: step -> tier (``"memory"``, ``"local"``,
+        ``"remote"``) -> :class:`~dcp_tiered.policy.outcomes.SaveOutcome` (``state``: committed,
+        skipped, failed or pending, with the ``reason``), for every step saved or skipped
+        since the previous ``wait()`` and every step still pending then (an upload usually
+        is: it is reported again until it is final). This process's view: the remote
+        outcome is known to the processes that upload (every node's first rank; rank 0's
+        is the commit), other ranks report no remote outcome."""
         for rec in list(self._in_flight):
             self._wait(rec)
         if self._replica is not None:
             self._replica.drain()
         self._reap()
+        report = self._outcomes.steps(self._unreported)
+        self._unreported = [
+            step for step, tiers in report.items() if not all(o.done for o in tiers.values())
+        ]
+        return report
+
+    def outcome(self, step: int) -> dict[str, SaveOutcome]:
+        """What the save of ``step`` achieved on each tier so far (empty: never saved by this
+        manager, or too long ago: the newest 1,024 steps are kept). Non-blocking; call
+        :meth:`wait` or :meth:`close` first for final answers."""
+        self._reap()
+        return self._outcomes.of(step)
+
+    def outcomes(self) -> dict[int, dict[str, SaveOutcome]]:
+        """:meth:`outcome` of every step this manager saved or skipped, oldest first."""
+        self._reap()
+        return self._outcomes.steps()
 
     def _wait(self, rec: _InFlight) -> None:
         futures.wait([rec.future])  # without raising: _reap records its failure
@@ -452,9 +501,12 @@ class CheckpointManager:
             rec.timings = (
                 rec.future.result() if rec.tier == "memory" else self._local.pop_timings(rec.name)
             )
+            self._outcomes.record(rec.step, [rec.tier], COMMITTED)
             if rec.timings.get("uploads"):  # this process promotes its node's copy
                 self._uploading.append(rec)
             else:
+                if rec.remote:  # another process uploads: its outcome is not known here
+                    self._outcomes.forget(rec.step, "remote")
                 self._emit(rec)
         for rec in list(self._uploading):
             # A follower node publishes (and enqueues its upload) just after the save returns.
@@ -471,6 +523,7 @@ class CheckpointManager:
             if error is not None:
                 self._fail(rec, "remote", error)
             else:
+                self._outcomes.record(rec.step, ["remote"], COMMITTED)
                 self._emit(rec)
         if finished:
             self._prune_in_background()
@@ -484,6 +537,8 @@ class CheckpointManager:
 
     def _skip_unfit(self, rec: _InFlight, error: BaseException) -> None:
         self.skipped_saves += 1
+        tiers = [rec.tier] + (["remote"] if rec.remote else [])
+        self._outcomes.record(rec.step, tiers, SKIPPED, describe(error))
         logger.warning(
             "step %d was not saved to the %s tier, which had no room for it after "
             "all (Admission.when_full='skip'; nothing of it was kept, earlier steps "
@@ -511,6 +566,8 @@ class CheckpointManager:
             else self._local.root
         )
         self._failures.append(failure(self.rank, rec.name, tier, where, error))
+        tiers = [tier] + (["remote"] if rec.remote and tier != "remote" else [])
+        self._outcomes.record(rec.step, tiers, FAILED, describe(error))
         self._events.emit(
             "failed", step=rec.step, rank=self.rank, tier=tier, where=where, error=describe(error)
         )
@@ -660,6 +717,7 @@ class CheckpointManager:
                 self._loadable(app_state, reader, name),
                 checkpoint_id=name,
                 storage_reader=reader,
+                planner=TieredLoadPlanner(reader=reader),
                 process_group=self._save_pg,
             )
         except (CheckpointException, DcpTieredError) as e:  # DCP told every rank already

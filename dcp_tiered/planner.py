@@ -1,4 +1,5 @@
-"""DCP's default save planner, with the coordinator's global planning made cheaper at scale.
+"""DCP's default planners: the save planner with the coordinator's global planning made
+cheaper at scale, and the load planner with typed errors for a state that does not fit.
 
 ``TieredSavePlanner`` is ``DefaultSavePlanner`` (same plans, same metadata, the same errors,
 plan caching with ``enable_plan_caching=True``) with two changes on the coordinator:
@@ -19,15 +20,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections import ChainMap
+from typing import Any
 
 from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
     DefaultSavePlanner,
     create_default_global_save_plan,
 )
-from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan
 
 from . import _gc
+from .errors import ConfigError, DcpTieredError, ManifestError
 from .policy.chunk_grid import plan_errors
 
 
@@ -54,3 +58,56 @@ class TieredSavePlanner(DefaultSavePlanner):
                 summary = summary[:500] + "... (truncated)"
             raise ValueError(f"Failed to validate global plan: {summary}")
         return global_plan, metadata
+
+
+class TieredLoadPlanner(DefaultLoadPlanner):
+    """``DefaultLoadPlanner`` (same arguments) that explains a size mismatch between the state
+    and the step. DCP's planner compares the state's tensors with the manifest's shapes and
+    raises a bare ValueError; given the ``reader`` of the load, this one reads the stored
+    chunk of the first tensor that differs and raises ManifestError when the manifest
+    misstates what its bytes hold (an edited, resealed manifest), else ConfigError (the state
+    is not the model that was saved). Both are ValueErrors, as DCP's own is::
+
+        reader = TieredStorageReader(root)
+        dcp.load(state, checkpoint_id="step-100", storage_reader=reader,
+                 planner=TieredLoadPlanner(reader=reader))
+    """
+
+    def __init__(self, *args: Any, reader: Any = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._reader = reader
+
+    def create_local_plan(self) -> LoadPlan:
+        try:
+            return super().create_local_plan()
+        except ValueError as e:
+            if self._reader is None or "Size mismatch" not in str(e):
+                raise
+            raise self._explained() or e from e
+
+    def _explained(self) -> DcpTieredError | None:
+        for fqn, obj in self.state_dict.items():
+            md = self.metadata.state_dict_metadata.get(fqn) if self.metadata else None
+            size = getattr(obj, "size", None)
+            if not isinstance(md, TensorStorageMetadata) or size is None or md.size == size():
+                continue
+            step = getattr(self._reader, "checkpoint_id", None)
+            try:
+                stored = self._reader.stored_tensor(fqn)
+            except DcpTieredError as e:
+                return e
+            if stored is None:  # a vanilla step: DCP's own error says it
+                return None
+            chunk = md.chunks[0].sizes
+            if stored.size() != chunk:
+                return ManifestError(
+                    f"step {step!r}: the manifest says {fqn!r} is {list(md.size)} (a first "
+                    f"chunk of {list(chunk)}), but its stored bytes hold "
+                    f"{list(stored.size())}: the manifest does not match the data. Restore "
+                    "the step from another tier or load another step."
+                )
+            return ConfigError(
+                f"step {step!r} holds {fqn!r} as {list(md.size)}, the state being loaded has "
+                f"{list(size())}: load it into a model of the shape that was saved"
+            )
+        return None

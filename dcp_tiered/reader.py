@@ -13,6 +13,7 @@ import io
 import logging
 import math
 import os
+import types
 import warnings
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +26,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from . import reader_checks
 from ._torch_compat import StorageReaderTransforms, ZStandard
 from .backends.local import LocalBackend
 from .backends.remote import remote_backend
@@ -146,8 +148,10 @@ class TieredStorageReader(StorageReader):
         self._deferred_error = None
         try:
             return self._read_metadata()
-        except DcpTieredError as e:
-            self._deferred_error = e
+        except Exception as e:  # noqa: BLE001 - a hostile step may fail anything: typed below
+            where = self.root + (f" or {self._remote.config.url}" if self._remote else "")
+            step = self._step.name if self._step else str(self._requested or layout.LATEST)
+            self._deferred_error = reader_checks.typed_metadata_error(e, step, where)
             return Metadata(state_dict_metadata={})
 
     def _read_metadata(self) -> Metadata:
@@ -415,6 +419,9 @@ class TieredStorageReader(StorageReader):
                     parts = self._verified(r.name, index, parts)
                     if len(parts) == 3:  # still the target's own memory: nothing to copy
                         assert r.target is not None  # direct: _resolve_direct set it
+                        reader_checks.check_storage_tail(
+                            parts[2], r.target.nbytes, self._what(index)
+                        )
                         planner.commit_tensor(group[0], r.target)
                         continue
                     self._deliver(group[0], parts[0], planner, r.target)
@@ -617,7 +624,7 @@ class TieredStorageReader(StorageReader):
             return
         tensor = self._raw_view(item.storage_index, data)
         if tensor is None:
-            tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            tensor = self._loaded_tensor(item.storage_index, data)
         for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
             tensor = tensor.narrow(dim, start, length)
         if target is None:
@@ -659,6 +666,9 @@ class TieredStorageReader(StorageReader):
                 f"{count} x {dtype} past the end of the item's {len(data)} bytes; the manifest "
                 "does not match the data. Restore the step from another tier."
             )
+        reader_checks.check_raw_storage(
+            data, loc.raw_offset, count * dtype.itemsize, self._what(index)
+        )
         if isinstance(data, memoryview) and not data.readonly:  # a local read buffer
             return torch.frombuffer(data, dtype=dtype, count=count, offset=loc.raw_offset).view(
                 sizes
@@ -667,6 +677,50 @@ class TieredStorageReader(StorageReader):
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             raw = torch.frombuffer(data, dtype=dtype, count=count, offset=loc.raw_offset)
         return raw.view(sizes)
+
+    def stored_tensor(self, fqn: str) -> torch.Tensor | None:
+        """The first chunk of tensor ``fqn`` of the step being loaded, as stored: read,
+        checked against its checksum, loaded with ``weights_only``. For telling a manifest
+        that misstates a shape from a state that differs from the checkpoint
+        (:class:`~dcp_tiered.planner.TieredLoadPlanner`); not for loading. None for a
+        vanilla DCP step (no manifest to misstate anything)."""
+        m = self._manifest
+        if m is None:
+            return None
+        md = m.metadata.state_dict_metadata.get(fqn)
+        if not isinstance(md, TensorStorageMetadata) or not md.chunks:
+            raise ManifestError(f"{fqn!r} is no tensor of step {self.checkpoint_id!r}")
+        index = MetadataIndex(fqn, md.chunks[0].offsets, 0)
+        self._locate([types.SimpleNamespace(storage_index=index)])  # type: ignore[list-item]
+        loc = self._locations[index]
+        name = loc.relative_path
+        if self._valid_locally(name):
+            with self._tier.backend.open_read(*self._dir, name) as f:
+                f.seek(loc.offset)
+                data = f.read(loc.length)
+        else:
+            data = self._fetch(name, loc.offset, loc.offset + loc.length)
+        problem = self._problem(loc, [data])
+        if problem:
+            raise self._integrity_error(name, fqn, loc, problem)
+        return self._loaded_tensor(MetadataIndex(fqn), data)
+
+    def _what(self, index: MetadataIndex) -> str:
+        return f"item {index.fqn!r} of step {self.checkpoint_id!r} in {self.root}"
+
+    def _loaded_tensor(self, index: MetadataIndex, data: bytes | memoryview) -> torch.Tensor:
+        """A tensor item read with torch.load (weights_only), checked against the manifest."""
+        try:
+            tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as e:  # verified bytes that are no tensor archive
+            raise IntegrityError(
+                f"{self._what(index)}: its stored bytes do not load as a tensor "
+                f"({type(e).__name__}: {str(e)[:200]}); restore the step from another tier"
+            ) from e
+        if index in self._chunks:
+            sizes, dtype = self._chunks[index]
+            return reader_checks.check_loaded_tensor(tensor, sizes, dtype, self._what(index))
+        return tensor
 
     def _vetted_bytes(self, data: bytes | memoryview) -> io.BytesIO:
         """Non-tensor values: weights_only unless the caller trusts the checkpoint.

@@ -44,13 +44,14 @@ from .distributed import is_job_leader
 from .errors import (
     CheckpointExistsError,
     ConfigError,
+    DcpTieredError,
     ForeignPathError,
     InsufficientSpaceError,
-    TierError,
+    ManifestError,
     TransientTierError,
     UploadFailedError,
 )
-from .policy import identity, integrity, layout, manifest
+from .policy import identity, integrity, layout, manifest, records
 from .staging import DoubleBufferStager
 from .tiers import catalog, commit, orphans, ownership, uploads
 from .tiers import remote as remote_tier
@@ -334,7 +335,7 @@ class TieredStorageWriter(StorageWriter):
         )
         try:
             orphans.sweep_orphans(self._tier, once, self._run.run_id)
-        except (TierError, OSError) as e:
+        except (DcpTieredError, OSError) as e:  # an unreachable store, a record not ours
             logger.warning(
                 "could not look for orphaned uploads on %s: %s", self._remote.config.url, e
             )
@@ -349,12 +350,15 @@ class TieredStorageWriter(StorageWriter):
         """The root records its remote's URL (never its credentials), so that ``dcp-tiered
         status ROOT`` finds the remote without being told."""
         backend = self._tier.backend
+        record: dict[str, Any] = {}
         try:
-            record = json.loads(backend.read_file(layout.TIERS_RECORD))
-        except (OSError, ValueError):
-            record = {}
-        if not isinstance(record, dict):
-            record = {}
+            record = records.tiers_record(
+                backend.read_file(layout.TIERS_RECORD), where=backend.path_of(layout.TIERS_RECORD)
+            )
+        except FileNotFoundError:
+            pass
+        except (OSError, ManifestError) as e:  # our own file, unreadable: written anew
+            logger.warning("replacing %s: %s", backend.path_of(layout.TIERS_RECORD), e)
         if record.get("remote") != url:
             backend.replace_root_file(
                 layout.TIERS_RECORD, json.dumps({**record, "remote": url}).encode()

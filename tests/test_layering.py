@@ -22,6 +22,7 @@ DCP = {
     "planner",
     "writer",
     "reader",
+    "reader_checks",
     "staging",
     "step_items",
 }  # torch's StorageWriter/StorageReader, and staging
@@ -107,6 +108,7 @@ def test_the_checker_resolves_imports_and_would_catch_a_violation():
         "policy.layout",
         "policy.manifest",
         "policy.identity",
+        "policy.records",
         "tiers.ownership",
         "backends.local",
         "errors",

@@ -379,8 +379,16 @@ class LocalBackend:
         except FileNotFoundError:
             return False
 
-    def read_file(self, *names: str) -> bytes:
+    def read_file(self, *names: str, limit: int | None = None) -> bytes:
+        """The file's bytes. With ``limit``, a file larger than that (a huge or sparse one
+        where a small file of ours belongs) raises OSError (EFBIG) before anything is read."""
         with self.open_read(*names) as f:
+            if limit is not None and (size := os.fstat(f.fileno()).st_size) > limit:
+                raise OSError(
+                    errno.EFBIG,
+                    f"{size} bytes, more than the {limit} such a file of ours ever holds; not read",
+                    str(self._child(*names)),
+                )
             return f.read()
 
     def open_read(self, *names: str) -> BinaryIO:

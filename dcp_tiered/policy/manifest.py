@@ -36,13 +36,15 @@ from torch.distributed.checkpoint.metadata import (
 
 from .. import _gc
 from ..errors import ManifestError
-from . import identity, integrity, layout, manifest_codec, manifest_v1
+from . import identity, integrity, layout, manifest_codec, manifest_v1, records
 from .manifest_types import (
     FORMAT,
+    MAX_ITEM_FRAMING_BYTES,
     SHARED,
     ItemLocation,
     Manifest,
     SectionRef,
+    check_item_length,
     chunk_ordinal,
     decode_properties,
     encode_properties,
@@ -62,6 +64,9 @@ __all__ += [
 VERSION = 2
 SECTION_FORMAT = "dcp-tiered-manifest-section"
 _MAX_RANKS = 1 << 24
+# Chunks of all tensors of one step: 14.4 M at 16,384 ranks of FSDP2 (docs/scale.md). Counts in
+# a manifest are checked against this (and the tensor's own bounds) before they are expanded.
+_MAX_ITEMS = 1 << 26
 _HINT = "restore the step from another tier or an earlier step; do not edit manifests by hand"
 
 
@@ -244,11 +249,8 @@ def parse(data: bytes, *, where: str) -> Manifest:
         return manifest_v1.parse(data, where=where)
     if not manifest_codec.unseal(data):
         raise ManifestError(f"{where}: manifest checksum mismatch (file was modified); {_HINT}")
-    try:
-        body = json.loads(data)
-    except (ValueError, RecursionError) as e:
-        raise ManifestError(f"{where}: manifest is not valid JSON ({str(e)[:200]}); {_HINT}") from e
-    if not isinstance(body, dict) or body.get("format") != FORMAT:
+    body = _load(data, where)
+    if body.get("format") != FORMAT:
         raise ManifestError(f"{where}: not a dcp_tiered manifest; {_HINT}")
     if body.get("version") != VERSION:
         raise ManifestError(
@@ -259,27 +261,38 @@ def parse(data: bytes, *, where: str) -> Manifest:
         return _decode_index(body)
     except ManifestError as e:
         raise ManifestError(f"{where}: {e}; {_HINT}") from e
-    except (KeyError, TypeError, ValueError, IndexError, OverflowError) as e:
+    except (KeyError, TypeError, ValueError, IndexError, OverflowError, AttributeError) as e:
         raise ManifestError(f"{where}: malformed manifest ({e!r}); {_HINT}") from e
 
 
+def _load(data: bytes, where: str) -> dict[str, Any]:
+    """The JSON object of an index or section, under the guards every record read back gets."""
+    try:
+        return records.load_json(data, where=where, max_bytes=records.MAX_MANIFEST_BYTES)
+    except ManifestError as e:
+        raise ManifestError(f"{e}; {_HINT}") from e
+
+
 def _decode_index(body: dict[str, Any]) -> Manifest:
+    world_size = body["world_size"]
+    if type(world_size) is not int or not 0 < world_size <= _MAX_RANKS:
+        raise ManifestError(f"world size {world_size!r} is out of range")
+    nodes = [[int(r) for r in n] for n in body["nodes"]]
+    ranks_listed = sorted(r for n in nodes for r in n)
+    if len(ranks_listed) != world_size or ranks_listed != list(range(world_size)):
+        raise ManifestError(f"nodes {nodes} do not cover ranks 0..{world_size - 1}")
     sdm: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
     writers: dict[str, list[int]] = {}
     props = [decode_properties(p) for p in body["properties"]]
+    budget = _MAX_ITEMS  # chunks of every tensor together: counts are checked against it
     for fqn, entry, ranks in body["tensors"]:
         fqn = str(fqn)
-        sdm[fqn] = _decode_entry(entry, fqn, props)
-        writers[fqn] = manifest_codec.unprogressions(ranks, f"writers of {fqn!r}")
+        sdm[fqn] = _decode_entry(entry, fqn, props, budget)
         count = len(getattr(sdm[fqn], "chunks", [None]))
-        if len(writers[fqn]) != count:
-            raise ManifestError(f"{fqn!r} has {count} chunks but {len(writers[fqn])} writers")
-    nodes = [[int(r) for r in n] for n in body["nodes"]]
-    world_size = int(body["world_size"])
-    if not 0 < world_size <= _MAX_RANKS:
-        raise ManifestError(f"world size {world_size} is out of range")
-    if sorted(r for n in nodes for r in n) != list(range(world_size)):
-        raise ManifestError(f"nodes {nodes} do not cover ranks 0..{world_size - 1}")
+        budget -= count
+        writers[fqn] = manifest_codec.unprogressions(
+            ranks, f"writers of {fqn!r}", length=count, low=-1, high=world_size
+        )
     sections = {}
     for node, name, size, checksum in body["sections"]:
         if name != layout.manifest_section_name(node) or not SHARED <= node < len(nodes):
@@ -323,7 +336,7 @@ def _run_id(value: Any) -> str | None:
 
 
 def _decode_entry(
-    raw: Any, fqn: str, props: list[TensorProperties]
+    raw: Any, fqn: str, props: list[TensorProperties], max_chunks: int
 ) -> TensorStorageMetadata | BytesStorageMetadata:
     if not isinstance(raw, dict) or raw.get("type") not in ("tensor", "bytes"):
         raise ManifestError(f"bad entry for {fqn!r}: {raw!r}")
@@ -332,7 +345,9 @@ def _decode_entry(
     size = raw.get("size")
     if not isinstance(size, list) or not all(type(v) is int and v >= 0 for v in size):
         raise ManifestError(f"{fqn!r}: bad size {size!r}")
-    chunks = manifest_codec.decode_chunks(raw, len(size), f"chunks of {fqn!r}")
+    chunks = manifest_codec.decode_chunks(
+        raw, size, f"chunks of {fqn!r}", max_chunks=max(max_chunks, 0)
+    )
     which = raw.get("props")
     if type(which) is not int or not 0 <= which < len(props):
         raise ManifestError(f"{fqn!r}: bad properties reference {which!r}")
@@ -356,8 +371,8 @@ def parse_section(m: Manifest, node: int, data: bytes, *, where: str) -> Manifes
             f"{where}: section of node {node} does not match the index ({len(data)} bytes, "
             f"{integrity.ALGORITHM} {crc}; index says {ref.size} bytes, {ref.checksum}); {_HINT}"
         )
+    body = _load(data, where)
     try:
-        body = json.loads(data)
         if (
             body.get("format") != SECTION_FORMAT
             or body.get("version") != VERSION
@@ -371,7 +386,7 @@ def parse_section(m: Manifest, node: int, data: bytes, *, where: str) -> Manifes
             _decode_file(m, node, entry, files, locs)
     except ManifestError as e:
         raise ManifestError(f"{where}: {e}; {_HINT}") from e
-    except (KeyError, TypeError, ValueError, IndexError, OverflowError) as e:
+    except (KeyError, TypeError, ValueError, IndexError, OverflowError, AttributeError) as e:
         raise ManifestError(f"{where}: malformed manifest section ({e!r}); {_HINT}") from e
     return m.with_locations(node, files, locs)
 
@@ -412,6 +427,8 @@ def _decode_file(
         length, raw = int(lengths[i]), int(raws[i])
         if offset < 0 or length < 0 or offset + length > size or not -1 <= raw < max(length, 1):
             raise ManifestError(f"item {fqn!r} lies outside {name!r} or its raw offset is bad")
+        if length > MAX_ITEM_FRAMING_BYTES:  # any shorter one is within any tensor's bound
+            check_item_length(fqn, md, chunks[i], length)
         if isinstance(md, TensorStorageMetadata):
             index = MetadataIndex(fqn, md.chunks[chunks[i]].offsets, chunks[i])
         else:

@@ -36,10 +36,25 @@ def runs(values: Sequence[int]) -> list[list[int]]:
     return out
 
 
-def unruns(encoded: Any, what: str) -> list[int]:
-    out: list[int] = []
-    for pair in _list(encoded, what):
+def checked_runs(encoded: Any, what: str, *, total: int) -> list[list[int]]:
+    """Runs of positive values (the split sizes of one dimension) whose sum is ``total``,
+    checked, not expanded: a count of 2**40 in a few bytes is judged, never allocated."""
+    pairs = _list(encoded, what)
+    covered = 0
+    for pair in pairs:
         value, count = _ints(pair, 2, what)
+        if value <= 0:
+            raise ManifestError(f"{what}: split size {value} in {encoded!r}")
+        covered += value * count
+    if covered != total:
+        raise ManifestError(f"{what}: split sizes {encoded!r} do not add up to {total}")
+    return pairs
+
+
+def unruns(pairs: list[list[int]]) -> list[int]:
+    """Runs checked by :func:`checked_runs`, expanded."""
+    out: list[int] = []
+    for value, count in pairs:
         out.extend([value] * count)
     return out
 
@@ -59,12 +74,21 @@ def progressions(values: Sequence[int]) -> list[list[int]]:
     return out
 
 
-def unprogressions(encoded: Any, what: str) -> list[int]:
-    out: list[int] = []
-    for triple in _list(encoded, what):
+def unprogressions(encoded: Any, what: str, *, length: int, low: int, high: int) -> list[int]:
+    """Progressions of ``length`` values in all, each in ``[low, high)``: counts and bounds
+    are checked before anything is expanded."""
+    triples = _list(encoded, what)
+    total = 0
+    for triple in triples:
         start, step, count = _ints(triple, 3, what, signed=True)
-        if count < 0:
-            raise ManifestError(f"{what}: negative count")
+        # a progression's extremes are its ends
+        if count <= 0 or not (low <= start < high and low <= start + step * (count - 1) < high):
+            raise ManifestError(f"{what}: {triple!r} is empty or leaves {low}..{high - 1}")
+        total += count
+    if total != length:
+        raise ManifestError(f"{what}: {encoded!r} does not hold {length} values")
+    out: list[int] = []
+    for start, step, count in triples:
         out.extend(range(start, start + step * count, step) if step else [start] * count)
     return out
 
@@ -89,19 +113,36 @@ def encode_chunks(size: Sequence[int], chunks: Sequence[tuple[Sequence[int], Seq
     return {"chunks": [[*offsets, *sizes] for offsets, sizes in chunks]}
 
 
-def decode_chunks(encoded: Any, ndim: int, what: str) -> list[tuple[list[int], list[int]]]:
+def decode_chunks(
+    encoded: Any, size: Sequence[int], what: str, *, max_chunks: int
+) -> list[tuple[list[int], list[int]]]:
+    """The chunks of a tensor of ``size``, each inside it, at most ``max_chunks`` of them (a
+    grid's cell count is checked before the grid is expanded)."""
+    ndim = len(size)
     if not isinstance(encoded, dict):
         raise ManifestError(f"{what}: bad chunk list {encoded!r}")
     if "grid" in encoded:
         dims = _list(encoded["grid"], what)
         if len(dims) != ndim:
             raise ManifestError(f"{what}: grid has {len(dims)} dimensions, tensor {ndim}")
-        cells = itertools.product(*[with_offsets(unruns(d, what)) for d in dims])
-        return [([o for o, _ in cell], [s for _, s in cell]) for cell in cells]
+        runs_of = [checked_runs(d, what, total=n) for d, n in zip(dims, size)]
+        cells = 1
+        for runs_of_dim in runs_of:
+            cells *= sum([count for _, count in runs_of_dim])
+        if cells > max_chunks:
+            raise ManifestError(f"{what}: a grid of more than {max_chunks} chunks")
+        grid = itertools.product(*[with_offsets(unruns(r)) for r in runs_of])
+        return [([o for o, _ in cell], [s for _, s in cell]) for cell in grid]
+    rows = _list(encoded.get("chunks"), what)
+    if len(rows) > max_chunks:
+        raise ManifestError(f"{what}: more than {max_chunks} chunks")
     out = []
-    for row in _list(encoded.get("chunks"), what):
+    for row in rows:
         values = _ints(row, 2 * ndim, what)
-        out.append((values[:ndim], values[ndim:]))
+        offsets, sizes = values[:ndim], values[ndim:]
+        if any(o + s > n for o, s, n in zip(offsets, sizes, size)):
+            raise ManifestError(f"{what}: chunk {row!r} lies outside the tensor's {list(size)}")
+        out.append((offsets, sizes))
     return out
 
 
@@ -146,5 +187,5 @@ def _ints(value: Any, n: int, what: str, *, signed: bool = False) -> list[int]:
         or len(value) != n
         or not all(type(v) is int and (signed or v >= 0) for v in value)
     ):
-        raise ManifestError(f"{what}: expected {n} non-negative integers, got {value!r}")
+        raise ManifestError(f"{what}: expected {n} integers, got {value!r}")
     return value

@@ -14,6 +14,9 @@ from ..errors import ManifestError
 
 FORMAT = "dcp-tiered-manifest"
 SHARED = -1  # the section of the items every rank reads, whatever its node
+# torch.save's archive around a tensor's own bytes: about 1.5 KiB (docs: item-format findings);
+# a stored tensor item is never longer than its chunk's bytes plus this.
+MAX_ITEM_FRAMING_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -165,3 +168,21 @@ def _pick(table: Mapping[str, Any], key: Any, what: str) -> Any:
     if key not in table:
         raise ManifestError(f"unknown {what} {key!r}")
     return table[key]
+
+
+def check_item_length(fqn: str, md: Any, chunk: int, length: int) -> None:
+    """A tensor item's stored length is its chunk's bytes (by the metadata's shape and dtype)
+    plus torch.save's framing: refuse a longer one before any buffer is sized by it."""
+    sizes = getattr(md, "chunks", None)
+    if sizes is None:  # a bytes item: bounded by its file's size only
+        return
+    shape = md.chunks[chunk].sizes
+    numel = 1
+    for n in shape:
+        numel *= n
+    limit = numel * md.properties.dtype.itemsize + MAX_ITEM_FRAMING_BYTES
+    if length > limit:
+        raise ManifestError(
+            f"item {fqn!r} is {length} bytes long, but a {md.properties.dtype} chunk of "
+            f"{list(shape)} is stored in at most {limit}"
+        )

@@ -20,8 +20,15 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ..errors import ManifestError
-from . import integrity
-from .manifest_types import FORMAT, ItemLocation, Manifest, decode_properties, encode_properties
+from . import integrity, records
+from .manifest_types import (
+    FORMAT,
+    ItemLocation,
+    Manifest,
+    check_item_length,
+    decode_properties,
+    encode_properties,
+)
 
 VERSION = 1
 
@@ -138,11 +145,11 @@ def build(
 def parse(data: bytes, *, where: str) -> Manifest:
     """Parse and validate manifest bytes. ``where`` names the file in error messages."""
     hint = "restore the step from another tier or an earlier step; do not edit manifests by hand"
-    try:
-        body = json.loads(data)
-    except (ValueError, RecursionError) as e:  # bad JSON, 5,000-digit numbers, deep nesting
-        raise ManifestError(f"{where}: manifest is not valid JSON ({str(e)[:200]}); {hint}") from e
-    if not isinstance(body, dict) or body.get("format") != FORMAT:
+    try:  # bad JSON, 5,000-digit numbers, 1e999, deep nesting, a huge file
+        body = records.load_json(data, where=where, max_bytes=records.MAX_MANIFEST_BYTES)
+    except ManifestError as e:
+        raise ManifestError(f"{e}; {hint}") from e
+    if body.get("format") != FORMAT:
         raise ManifestError(f"{where}: not a dcp_tiered manifest; {hint}")
     if body.get("version") != VERSION:
         raise ManifestError(
@@ -156,7 +163,7 @@ def parse(data: bytes, *, where: str) -> Manifest:
         return _decode(body)
     except ManifestError as e:
         raise ManifestError(f"{where}: {e}; {hint}") from e
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, IndexError, OverflowError, AttributeError) as e:
         raise ManifestError(f"{where}: malformed manifest ({e!r}); {hint}") from e
 
 
@@ -192,6 +199,20 @@ def _decode(body: dict[str, Any]) -> Manifest:
         if not 0 <= (loc.raw_offset or 0) < loc.length:
             raise ManifestError(f"item {fqn!r} has a raw offset outside the item")
     sdm = {str(k): _decode_entry(v) for k, v in body["state_dict_metadata"].items()}
+    ordinal = {
+        (fqn, tuple(c.offsets)): i
+        for fqn, md in sdm.items()
+        for i, c in enumerate(getattr(md, "chunks", ()))
+    }
+    for index, loc in locations.items():
+        md = sdm.get(index.fqn)
+        if md is None:
+            raise ManifestError(f"item {index.fqn!r} is not in the state dict metadata")
+        if isinstance(md, TensorStorageMetadata):
+            chunk = ordinal.get((index.fqn, tuple(index.offset or ())))
+            if chunk is None:
+                raise ManifestError(f"item {index.fqn!r} at {index.offset} is not a chunk of it")
+            check_item_length(index.fqn, md, chunk, loc.length)
     planner_data = {
         str(k): tuple(p if isinstance(p, int) else str(p) for p in v)
         for k, v in body["planner_data"].items()

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from .._torch_compat import ShardedTensor
 from ..errors import ConfigError, IntegrityError, ManifestError
-from . import integrity
+from . import integrity, records
 
 FORMAT = "dcp-tiered-memory"
 VERSION = 1
@@ -103,9 +103,21 @@ def encode_objects(objects: dict[str, Any]) -> bytes:
     return buf.getvalue()
 
 
-def decode_objects(data: bytes, *, allow_pickle: bool = False) -> dict[str, Any]:
-    """Non-tensor values: weights_only unless the caller trusts the snapshot."""
-    return torch.load(io.BytesIO(data), weights_only=not allow_pickle)
+def decode_objects(data: bytes, *, allow_pickle: bool = False, where: str = "") -> dict[str, Any]:
+    """Non-tensor values: weights_only unless the caller trusts the snapshot. A value that
+    loading refuses (or bytes that are no torch.save output) raise IntegrityError, as the
+    disk tier's reader does."""
+    try:
+        objects = torch.load(io.BytesIO(data), weights_only=not allow_pickle)
+    except Exception as e:  # torch raises UnpicklingError, RuntimeError and kin
+        raise IntegrityError(
+            f"{where or 'a memory snapshot'}: its non-tensor values do not load with "
+            f"weights_only ({type(e).__name__}: {str(e)[:300]}). If you trust this snapshot, "
+            "construct CheckpointManager(..., allow_pickle=True); else restore from disk."
+        ) from e
+    if not isinstance(objects, dict):
+        raise IntegrityError(f"{where}: its non-tensor values are not a dict")
+    return objects
 
 
 def refused_by_weights_only(value: Any) -> str | None:
@@ -213,8 +225,8 @@ class Header:
 
 
 def decode_header(data: bytes, *, where: str) -> Header:
+    body = records.load_json(data, where=where, max_bytes=records.MAX_MANIFEST_BYTES)
     try:
-        body = json.loads(data)
         expected = body.pop("header_checksum")
         if body.get("format") != FORMAT or body.get("version") != VERSION:
             raise ManifestError(f"{where}: not a version-{VERSION} memory-tier header")
@@ -233,6 +245,8 @@ def decode_header(data: bytes, *, where: str) -> Header:
         size = int(body["data_size"])
         if any(r.offset % ALIGN or r.offset + r.nbytes > size for r in regions):
             raise ManifestError(f"{where}: a tensor lies outside the {size}-byte buffer")
+        for r in regions:
+            _check_region(r, where)
         return Header(
             str(body["step"]),
             int(body["rank"]),
@@ -246,7 +260,7 @@ def decode_header(data: bytes, *, where: str) -> Header:
         )
     except ManifestError:
         raise
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as e:
         raise ManifestError(f"{where}: unreadable memory-tier header ({e!r})") from e
 
 
@@ -255,6 +269,21 @@ def _optional(body: dict[str, Any], name: str, kind: type) -> Any:
     if value is not None and type(value) is not kind:
         raise ManifestError(f"{name} {value!r} is not a {kind.__name__}")
     return value
+
+
+def _check_region(r: Region, where: str) -> None:
+    """A region's dtype, shape and byte count agree, so viewing it never fails untyped."""
+    dtype = _DTYPES.get(r.dtype)
+    numel = 1
+    for n in r.shape:
+        numel *= n
+    if dtype is None or min(r.shape, default=0) < 0 or r.offset < 0:
+        raise ManifestError(f"{where}: {r.key}: bad dtype {r.dtype!r} or shape {r.shape}")
+    if numel * dtype.itemsize != r.nbytes:
+        raise ManifestError(
+            f"{where}: {r.key} is {r.dtype} {r.shape} ({numel * dtype.itemsize} bytes) but "
+            f"the header gives it {r.nbytes} bytes"
+        )
 
 
 def _checksum(body: dict[str, Any]) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Callable
@@ -93,12 +92,14 @@ def remote_steps(remote: RemoteBackend) -> list[tuple[str, int, str | None]]:
     out = []
     for name in names:
         try:
-            marker = json.loads(remote.get_bytes(f"{name}/{layout.REMOTE_MARKER}"))
-            out.append((name, int(marker["committed_at_ns"]), layout.run_of(marker)))
-        except (FileNotFoundError, ValueError, KeyError, TypeError) as e:
-            logger.warning("ignoring remote step %s with an unreadable marker: %s", name, e)
+            marker = remote_tier.read_marker(remote, name)
+        except ManifestError as e:  # that step is unreadable; the others are listed
+            logger.warning("ignoring remote step %s: %s", name, e)
+            continue
         except TierError as e:
             raise _unavailable(remote, e) from e
+        if marker is not None:
+            out.append((name, int(marker["committed_at_ns"]), layout.run_of(marker)))
     return out
 
 
@@ -118,7 +119,7 @@ def remote_latest(remote: RemoteBackend) -> tuple[str, int] | None:
             if marker is not None and marker.get("save_id") == named.get("save_id"):
                 return name, int(marker["committed_at_ns"])
             logger.info("the latest pointer of %s is stale (%s): listing", remote, name)
-    except (ValueError, KeyError, TypeError) as e:
+    except ManifestError as e:
         logger.warning("unreadable marker behind the latest pointer of %s: %s", remote, e)
     except TierError as e:
         raise _unavailable(remote, e) from e
@@ -161,6 +162,10 @@ def resolve(
                 marker = _marker(remote, checkpoint_id)
                 if marker is not None:
                     _add_remote(found, checkpoint_id, marker)
+        except ManifestError as e:  # the remote copy of that step is unreadable
+            if checkpoint_id not in found:
+                raise
+            logger.warning("using the local %s of %s only: %s", checkpoint_id, tier.root, e)
         except TierUnavailableError as e:
             if not found:  # "no checkpoint" would be a guess: say what is wrong instead
                 raise
@@ -201,16 +206,13 @@ def resolve(
 
 
 def _marker(remote: RemoteBackend, name: str) -> int | None:
-    """The commit time of remote step ``name`` from its marker (one GET), None if it has none."""
+    """The commit time of remote step ``name`` from its marker (one GET), None if it has none;
+    ManifestError (logged) if its marker is not one dcp_tiered wrote."""
     try:
         marker = remote_tier.read_marker(remote, name)
     except TierError as e:
         raise _unavailable(remote, e) from e
-    except ValueError as e:
-        logger.warning("ignoring remote step %s with an unreadable marker: %s", name, e)
-        return None
-    try:
-        return None if marker is None else int(marker["committed_at_ns"])
-    except (KeyError, TypeError, ValueError) as e:
-        logger.warning("ignoring remote step %s with an unreadable marker: %s", name, e)
-        return None
+    except ManifestError as e:
+        logger.warning("remote step %s is unreadable: %s", name, e)
+        raise
+    return None if marker is None else int(marker["committed_at_ns"])

@@ -74,11 +74,11 @@ def prune_remote(remote: RemoteBackend, policy: RetentionPolicy, run_id: str | N
     for name in remote.committed_steps():
         try:
             marker = remote_tier.read_marker(remote, name)
-            if marker is None or remote_tier.owner(remote, marker, name, run_id) != Owner.OURS:
-                continue
-            states.append(StepState(name, int(marker["committed_at_ns"])))
-        except (ManifestError, ValueError, KeyError, TypeError) as e:
+        except ManifestError as e:  # never deleted: we cannot vouch for what it is
             logger.warning("retention leaves remote step %s alone: %s", name, e)
+            continue
+        if marker is not None and remote_tier.owner(remote, marker, name, run_id) == Owner.OURS:
+            states.append(StepState(name, int(marker["committed_at_ns"])))
     doomed = evictions(states, policy)
     for name in doomed:
         remote_tier.delete_remote_step(

@@ -17,7 +17,7 @@ from ..errors import (
     ForeignPathError,
     ManifestError,
 )
-from ..policy import layout, manifest
+from ..policy import layout, manifest, records
 from ..policy.identity import Owner, RunRecord
 from . import ownership
 
@@ -156,10 +156,12 @@ class LocalTier:
         """Remove what a pending directory's marker lists, the marker, then the directory if
         that emptied it: never a file the marker does not name."""
         try:
-            body = json.loads(self.backend.read_file(step, layout.PENDING_MARKER))
-            sidecars = [n for n in body.get("sidecars", []) if layout.is_step_name(n)]
-            whole = body.get("whole") is True
-        except (OSError, ValueError, AttributeError) as e:
+            sidecars, whole = records.pending_marker(
+                self.backend.read_file(step, layout.PENDING_MARKER, limit=records.MAX_RECORD_BYTES),
+                step=step,
+                where=self.backend.path_of(step, layout.PENDING_MARKER),
+            )
+        except (OSError, ManifestError) as e:
             logger.warning(
                 "leaving %s/%s alone: unreadable pending marker (%s)", self.root, step, e
             )
@@ -207,7 +209,7 @@ class LocalTier:
 
     def _read_meta(self, step: str, name: str) -> bytes:
         try:
-            return self.backend.read_file(step, name)
+            return self.backend.read_file(step, name, limit=records.MAX_MANIFEST_BYTES)
         except FileNotFoundError:
             raise
         except OSError as e:  # a link, FIFO or device where the manifest should be
@@ -311,6 +313,14 @@ class LocalTier:
         for name in self.backend.list_names():
             parsed = layout.parse_hidden_dir(name)
             if parsed is None:
+                continue
+            if self.backend.is_link(name):  # not made by us: never followed, never deleted
+                logger.warning(
+                    "leaving %s/%s alone: a symbolic link named like our temporary entries, "
+                    "which are never links; remove it if it is not needed",
+                    self.root,
+                    name,
+                )
                 continue
             try:
                 self._recover_entry(name, *parsed)

@@ -321,7 +321,7 @@ def fill_state(
 ) -> None:
     """Load a verified snapshot into ``app_state`` (Stateful objects get ``load_state_dict``)."""
     tensors = {r.key: v for r, v in zip(header.regions, fmt.views(buffer, header.regions))}
-    objects = fmt.decode_objects(header.objects, allow_pickle=allow_pickle)
+    objects = fmt.decode_objects(header.objects, allow_pickle=allow_pickle, where=where)
     for name, value in app_state.items():
         if hasattr(value, "state_dict") and hasattr(value, "load_state_dict"):
             value.load_state_dict(fmt.fill(value.state_dict(), tensors, objects, where, (name,)))

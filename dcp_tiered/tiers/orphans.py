@@ -10,13 +10,12 @@ whatever its name looks like.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 
 from ..backends.remote import RemoteBackend
 from ..errors import ManifestError, TierError
-from ..policy import layout
+from ..policy import layout, records
 from .local import LocalTier
 from .remote import quarantined_saves, read_marker
 
@@ -87,7 +86,9 @@ def claimed_by(
         if not layout.is_save_object(key[len(base) :]):
             continue
         try:
-            body = json.loads(remote.get_bytes(key)[:65536])
+            body = records.load_json(
+                remote.get_bytes(key), where=remote.url(key), max_bytes=records.MAX_RECORD_BYTES
+            )
             if (
                 not isinstance(body, dict)
                 or body.get("format") != "dcp-tiered-claim"
@@ -101,6 +102,6 @@ def claimed_by(
             if strategy not in ("none", "hash"):
                 continue
             return layout.RemoteKeys(step, save_id, strategy, count)
-        except (FileNotFoundError, ValueError, TierError) as e:
+        except (FileNotFoundError, ValueError, ManifestError, TierError) as e:
             logger.debug("claim %s unreadable: %s", remote.url(key), e)
     return None

@@ -159,7 +159,7 @@ def _describe_holder(backend: LocalBackend, name: str) -> str:
     try:
         about = json.loads(backend.read_file(name)[:4096])
         return ", ".join(f"{k} {about[k]}" for k in ("run", "host", "pid", "root") if k in about)
-    except (OSError, ValueError, TypeError):
+    except (OSError, ValueError, TypeError, RecursionError):
         return f"its lock file {backend.path_of(name)}"
 
 

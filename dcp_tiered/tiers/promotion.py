@@ -29,8 +29,8 @@ from typing import Any
 
 from .._daemon_pool import DaemonPool
 from ..backends.remote import RemoteBackend
-from ..errors import IntegrityError, UploadFailedError
-from ..policy import integrity, layout
+from ..errors import IntegrityError, ManifestError, UploadFailedError
+from ..policy import integrity, layout, records
 from ..policy.identity import Owner
 from ..policy.manifest import Manifest
 from . import ownership
@@ -58,7 +58,7 @@ def trusted_tag(data: bytes) -> tuple[bool, str | None]:
     try:
         body = json.loads(data)
         return body.get("process") == PROCESS_TOKEN, body.get("tag")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         return False, None
 
 
@@ -286,10 +286,13 @@ class Promotion:
         those files are then checked by size alone)."""
         out: dict[str, str | None] = {}
         for node in range(1, len(m.nodes)):
+            key = keys.node_record(node)
             try:
-                files = json.loads(self.remote.get_bytes(keys.node_record(node)))["files"]
-                out.update({str(n): f.get("tag") for n, f in files.items() if isinstance(f, dict)})
-            except (FileNotFoundError, ValueError, KeyError, TypeError, AttributeError) as e:
+                body = records.node_record(
+                    self.remote.get_bytes(key), where=self.remote.url(key), save_id_=keys.save_id
+                )
+                out.update({str(n): f.get("tag") for n, f in body["files"].items()})
+            except (FileNotFoundError, ManifestError) as e:
                 logger.warning("node %d's record of %s is unreadable: %s", node, self.step, e)
         return out
 

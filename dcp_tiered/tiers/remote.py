@@ -28,7 +28,6 @@ from ..backends.remote import RemoteBackend
 from ..errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
-    ConfigError,
     ForeignPathError,
     InsufficientSpaceError,
     IntegrityError,
@@ -36,7 +35,7 @@ from ..errors import (
     TierError,
     UploadFailedError,
 )
-from ..policy import integrity, layout, manifest
+from ..policy import integrity, layout, manifest, records
 from ..policy.identity import Owner
 from ..policy.manifest import Manifest
 from . import commit, ownership
@@ -60,10 +59,16 @@ class Durability(str, enum.Enum):
 
 
 def read_marker(remote: RemoteBackend, step: str) -> dict[str, Any] | None:
+    """The commit marker of ``step``, checked field by field (:func:`records.marker`); None if
+    there is none. ManifestError if it is not a marker dcp_tiered wrote (truncated, replaced,
+    nested deep, naming a save id that is not one of ours): the step is then unreadable, and
+    callers that look at many steps skip it with a warning."""
+    key = f"{step}/{layout.REMOTE_MARKER}"
     try:
-        return json.loads(remote.get_bytes(f"{step}/{layout.REMOTE_MARKER}"))
+        data = remote.get_bytes(key)
     except FileNotFoundError:
         return None
+    return records.marker(data, step=step, where=remote.url(key))
 
 
 def is_durable(remote: RemoteBackend, m: Manifest) -> bool:
@@ -170,12 +175,9 @@ def read_latest(remote: RemoteBackend) -> tuple[dict[str, Any] | None, str | Non
     if got is None:
         return None
     try:
-        body = json.loads(got[0])
-        layout.validate_step_name(body["step"])
-        int(body["marker"]["committed_at_ns"])
-        layout.keys_of_marker(body["step"], body["marker"])
-    except (ValueError, KeyError, TypeError, ConfigError) as e:
-        logger.warning("ignoring %s: %s", remote.url(layout.REMOTE_LATEST), e)
+        body = records.latest_pointer(got[0], where=remote.url(layout.REMOTE_LATEST))
+    except ManifestError as e:
+        logger.warning("ignoring the latest pointer: %s", e)
         return None, got[1]
     return body, got[1]
 
@@ -192,7 +194,11 @@ def advance_latest(remote: RemoteBackend, step: str, marker: dict[str, Any]) -> 
             cur = current[0]
             there = (str(cur["step"]), int(cur["marker"]["committed_at_ns"]))
             if not layout.is_newer(step, int(marker["committed_at_ns"]), there):
-                found = read_marker(remote, there[0])
+                try:
+                    found = read_marker(remote, there[0])
+                except ManifestError as e:  # not a commit of that step: the pointer is stale
+                    logger.warning("%s", e)
+                    found = None
                 if found is not None and found.get("save_id") == cur["marker"].get("save_id"):
                     return  # a newer step is committed: it stays latest
                 if time.time_ns() - there[1] < remote.config.durable_timeout_secs * 1e9:
@@ -242,15 +248,12 @@ def release_remote_step(remote: RemoteBackend, step: str, save_id: str, *, run_i
     is committed by another save (saved again since), and for a save not run ``run_id``'s."""
     key = layout.quarantine_record_key(step, save_id)
     try:
-        record = json.loads(remote.get_bytes(key))
+        record = records.quarantine_record(remote.get_bytes(key), step=step, where=remote.url(key))
         marker = {k: v for k, v in record.items() if k not in ("quarantined_at_ns", "reason")}
-        layout.keys_of_marker(step, marker)
     except FileNotFoundError:
         raise CheckpointNotFoundError(
             f"no quarantined save {save_id} of {step} on {remote.config.url}"
         ) from None
-    except (ValueError, TypeError, AttributeError) as e:
-        raise ManifestError(f"{remote.url(key)} is not a quarantine record of ours: {e}") from e
     if marker.get("step") != step or marker.get("save_id") != save_id:
         raise ManifestError(f"{remote.url(key)} names another save than {step}/{save_id}")
     _require_ours(remote, marker, step, run_id, "released")
@@ -303,8 +306,17 @@ def merge_sections(
 def read_manifest_files(
     remote: RemoteBackend, keys: layout.RemoteKeys, nodes: Iterable[int] | None = None
 ) -> tuple[Manifest, dict[str, bytes]]:
-    """The manifest (as :func:`read_manifest`) and the bytes of its files, by file name."""
-    index = remote.get_bytes(keys.manifest)
+    """The manifest (as :func:`read_manifest`) and the bytes of its files, by file name.
+    CheckpointNotFoundError when the save's manifest is not on the store (its marker names a
+    save whose objects are gone)."""
+    try:
+        index = remote.get_bytes(keys.manifest)
+    except FileNotFoundError as e:
+        raise CheckpointNotFoundError(
+            f"{remote.url(keys.manifest)} is not there: the commit marker of step "
+            f"{keys.step!r} names a save ({keys.save_id}) whose objects are gone from the "
+            "store. That step cannot be restored from it; restore another step."
+        ) from e
     m = manifest.parse(index, where=remote.url(keys.manifest))
     files = {}
     for node in m.sections if nodes is None else nodes:

@@ -112,6 +112,22 @@ class Replicator:
     def __repr__(self) -> str:
         return f"Replicator(rank {self.rank} on {self.nodes[self.rank]} -> {self.partners})"
 
+    def describe_partners(self) -> str:
+        """Who this rank's snapshots go to and come from, and whether replication stopped
+        (for the error a lost partner causes)."""
+        ranks = sorted(set(self.partners) | set(self.sources))
+        where = ", ".join(f"rank {r} on node {self.nodes[r]}" for r in ranks) or "none"
+        stopped = (
+            f"Peer replication had stopped: {describe(self.error)}."
+            if self.error is not None
+            else "Peer replication was still running."
+        )
+        return (
+            f"With peer replication, rank {self.rank} (node {self.nodes[self.rank]}) sends its "
+            f"snapshots to, and keeps copies of, {where}. {stopped} A restarted job restores "
+            "a lost node's ranks from their partners' copies (or from disk and remote)."
+        )
+
     def store(self, source: int) -> MemoryTier:
         """Where this rank keeps rank ``source``'s copies."""
         if source not in self._stores:

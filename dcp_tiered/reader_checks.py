@@ -1,0 +1,81 @@
+"""What the reader checks before it hands DCP anything: stored tensor bytes that agree with the
+manifest's dtype and shape, and typed errors for whatever else a hostile step makes fail.
+
+A manifest is checksummed, but a checksum is no signature: one edited and resealed can name
+another dtype or shape than the bytes it points at (float16 over float32 storage would load
+as wrong values, silently). Each tensor item is a ``torch.save`` archive whose raw storage
+record is followed by the zip data descriptor torch writes after it, which records the
+record's size: so a raw view is taken only when the descriptor sits right where the
+manifest's dtype and shape end the storage, and gives that very size. A tensor loaded through
+``torch.load`` instead is compared with the manifest directly.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import torch
+
+from .errors import (
+    CheckpointNotFoundError,
+    DcpTieredError,
+    IntegrityError,
+    ManifestError,
+)
+
+_DESCRIPTOR = b"PK\x07\x08"  # signature, CRC-32, then sizes: 4 + 4 bytes, or 8 + 8 (zip64)
+_HINT = "the manifest does not match the data; restore the step from another tier"
+
+
+def check_raw_storage(data: bytes | memoryview, raw_offset: int, nbytes: int, what: str) -> None:
+    """Raise IntegrityError unless item bytes ``data`` hold a storage record of exactly
+    ``nbytes`` bytes at ``raw_offset`` (``what`` names the item and step)."""
+    end = raw_offset + nbytes
+    check_storage_tail(memoryview(data)[end : end + 24], nbytes, what)
+
+
+def check_storage_tail(tail: bytes | memoryview, nbytes: int, what: str) -> None:
+    """``tail``: the item's bytes right after its raw storage (at least the 24 that follow)."""
+    head = bytes(tail[:24])
+    if head[:4] == _DESCRIPTOR:
+        if len(head) >= 16 and struct.unpack_from("<II", head, 8) == (nbytes, nbytes):
+            return
+        if len(head) >= 24 and struct.unpack_from("<QQ", head, 8) == (nbytes, nbytes):
+            return
+    raise IntegrityError(
+        f"{what}: the stored tensor is not {nbytes} bytes long, as the manifest's dtype and "
+        f"shape say (its archive's storage record ends elsewhere); {_HINT}"
+    )
+
+
+def check_loaded_tensor(
+    tensor: Any, sizes: torch.Size, dtype: torch.dtype, what: str
+) -> torch.Tensor:
+    """A tensor read back with ``torch.load``, if it is the manifest's dtype and shape."""
+    if not isinstance(tensor, torch.Tensor):
+        raise IntegrityError(f"{what}: the stored item is a {type(tensor).__name__}; {_HINT}")
+    if tensor.dtype != dtype or tensor.size() != sizes:
+        raise IntegrityError(
+            f"{what}: the stored tensor is {tensor.dtype} {list(tensor.size())}, the manifest "
+            f"says {dtype} {list(sizes)}; {_HINT}"
+        )
+    return tensor
+
+
+def typed_metadata_error(e: Exception, step: str, where: str) -> DcpTieredError:
+    """The typed error for what failed while a step's manifest was being found and read (a
+    hostile marker or pointer, a save its marker names that is not there): DCP would report
+    any other exception raised there as a bare AssertionError."""
+    if isinstance(e, DcpTieredError):
+        return e
+    if isinstance(e, FileNotFoundError):
+        return CheckpointNotFoundError(
+            f"step {step!r} in {where}: a file of it is gone ({e}): it was deleted while "
+            "being read, or its commit marker names a save whose files are not there; load "
+            "another step"
+        )
+    return ManifestError(
+        f"step {step!r} in {where} cannot be read: {type(e).__name__}: {str(e)[:500]}; "
+        "load another step"
+    )
