@@ -170,3 +170,20 @@ def forget_save_plans() -> None:
 
 def global_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def storage_alignment() -> int:
+    """The alignment torch.save gives each record's data (64 unless configured otherwise).
+    Read for item framing (:mod:`dcp_tiered.item_frame`), which checks its frames against
+    torch's own writer anyway."""
+    from torch.serialization import _get_storage_alignment
+
+    return int(_get_storage_alignment())
+
+
+def tensor_metadata(tensor: torch.Tensor) -> dict[str, Any]:
+    """What torch.save records about ``tensor`` beyond dtype, shape and stride (its conj and
+    neg bits, ...): a tensor with any is written by torch's own writer, not framed."""
+    from torch._utils import get_tensor_metadata
+
+    return dict(get_tensor_metadata(tensor))

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import io
 import json
 import logging
 import math
@@ -33,7 +32,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 from typing_extensions import Self  # a dependency of torch itself
 
-from . import _gc, _torch_compat
+from . import _gc, _torch_compat, item_writer
 from ._collective_watch import CollectiveWatch
 from ._priority import lower_this_thread
 from ._version import __version__
@@ -709,50 +708,28 @@ class TieredStorageWriter(StorageWriter):
     def _write_file(
         self, save: _SaveInfo, name: str, items: Sequence[WriteItem], planner: SavePlanner
     ) -> list[WriteResult]:
-        placed: list[tuple[MetadataIndex, int, int, int, int | None]] = []
         with self._tier.backend.open_write(save.tmp, name, sync=self.sync_files) as f:
-            out = integrity.ChecksummingWriter(f)
-            for item in items:
-                data = planner.resolve_data(item)
-                raw_offset = None
-                if item.type == WriteItemType.BYTE_IO:
-                    assert isinstance(data, io.BytesIO)  # as DCP's FileSystemWriter asserts
-                    offset = out.start_item()
-                    out.write(data.getbuffer())
-                else:
-                    assert isinstance(data, torch.Tensor)
-                    tensor = _as_saveable(data)
-                    nbytes = tensor.numel() * tensor.element_size()
-                    offset = out.start_item(nbytes)
-                    try:
-                        _torch_compat.save_tensor(tensor, out)
-                    except RuntimeError as e:
-                        if out.error is not None:
-                            raise out.error from e
-                        raise
-                    raw_offset = out.raw_offset(offset, nbytes, tensor)
-                placed.append((item.index, offset, out.position - offset, out.item_crc, raw_offset))
-            out.close()
+            out = item_writer.write_items(f, items, planner.resolve_data)
         file_crc = integrity.format_checksum(out.file_crc)
         if self._remote is not None and save.promote:
             uploader = uploads.uploader_for(self._tier, self._remote)
             uploader.upload_early(save.step, save.save_id, name, file_crc)
         return [
             WriteResult(
-                index=index,
-                size_in_bytes=length,
+                index=p.index,
+                size_in_bytes=p.length,
                 storage_data=manifest.ItemLocation(
                     relative_path=name,
-                    offset=offset,
-                    length=length,
-                    checksum=integrity.format_checksum(crc),
+                    offset=p.offset,
+                    length=p.length,
+                    checksum=integrity.format_checksum(p.crc),
                     rank=save.rank,
                     file_size=out.position,
                     file_checksum=file_crc,
-                    raw_offset=raw_offset,
+                    raw_offset=p.raw_offset,
                 ),
             )
-            for index, offset, length, crc, raw_offset in placed
+            for p in out.placed
         ]
 
     def _follow_commit(self, save: _SaveInfo, lock: int) -> None:
@@ -851,19 +828,6 @@ class TieredStorageWriter(StorageWriter):
 
 
 # ---------------------------------------------------------------- helpers (no I/O)
-
-
-def _as_saveable(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous CPU tensor whose storage holds only its own bytes: torch.save writes whole
-    storages, and a row-major layout lets the reader view the raw bytes in place."""
-    tensor = tensor.detach()
-    if tensor.device.type != "cpu":
-        tensor = tensor.cpu()
-    if not tensor.is_contiguous():
-        tensor = tensor.contiguous()
-    if tensor.untyped_storage().size() != tensor.numel() * tensor.element_size():
-        tensor = tensor.clone()
-    return tensor
 
 
 def _planned_bytes(item: WriteItem) -> int:
