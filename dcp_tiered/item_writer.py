@@ -12,7 +12,6 @@ templates) is written by torch's own writer in place, as before.
 
 from __future__ import annotations
 
-import ctypes
 import io
 from collections.abc import Callable, Sequence
 from typing import Any, BinaryIO, NamedTuple
@@ -201,5 +200,30 @@ def as_saveable(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _memory_of(tensor: torch.Tensor, nbytes: int) -> memoryview:
-    """The tensor's bytes, in place (CPU, contiguous)."""
-    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+    """The tensor's bytes, in place (CPU, contiguous). Through numpy rather than a ctypes
+    array: each new ctypes length makes a new type, which a state of many sizes pays for in
+    garbage collection."""
+    view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    assert len(view) == nbytes
+    return view
+
+
+def split_by_size(
+    items: Sequence[WriteItem], n: int, planned_bytes: Callable[[WriteItem], int]
+) -> list[list[WriteItem]]:
+    """Bytes items first (as DCP does), tensors greedily to the lightest of ``n`` buckets."""
+    buckets: list[list[WriteItem]] = [[] for _ in range(n)]
+    buckets[0] = [i for i in items if i.type == WriteItemType.BYTE_IO]
+    sized = sorted(
+        ((planned_bytes(i), k, i) for k, i in enumerate(items) if i.type != WriteItemType.BYTE_IO),
+        key=lambda t: (-t[0], t[1]),
+    )
+    if n == 1:
+        buckets[0] += [i for _, _, i in sized]
+        return buckets
+    sizes = [0] * n
+    for size, _, item in sized:
+        k = sizes.index(min(sizes))
+        buckets[k].append(item)
+        sizes[k] += size
+    return buckets

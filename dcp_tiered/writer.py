@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 from typing_extensions import Self  # a dependency of torch itself
@@ -640,7 +640,8 @@ class TieredStorageWriter(StorageWriter):
         lock = None
         try:
             lock = backend.lock_shared(save.tmp)
-            results = self._write_items(save, plan.items, planner)
+            with _gc.paused():  # a few objects per item, none in cycles: see _gc
+                results = self._write_items(save, plan.items, planner)
         except BaseException:
             self._abandon_tmp(save, lock)
             raise
@@ -691,7 +692,7 @@ class TieredStorageWriter(StorageWriter):
     def _write_items(
         self, save: _SaveInfo, items: Sequence[WriteItem], planner: SavePlanner
     ) -> list[WriteResult]:
-        buckets = _split_by_size(items, self.thread_count)
+        buckets = item_writer.split_by_size(items, self.thread_count, _planned_bytes)
         jobs = [
             (layout.data_file_name(save.rank, i), bucket)
             for i, bucket in enumerate(buckets)
@@ -875,22 +876,6 @@ def _check_space(infos: list[_RankInfo], layouts: list[_Layout], margin: int) ->
                 f"only {free / 2**20:.1f} MiB is free; free space or keep fewer steps. "
                 "Nothing was written and earlier steps are intact.",
             )
-
-
-def _split_by_size(items: Sequence[WriteItem], n: int) -> list[list[WriteItem]]:
-    """Bytes items first (as DCP does), tensors greedily to the lightest bucket."""
-    buckets: list[list[WriteItem]] = [[] for _ in range(n)]
-    sizes = [0] * n
-    for item in items:
-        if item.type == WriteItemType.BYTE_IO:
-            buckets[0].append(item)
-    for item in sorted(
-        (i for i in items if i.type != WriteItemType.BYTE_IO), key=_planned_bytes, reverse=True
-    ):
-        k = sizes.index(min(sizes))
-        buckets[k].append(item)
-        sizes[k] += _planned_bytes(item)
-    return buckets
 
 
 def _vanilla_metadata(
