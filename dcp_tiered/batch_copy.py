@@ -37,13 +37,26 @@ def copy_into(
     tensors. A non-tensor value is deep-copied (immutable ones kept), or, with ``on_value``,
     replaced by ``on_value(buffers' leaf there, value)``. Raises Mismatch, having copied
     nothing, where ``state`` does not fit."""
+    out, dsts, srcs = pair(state, buffers, on_value=on_value)
+    copy_all(dsts, srcs, non_blocking=non_blocking)
+    return out
+
+
+def pair(
+    state: Any, buffers: Any, *, on_value: Callable[[Any, Any], Any] | None = None
+) -> tuple[Any, list[torch.Tensor], list[torch.Tensor]]:
+    """What :func:`copy_into` copies, without copying: (result, destinations, sources)."""
     dsts: list[torch.Tensor] = []
     srcs: list[torch.Tensor] = []
-    out = _pair(state, buffers, dsts, srcs, on_value)
+    return _pair(state, buffers, dsts, srcs, on_value), dsts, srcs
+
+
+def copy_all(
+    dsts: list[torch.Tensor], srcs: list[torch.Tensor], *, non_blocking: bool = False
+) -> None:
     if dsts:
         with torch.no_grad():
             torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
-    return out
 
 
 def _pair(
