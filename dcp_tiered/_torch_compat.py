@@ -151,6 +151,11 @@ def plan_cache_in_use() -> bool:
     return bool(_plan_cache("_cached_global_plan"))
 
 
+def cached_local_plan(key: str) -> Any | None:
+    """The local save plan DCP's plan caching holds for planners keyed ``key`` (None: none)."""
+    return _plan_cache("_cached_save_plan").get(key)
+
+
 def cached_global_plan(delta: list[Any]) -> list[Any] | None:
     """The full global plan of which ``delta`` is DCP's delta: DCP sends each rank whose final
     plan did not change an empty unusable plan, and the changed ones as the very objects it

@@ -6,7 +6,14 @@ plan caching with ``enable_plan_caching=True``) with two changes on the coordina
 - the global plan's check is :func:`dcp_tiered.policy.chunk_grid.plan_errors`: one pass per
   tensor for grid-sharded tensors (FSDP, TP, both), where DCP's compares N²/2 chunk pairs for
   every tensor whose longest dimension is not the sharded one;
-- the global planning runs with cyclic garbage collection paused (:mod:`dcp_tiered._gc`).
+- the global planning runs with cyclic garbage collection paused (:mod:`dcp_tiered._gc`);
+
+and one on every rank: a save of the same structure as the last one (the same keys, shapes,
+dtypes and nesting, plain tensors and values only) reuses the last local plan instead of
+making one item per tensor again. With ``enable_plan_caching=True`` DCP then finds it
+unchanged by identity and skips the plan exchange and the global planning as well.
+``cache_key`` keeps the plan caches of different writers in one process apart (DCP keeps one
+per planner class otherwise).
 
 CheckpointManager and the DeepSpeed and HF adapters use it (Megatron plans with MCore's
 planner); with ``dcp.save``/``dcp.async_save`` pass it yourself::
@@ -19,7 +26,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections import ChainMap
+from typing import Any
 
+import torch
 from torch.distributed.checkpoint.default_planner import (
     DefaultSavePlanner,
     create_default_global_save_plan,
@@ -27,14 +36,60 @@ from torch.distributed.checkpoint.default_planner import (
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
-from . import _gc
+from . import _gc, _torch_compat
 from .policy.chunk_grid import plan_errors
+
+# planner cache key -> (structure, flattening map, local plan) of its last save
+_LOCAL_PLANS: dict[str, tuple[list[Any], Any, SavePlan]] = {}
+
+
+def _structure(state: dict[str, Any], is_coordinator: bool) -> list[Any] | None:
+    """What DCP's local plan of the flat ``state`` depends on: per key, a plain tensor's
+    size, dtype, layout, requires_grad and pinning (its TensorProperties), or just the key
+    for a value (a bytes item, on the coordinator only). None for anything else (DTensors,
+    ShardedTensors, objects that make their own write items): those are planned afresh."""
+    out: list[Any] = [is_coordinator]
+    for fqn, v in state.items():
+        kind = type(v)
+        if kind is torch.Tensor or kind is torch.nn.Parameter:
+            out.append((fqn, v.shape, v.dtype, v.layout, v.requires_grad, v.is_pinned()))
+        elif isinstance(v, torch.Tensor) or hasattr(v, "__create_write_items__"):
+            return None
+        else:
+            out.append(fqn)
+    return out
 
 
 class TieredSavePlanner(DefaultSavePlanner):
     """``DefaultSavePlanner`` whose global planning (coordinator only) checks grid-sharded
-    tensors in linear time and pauses the garbage collector. Takes ``DefaultSavePlanner``'s
-    arguments."""
+    tensors in linear time and pauses the garbage collector, and which reuses its local plan
+    for a state of the same structure. Takes ``DefaultSavePlanner``'s arguments, and
+    ``cache_key``: a name for this planner's plan caches (one per writer)."""
+
+    def __init__(self, *args: Any, cache_key: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if cache_key is not None:
+            self._cached_plans_key = f"{type(self).__name__}:{cache_key}"
+
+    def create_local_plan(self) -> SavePlan:
+        shape = _structure(self.state_dict, self.is_coordinator)
+        kept = _LOCAL_PLANS.get(self._cached_plans_key)
+        if (
+            shape is not None
+            and kept is not None
+            and kept[0] == shape
+            and (not self.flatten_state_dict or kept[1] == self.mappings)
+        ):
+            plan = self.plan = kept[2]
+            if self._enable_plan_caching:
+                if _torch_compat.cached_local_plan(self._cached_plans_key) is plan:
+                    return SavePlan([], usable=False)  # unchanged: DCP replays its cache
+                self._pending_local_plan = plan  # promoted by finish_plan, as DCP does
+            return plan
+        plan = super().create_local_plan()
+        if shape is not None:
+            _LOCAL_PLANS[self._cached_plans_key] = (shape, self.mappings, self.plan)
+        return plan
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         with _gc.paused():
@@ -54,3 +109,11 @@ class TieredSavePlanner(DefaultSavePlanner):
                 summary = summary[:500] + "... (truncated)"
             raise ValueError(f"Failed to validate global plan: {summary}")
         return global_plan, metadata
+
+
+def planner_for(writer: Any) -> TieredSavePlanner:
+    """The planner the manager and the adapters save with: DCP's plan caching on, its caches
+    this writer's own. A repeated save of the same structure then skips planning (DCP checks
+    every rank's plan for changes and re-plans when one did); the writer commits each save
+    as its own step all the same (tests/test_plan_caching.py)."""
+    return TieredSavePlanner(enable_plan_caching=True, cache_key=f"{writer.root}@{id(writer)}")
