@@ -213,9 +213,22 @@ def _probes(dtype: torch.dtype) -> list[torch.Tensor]:
     either side of the alignment, counts that take each int opcode, more than 3 dimensions,
     and a unit dimension with an unusual stride (still contiguous)."""
     shapes = [(), (0,), (1,), (3, 5), (63,), (65,), (257, 3), (2, 1, 3, 1, 2), (70000,)]
-    out = [torch.empty(shape, dtype=dtype) for shape in shapes]
-    out.append(torch.empty((3, 1), dtype=dtype).as_strided((3, 1), (1, 7)))
+    # zero bytes: the probes' contents are the same on every run
+    out = [
+        torch.zeros(_bytes(shape, dtype), dtype=torch.uint8).view(dtype).view(shape)
+        for shape in shapes
+    ]
+    out.append(
+        torch.zeros(_bytes((3,), dtype), dtype=torch.uint8).view(dtype).as_strided((3, 1), (1, 7))
+    )
     return out
+
+
+def _bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    n = dtype.itemsize
+    for d in shape:
+        n *= d
+    return n
 
 
 class Framer:

@@ -652,14 +652,15 @@ class TieredStorageReader(StorageReader):
                 f"{count} x {dtype} past the end of the item's {len(data)} bytes; the manifest "
                 "does not match the data. Restore the step from another tier."
             )
-        if isinstance(data, memoryview) and not data.readonly:  # a local read buffer
-            return torch.frombuffer(data, dtype=dtype, count=count, offset=loc.raw_offset).view(
-                sizes
-            )
         with warnings.catch_warnings():  # bytes from a remote are read-only; we only read them
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            raw = torch.frombuffer(data, dtype=dtype, count=count, offset=loc.raw_offset)
-        return raw.view(sizes)
+            raw = torch.frombuffer(data, dtype=torch.uint8, count=count * dtype.itemsize,
+                                   offset=loc.raw_offset)  # fmt: skip
+        if raw.data_ptr() % min(dtype.itemsize, 16):
+            # Items lie back to back in the file, so a tensor's bytes need not be aligned for
+            # its dtype; some kernels (complex128 copies) crash on such a view. Copy them.
+            raw = raw.clone()
+        return raw.view(dtype).view(sizes)
 
     def _vetted_bytes(self, data: bytes | memoryview) -> io.BytesIO:
         """Non-tensor values: weights_only unless the caller trusts the checkpoint.
