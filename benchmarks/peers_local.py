@@ -44,6 +44,7 @@ from dcp_tiered import (
     CheckpointManager,
     Every,
     SavePolicy,
+    TieredLoadPlanner,
     TieredStorageReader,
     TieredStorageWriter,
     checkpoint_process_group,
@@ -165,6 +166,7 @@ class Local:
                 target,
                 checkpoint_id=step,
                 storage_reader=TieredStorageReader(self.work / "ours"),
+                planner=TieredLoadPlanner(),
                 process_group=self.pg,
             ),
         )

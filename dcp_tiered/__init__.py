@@ -39,6 +39,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
         UnsupportedExtensionError,
         UploadFailedError,
     )
+    from .load_planner import TieredLoadPlanner
     from .manager import CheckpointManager
     from .planner import TieredSavePlanner
     from .policy.admission import Admission
@@ -89,6 +90,7 @@ _PUBLIC = {
     "Durability": "tiers.remote",
     "TieredStorageWriter": "writer",
     "TieredSavePlanner": "planner",
+    "TieredLoadPlanner": "load_planner",
 }
 
 # ``dcp_tiered.layout``, ``dcp_tiered.tiering``... (the modules before they moved into
@@ -179,6 +181,7 @@ __all__ = [
     "StagingError",
     "TierError",
     "TierUnavailableError",
+    "TieredLoadPlanner",
     "TieredSavePlanner",
     "TieredStorageReader",
     "TieredStorageWriter",

@@ -48,6 +48,7 @@ from .errors import (
 )
 from .events import EventLog
 from .lifecycle import Conventions, Lifecycle, failure, raise_failures
+from .load_planner import TieredLoadPlanner
 from .planner import planner_for
 from .policy import cadence, layout
 from .policy.admission import Admission, Headroom, shortfall
@@ -639,6 +640,7 @@ class CheckpointManager:
                 self._loadable(app_state, reader, name),
                 checkpoint_id=name,
                 storage_reader=reader,
+                planner=TieredLoadPlanner(),
                 process_group=self._save_pg,
             )
         except (CheckpointException, DcpTieredError) as e:  # DCP told every rank already

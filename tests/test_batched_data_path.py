@@ -14,7 +14,13 @@ import torch.distributed.checkpoint.default_planner as default_planner
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_tiered import TieredSavePlanner, TieredStorageReader, TieredStorageWriter, batch_copy
+from dcp_tiered import (
+    TieredLoadPlanner,
+    TieredSavePlanner,
+    TieredStorageReader,
+    TieredStorageWriter,
+    batch_copy,
+)
 from dcp_tiered import _torch_compat, item_frame, item_writer
 from dcp_tiered.item_frame import Framer
 from tests.test_save_load import failure
@@ -181,3 +187,33 @@ def test_an_unchanged_structure_reuses_the_local_plan(tmp_path, monkeypatch):
         )
         assert torch.equal(out["w"], torch.full(shape, want))
         assert out["opt"]["step"] == int(want)
+
+
+def test_the_load_planner_makes_dcps_read_items_without_its_search(tmp_path, monkeypatch):
+    src = {"w": torch.ones(4, 3), "o": {"m": torch.zeros(7), "step": 3}, "s": torch.tensor(1.0)}
+    writer = TieredStorageWriter(tmp_path)
+    dcp.save(src, checkpoint_id="step-1", storage_writer=writer, no_dist=True)
+    reader = TieredStorageReader(tmp_path)
+    reader.reset("step-1")
+    metadata = reader.read_metadata()
+
+    def plan(planner, state):
+        planner.set_up_planner(state, metadata, True)
+        return planner.create_local_plan().items
+
+    searched = []
+    real = default_planner.create_default_local_load_plan
+    monkeypatch.setattr(
+        default_planner,
+        "create_default_local_load_plan",
+        lambda *a, **k: searched.append(1) or real(*a, **k),
+    )
+    target = {"w": torch.zeros(4, 3), "o": {"m": torch.ones(7), "step": 0}, "s": torch.tensor(0.0)}
+    ours = plan(TieredLoadPlanner(), target)
+    assert searched == []
+    assert ours == plan(default_planner.DefaultLoadPlanner(), target) and len(searched) == 1
+    dcp.load(target, storage_reader=TieredStorageReader(tmp_path), planner=TieredLoadPlanner(),
+             checkpoint_id="step-1", no_dist=True)  # fmt: skip
+    assert torch.equal(target["w"], src["w"]) and target["o"]["step"] == 3
+    with pytest.raises(ValueError, match="Size mismatch"):  # DCP's own check, as before
+        plan(TieredLoadPlanner(), {"w": torch.zeros(5, 3)})
