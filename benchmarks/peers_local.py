@@ -49,6 +49,7 @@ from dcp_tiered import (
     TieredStorageWriter,
     checkpoint_process_group,
 )
+from dcp_tiered.planner import planner_for  # what CheckpointManager and the adapters use
 
 warnings.filterwarnings("ignore")
 
@@ -123,7 +124,11 @@ class Local:
         step = self.fresh("stall")
         t = time.perf_counter()
         fut = dcp.async_save(
-            self.state, checkpoint_id=step, storage_writer=self.writer, process_group=self.pg
+            self.state,
+            checkpoint_id=step,
+            storage_writer=self.writer,
+            planner=planner_for(self.writer),
+            process_group=self.pg,
         )
         self.record("ours_stall", time.perf_counter() - t)
         fut.result()
@@ -152,7 +157,13 @@ class Local:
     def ours_commit_restore(self) -> None:
         step = self.fresh("step")
         t = time.perf_counter()
-        dcp.save(self.state, checkpoint_id=step, storage_writer=self.writer, process_group=self.pg)
+        dcp.save(
+            self.state,
+            checkpoint_id=step,
+            storage_writer=self.writer,
+            planner=planner_for(self.writer),
+            process_group=self.pg,
+        )
         self.record("ours_commit", time.perf_counter() - t)
         step_dir = self.work / "ours" / step
         drop_cache(step_dir)

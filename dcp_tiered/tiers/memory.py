@@ -259,6 +259,7 @@ class MemoryTier:
         self.wait()
         self._pool.shutdown()
         self._buffers.clear()
+        self._plans.clear()  # their views hold the mappings too
 
     # ------------------------------------------------------------ reading
 
