@@ -13,7 +13,8 @@ templates) is written by torch's own writer in place, as before.
 from __future__ import annotations
 
 import io
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, BinaryIO, NamedTuple
 
 import torch
@@ -24,6 +25,7 @@ from . import _torch_compat
 from .backends.local import LocalBackend
 from .item_frame import FRAMER
 from .policy import integrity
+from .policy.manifest_types import ItemLocation
 
 # A tensor smaller than this is copied into the shared buffer (one buffer for many items);
 # a larger one is written from its own memory.
@@ -32,6 +34,73 @@ COPY_BELOW_BYTES = 16 * 2**10
 COMBINE_BYTES = 2**20
 _BATCH_BYTES = 32 * 2**20  # written once this much is pending
 _BATCH_BUFFERS = 1024  # or this many buffers (IOV_MAX)
+
+
+class ItemKey(NamedTuple):
+    """An item's MetadataIndex as the coordinator needs it (fqn, chunk offset, index)."""
+
+    fqn: str
+    offset: tuple[int, ...] | None
+    index: int | None
+
+
+@dataclass(frozen=True)
+class FileItems:
+    """Where every item of one data file landed, as one WriteResult's ``storage_data``.
+
+    DCP gathers every rank's write results to the coordinator by pickling them: with one
+    WriteResult per item, unpickling them there cost more than writing the items did (20,000
+    tensors: 1.4 s against 0.9 s). Columns of plain values unpickle in milliseconds."""
+
+    name: str
+    rank: int
+    file_size: int
+    file_checksum: str
+    keys: list[tuple[str, tuple[int, ...] | None, int | None]]
+    offsets: list[int]
+    lengths: list[int]
+    checksums: str  # 8 hex digits per item
+    raw_offsets: list[int | None]
+
+    def locations(self) -> Iterator[tuple[ItemKey, ItemLocation]]:
+        """(key, location) of each item."""
+        for k, (key, offset, length, raw) in enumerate(
+            zip(self.keys, self.offsets, self.lengths, self.raw_offsets)
+        ):
+            yield (
+                ItemKey(*key),
+                ItemLocation(
+                    self.name,
+                    offset,
+                    length,
+                    self.checksums[8 * k : 8 * k + 8],
+                    self.rank,
+                    self.file_size,
+                    self.file_checksum,
+                    raw,
+                ),
+            )
+
+    @classmethod
+    def of(cls, name: str, rank: int, out: DataFile) -> FileItems:
+        return cls(
+            name=name,
+            rank=rank,
+            file_size=out.position,
+            file_checksum=integrity.format_checksum(out.file_crc),
+            keys=[
+                (
+                    p.index.fqn,
+                    None if p.index.offset is None else tuple(p.index.offset),
+                    p.index.index,
+                )
+                for p in out.placed
+            ],
+            offsets=[p.offset for p in out.placed],
+            lengths=[p.length for p in out.placed],
+            checksums="".join(integrity.format_checksum(p.crc) for p in out.placed),
+            raw_offsets=[p.raw_offset for p in out.placed],
+        )
 
 
 class Placed(NamedTuple):

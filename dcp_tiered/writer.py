@@ -49,7 +49,7 @@ from .errors import (
     TransientTierError,
     UploadFailedError,
 )
-from .policy import integrity, layout, manifest
+from .policy import layout, manifest
 from .staging import DoubleBufferStager
 from .tiers import catalog, commit, uploads
 from .tiers import remote as remote_tier
@@ -59,6 +59,7 @@ logger = logging.getLogger(__name__)
 
 _BYTES_ITEM_ESTIMATE = 64 * 2**10  # non-tensor items are small pickles
 _PER_ITEM_OVERHEAD = 4 * 2**10  # torch.save's zip framing, about 1.5 KiB per item
+_FILE_RESULT = "dcp_tiered:data-file:"  # the index of a data file's one WriteResult
 
 
 @dataclass(frozen=True)
@@ -711,26 +712,17 @@ class TieredStorageWriter(StorageWriter):
     ) -> list[WriteResult]:
         with self._tier.backend.open_write(save.tmp, name, sync=self.sync_files) as f:
             out = item_writer.write_items(f, items, planner.resolve_data)
-        file_crc = integrity.format_checksum(out.file_crc)
+        placed = item_writer.FileItems.of(name, save.rank, out)
         if self._remote is not None and save.promote:
             uploader = uploads.uploader_for(self._tier, self._remote)
-            uploader.upload_early(save.step, save.save_id, name, file_crc)
+            uploader.upload_early(save.step, save.save_id, name, placed.file_checksum)
+        # One result for the whole file (see FileItems); finish() reads it back per item.
         return [
             WriteResult(
-                index=p.index,
-                size_in_bytes=p.length,
-                storage_data=manifest.ItemLocation(
-                    relative_path=name,
-                    offset=p.offset,
-                    length=p.length,
-                    checksum=integrity.format_checksum(p.crc),
-                    rank=save.rank,
-                    file_size=out.position,
-                    file_checksum=file_crc,
-                    raw_offset=p.raw_offset,
-                ),
+                index=MetadataIndex(f"{_FILE_RESULT}{name}"),
+                size_in_bytes=out.position,
+                storage_data=placed,
             )
-            for p in out.placed
         ]
 
     def _follow_commit(self, save: _SaveInfo, lock: int) -> None:
@@ -786,7 +778,7 @@ class TieredStorageWriter(StorageWriter):
                 ),
             )
         backend = self._tier.backend
-        locations = {wr.index: wr.storage_data for rs in results for wr in rs}
+        locations = _locations(results)
         with _gc.paused():  # one object per item of every rank: see _gc
             built = manifest.build(
                 step=save.step,
@@ -829,6 +821,19 @@ class TieredStorageWriter(StorageWriter):
 
 
 # ---------------------------------------------------------------- helpers (no I/O)
+
+
+def _locations(results: list[list[WriteResult]]) -> dict[Any, manifest.ItemLocation]:
+    """Every item's location from every rank's results: a FileItems per data file, or (from
+    other producers, benchmarks/scale.py) an ItemLocation per item."""
+    out: dict[Any, manifest.ItemLocation] = {}
+    for rs in results:
+        for wr in rs:
+            if isinstance(wr.storage_data, item_writer.FileItems):
+                out.update(wr.storage_data.locations())
+            else:
+                out[wr.index] = wr.storage_data
+    return out
 
 
 def _planned_bytes(item: WriteItem) -> int:
@@ -879,7 +884,7 @@ def _check_space(infos: list[_RankInfo], layouts: list[_Layout], margin: int) ->
 
 
 def _vanilla_metadata(
-    metadata: Metadata, locations: dict[MetadataIndex, manifest.ItemLocation], step: str
+    metadata: Metadata, locations: dict[Any, manifest.ItemLocation], step: str
 ) -> bytes:
     """DCP's own ``.metadata`` so the step stays a valid vanilla DCP checkpoint.
 
@@ -897,9 +902,13 @@ def _vanilla_metadata(
         for chunk in getattr(md, "chunks", ()):  # the planner's: equal values, still its own
             chunk.offsets, chunk.sizes = shared(chunk.offsets), shared(chunk.sizes)
     storage_data = {}
+    sizes: dict[Any, Any] = {}  # an offset as the torch.Size MetadataIndex holds
     for idx, loc in locations.items():
         key = MetadataIndex(shared(idx.fqn), None, idx.index)
-        object.__setattr__(key, "offset", shared(idx.offset))  # frozen; __init__ would copy it
+        offset = idx.offset
+        if offset is not None and type(offset) is not torch.Size:
+            offset = sizes.get(offset) or sizes.setdefault(offset, torch.Size(offset))
+        object.__setattr__(key, "offset", shared(offset))  # frozen; __init__ would copy it
         storage_data[key] = _torch_compat.StorageInfo(
             shared(loc.relative_path), loc.offset, loc.length
         )
