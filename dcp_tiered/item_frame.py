@@ -100,7 +100,8 @@ class _Template:
             elif i == self.pkl_index:
                 out += pkl
             else:
-                out += rec.content  # type: ignore[operator]
+                assert rec.content is not None  # a constant record
+                out += rec.content
             offset += size
             if size:
                 if i == self.data_index:
@@ -242,7 +243,9 @@ class Framer:
         self._broken = False  # this torch's writer is not what the templates expect
         self._dtypes: dict[torch.dtype, _DtypePickle | None] = {}
         # (L, nbytes % alignment, nbytes == 0) -> (the head after data.pkl, tail, fields)
-        self._skeletons: dict[tuple[int, int, bool], tuple[bytes, bytes, list]] = {}
+        self._skeletons: dict[
+            tuple[int, int, bool], tuple[bytes, bytes, bytes, list[tuple[int, str, int]]]
+        ] = {}
         self._frames: dict[tuple[torch.dtype, tuple[int, ...], tuple[int, ...]], Frame] = {}
 
     def frame(self, tensor: torch.Tensor) -> Frame | None:
@@ -285,11 +288,11 @@ class Framer:
             skeleton = (head[:at], head[at + len(pkl) :], tail, grows)
             self._skeletons[key] = skeleton
             return Frame(head, tail)
-        before, after, template, grows = skeleton
-        tail = bytearray(template)
+        before, after, tail_template, grows = skeleton
+        patched = bytearray(tail_template)
         for pos, fmt, base in grows:
-            struct.pack_into(fmt, tail, pos, base + nbytes)
-        return Frame(before + pkl + after, bytes(tail))
+            struct.pack_into(fmt, patched, pos, base + nbytes)
+        return Frame(before + pkl + after, bytes(patched))
 
     def _dtype(self, dtype: torch.dtype) -> _DtypePickle | None:
         if dtype in self._dtypes:
@@ -344,7 +347,7 @@ def _plain(t: torch.Tensor) -> bool:
 def _bytes_of(t: torch.Tensor) -> bytes:
     if t.numel() == 0:
         return b""
-    return t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()  # type: ignore[no-any-return]
+    return bytes(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
 
 
 FRAMER = Framer()

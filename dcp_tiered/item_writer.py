@@ -15,7 +15,7 @@ from __future__ import annotations
 import io
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, BinaryIO, NamedTuple
+from typing import Any, BinaryIO, cast
 
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -36,7 +36,8 @@ _BATCH_BYTES = 32 * 2**20  # written once this much is pending
 _BATCH_BUFFERS = 1024  # or this many buffers (IOV_MAX)
 
 
-class ItemKey(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class ItemKey:
     """An item's MetadataIndex as the coordinator needs it (fqn, chunk offset, index)."""
 
     fqn: str
@@ -89,11 +90,7 @@ class FileItems:
             file_size=out.position,
             file_checksum=integrity.format_checksum(out.file_crc),
             keys=[
-                (
-                    p.index.fqn,
-                    None if p.index.offset is None else tuple(p.index.offset),
-                    p.index.index,
-                )
+                (p.key.fqn, None if p.key.offset is None else tuple(p.key.offset), p.key.index)
                 for p in out.placed
             ],
             offsets=[p.offset for p in out.placed],
@@ -103,10 +100,11 @@ class FileItems:
         )
 
 
-class Placed(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class Placed:
     """Where one item landed in the file, and its checksum."""
 
-    index: MetadataIndex
+    key: MetadataIndex
     offset: int
     length: int
     crc: int
@@ -188,7 +186,7 @@ class DataFile:
         """torch's own writer, streamed to the file (a large tensor is never held twice)."""
         self._seal()
         self._write_batch()
-        out = integrity.ChecksummingWriter(_Passthrough(self._f))
+        out = integrity.ChecksummingWriter(cast(BinaryIO, _Passthrough(self._f)))
         nbytes = tensor.numel() * tensor.element_size()
         out.start_item(nbytes)
         try:
@@ -272,7 +270,7 @@ def _memory_of(tensor: torch.Tensor, nbytes: int) -> memoryview:
     """The tensor's bytes, in place (CPU, contiguous). Through numpy rather than a ctypes
     array: each new ctypes length makes a new type, which a state of many sizes pays for in
     garbage collection."""
-    view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
     assert len(view) == nbytes
     return view
 

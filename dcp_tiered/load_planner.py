@@ -23,15 +23,34 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
+from . import _gc
+
 _ZERO = torch.Size((0,))
+_KEPT_HERE = "dcp_tiered:whole-reads-kept-on-this-rank"
 
 
 class TieredLoadPlanner(DefaultLoadPlanner):
     """``DefaultLoadPlanner`` that plans whole-tensor reads directly. Takes its arguments."""
 
+    _kept: LoadPlan | None = None  # this rank's whole reads, while an empty plan travels
+
     def create_local_plan(self) -> LoadPlan:
-        items = self._whole_items()
-        return LoadPlan(items) if items is not None else super().create_local_plan()
+        with _gc.paused():  # one object per item, none in cycles: see _gc
+            items = self._whole_items()
+        if items is None:
+            self._kept = None
+            return super().create_local_plan()
+        # DCP sends every rank's plan to the coordinator and back (pickled both ways), for a
+        # global step that changes nothing in a default load: these whole reads stay here,
+        # and an empty plan that says so travels instead.
+        self._kept = LoadPlan(items)
+        return LoadPlan([], planner_data=_KEPT_HERE)
+
+    def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
+        kept = getattr(self, "_kept", None)
+        if new_plan.planner_data == _KEPT_HERE and not new_plan.items and kept is not None:
+            return super().finish_plan(kept)
+        return super().finish_plan(new_plan)
 
     def _whole_items(self) -> list[ReadItem] | None:
         """One whole read per value, or None where DCP has to plan (see the module)."""

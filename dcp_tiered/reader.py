@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from . import _gc
 from ._torch_compat import StorageReaderTransforms, ZStandard
 from .backends.local import LocalBackend
 from .backends.remote import remote_backend
@@ -308,6 +309,7 @@ class TieredStorageReader(StorageReader):
 
     # ------------------------------------------------------------ data
 
+    @_gc.paused_during  # a few objects per item, none in cycles: see _gc
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         self._locate(plan.items)
         by_file: dict[str, list[ReadItem]] = {}

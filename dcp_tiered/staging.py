@@ -154,6 +154,7 @@ class DoubleBufferStager:
             staged = _copy_batched(state_dict, slot.buffers, cuda)
             slot.batched = staged is not None
         if staged is None:
+            assert slot.buffers is not None  # allocated above
             # type_check=False: non-tensor values are deep-copied, so later mutation by the
             # trainer cannot leak into the checkpoint.
             staged = _torch_compat.copy_state_dict(
