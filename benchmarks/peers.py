@@ -273,6 +273,7 @@ def summarise(local: dict, s3: dict, training: dict | None, found: dict) -> dict
         best_peer = max(peers.values()) if peers else 0.0
         train = {
             "vs_none": vs,
+            "spread": training.get("spread", {}),
             "missing": [n for n in ("dlrover", "torch-checkpointing") if not found.get(n)],
             "pass": vs["ours"] >= best_peer,
             "state_mib": training["state_mib"],
@@ -323,13 +324,19 @@ def render(report: dict, local: dict, s3: dict) -> str:
             parts.append(f"\n{states.NAMES[name]}: {peer} failed: {error}")
     train = report["training"]
     if train:
-        cells = [f"ours {train['vs_none']['ours']:.3f}"]
-        cells += [f"{n} {v:.3f}" for n, v in train["vs_none"].items() if n != "ours"]
+
+        def fig(n: str, v: float) -> str:
+            lo, hi = train["spread"].get(n, (v, v))
+            return f"{n} {v:.3f} ({lo:.3f}-{hi:.3f})"
+
+        cells = [fig("ours", train["vs_none"]["ours"])]
+        cells += [fig(n, v) for n, v in train["vs_none"].items() if n != "ours"]
         cells += [f"{n} {NOT_INSTALLED}" for n in train["missing"]]
         verdict = "pass" if train["pass"] else "FAIL"
         parts.append(
-            f"\nTraining loop ({train['state_mib']} MiB state), throughput vs no checkpoint "
-            f"(target: ours the best): {', '.join(cells)} -> {verdict}"
+            f"\nTraining loop ({train['state_mib']} MiB state), throughput vs an adjacent run "
+            f"without checkpoints, median (min-max) of paired rounds (target: ours the best): "
+            f"{', '.join(cells)} -> {verdict}"
         )
     return "\n".join(parts)
 

@@ -44,10 +44,12 @@ from dcp_tiered import (
     CheckpointManager,
     Every,
     SavePolicy,
+    TieredLoadPlanner,
     TieredStorageReader,
     TieredStorageWriter,
     checkpoint_process_group,
 )
+from dcp_tiered.planner import planner_for  # what CheckpointManager and the adapters use
 
 warnings.filterwarnings("ignore")
 
@@ -122,7 +124,11 @@ class Local:
         step = self.fresh("stall")
         t = time.perf_counter()
         fut = dcp.async_save(
-            self.state, checkpoint_id=step, storage_writer=self.writer, process_group=self.pg
+            self.state,
+            checkpoint_id=step,
+            storage_writer=self.writer,
+            planner=planner_for(self.writer),
+            process_group=self.pg,
         )
         self.record("ours_stall", time.perf_counter() - t)
         fut.result()
@@ -151,7 +157,13 @@ class Local:
     def ours_commit_restore(self) -> None:
         step = self.fresh("step")
         t = time.perf_counter()
-        dcp.save(self.state, checkpoint_id=step, storage_writer=self.writer, process_group=self.pg)
+        dcp.save(
+            self.state,
+            checkpoint_id=step,
+            storage_writer=self.writer,
+            planner=planner_for(self.writer),
+            process_group=self.pg,
+        )
         self.record("ours_commit", time.perf_counter() - t)
         step_dir = self.work / "ours" / step
         drop_cache(step_dir)
@@ -165,6 +177,7 @@ class Local:
                 target,
                 checkpoint_id=step,
                 storage_reader=TieredStorageReader(self.work / "ours"),
+                planner=TieredLoadPlanner(),
                 process_group=self.pg,
             ),
         )

@@ -3,9 +3,14 @@
 The loop of ``bench_manager.py`` (a CPU model, AdamW, a step of about --step-secs). Each
 checkpointer saves as its users would: ours and DLRover to host memory every step and to disk
 every 10; torch-checkpointing (no memory tier) and DCP (``async_save`` + ``FileSystemWriter``)
-to disk every 10 steps, asynchronously. The loops of one run go in a rotating order so that
-drift hits all alike; each figure is the median steps/s over the median without checkpoints.
-The time includes waiting, at the end, for the last save.
+to disk every 10 steps, asynchronously. The time includes waiting, at the end, for the last save.
+
+Each loop with a checkpointer is paired with a loop without one run just before it, and its
+figure is the median over the rounds of (its steps/s / its pair's), with the spread (min–max):
+the machine's drift between distant runs stays out of the ratio. Before every timed loop the
+previous one's background work is over (each checkpointer's own wait, then ``sync``, so that no
+writeback of an earlier loop's files runs into the next one), and the order of the
+checkpointers rotates from round to round.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shutil
 import statistics
 import sys
@@ -106,6 +112,13 @@ def loop(name: str, train: Train, steps: int, every: int, work: Path, peers: dic
         shutil.rmtree(shm, ignore_errors=True)
 
 
+def settle() -> None:
+    """Let the disk finish what earlier loops wrote (their files are gone, their writeback
+    may not be), so that it does not run into the next timed loop."""
+    os.sync()
+    time.sleep(0.2)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--runs", type=int, default=3)
@@ -135,19 +148,29 @@ def main() -> None:
     for name in [] if a.no_warm_up else names:
         loop(name, train, min(a.steps, a.every + 1), a.every, Path(a.dir) / f"w-{name}", peers)
     rates: dict[str, list[float]] = {n: [] for n in names}
+    paired: dict[str, list[float]] = {n: [] for n in names if n != "none"}
+    ckpt = [n for n in names if n != "none"]
+
+    def timed(name: str) -> float:
+        settle()
+        rate = loop(name, train, a.steps, a.every, Path(a.dir) / name, peers)
+        rates[name].append(rate)
+        return rate
+
     for run in range(a.runs):
-        order = names[run % len(names) :] + names[: run % len(names)]
-        for name in order:
-            rates[name].append(loop(name, train, a.steps, a.every, Path(a.dir) / name, peers))
+        for name in ckpt[run % len(ckpt) :] + ckpt[: run % len(ckpt)]:
+            base = timed("none")
+            paired[name].append(timed(name) / base)
     if "torch-checkpointing" in peers:
         peers["torch-checkpointing"].close()
-    base = statistics.median(rates["none"])
     result = {
         "state_mib": round(state_bytes(train.state()) / 2**20, 1),
         "steps": a.steps,
         "every": a.every,
         "steps_per_s": rates,
-        "vs_none": {n: statistics.median(r) / base for n, r in rates.items() if n != "none"},
+        "paired_ratios": paired,
+        "vs_none": {n: statistics.median(r) for n, r in paired.items()},
+        "spread": {n: [min(r), max(r)] for n, r in paired.items()},
     }
     Path(a.out).write_text(json.dumps(result, indent=1))
 

@@ -79,9 +79,10 @@ from dcp_tiered import (
 )
 from dcp_tiered._version import __version__
 from dcp_tiered.errors import ConfigError
+from dcp_tiered.item_writer import split_by_size
 from dcp_tiered.policy import integrity, layout, manifest
 from dcp_tiered.tiers import commit
-from dcp_tiered.writer import _split_by_size, _vanilla_metadata
+from dcp_tiered.writer import _planned_bytes, _vanilla_metadata
 
 MiB, GiB = 2**20, 2**30
 RANKS_PER_NODE = 8
@@ -244,9 +245,11 @@ def write_results(
     ours: bool,
 ) -> list[WriteResult]:
     """The WriteResults ``write_data`` returns for ``plan`` (ours: _write_file's ItemLocations
-    over _split_by_size's files; vanilla: FileSystemWriter's _StorageInfo, one file)."""
+    over split_by_size's files; vanilla: FileSystemWriter's _StorageInfo, one file)."""
     overhead, raw = framing
-    buckets = _split_by_size(plan.items, thread_count) if ours else [list(plan.items)]
+    buckets = (
+        split_by_size(plan.items, thread_count, _planned_bytes) if ours else [list(plan.items)]
+    )
     out = []
     for i, bucket in enumerate(buckets):
         name = layout.data_file_name(rank, i)

@@ -42,8 +42,9 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
         UnsupportedExtensionError,
         UploadFailedError,
     )
+    from .load_planner import TieredLoadPlanner
     from .manager import CheckpointManager
-    from .planner import TieredLoadPlanner, TieredSavePlanner
+    from .planner import TieredSavePlanner
     from .policy.admission import Admission
     from .policy.cadence import Every, SavePolicy
     from .policy.outcomes import SaveOutcome
@@ -96,8 +97,8 @@ _PUBLIC = {
     "TieredStorageReader": "reader",
     "Durability": "tiers.remote",
     "TieredStorageWriter": "writer",
-    "TieredLoadPlanner": "planner",
     "TieredSavePlanner": "planner",
+    "TieredLoadPlanner": "load_planner",
 }
 
 # ``dcp_tiered.layout``, ``dcp_tiered.tiering``... (the modules before they moved into

@@ -151,6 +151,11 @@ def plan_cache_in_use() -> bool:
     return bool(_plan_cache("_cached_global_plan"))
 
 
+def cached_local_plan(key: str) -> Any | None:
+    """The local save plan DCP's plan caching holds for planners keyed ``key`` (None: none)."""
+    return _plan_cache("_cached_save_plan").get(key)
+
+
 def cached_global_plan(delta: list[Any]) -> list[Any] | None:
     """The full global plan of which ``delta`` is DCP's delta: DCP sends each rank whose final
     plan did not change an empty unusable plan, and the changed ones as the very objects it
@@ -170,3 +175,20 @@ def forget_save_plans() -> None:
 
 def global_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def storage_alignment() -> int:
+    """The alignment torch.save gives each record's data (64 unless configured otherwise).
+    Read for item framing (:mod:`dcp_tiered.item_frame`), which checks its frames against
+    torch's own writer anyway."""
+    from torch.serialization import _get_storage_alignment
+
+    return int(_get_storage_alignment())
+
+
+def tensor_metadata(tensor: torch.Tensor) -> dict[str, Any]:
+    """What torch.save records about ``tensor`` beyond dtype, shape and stride (its conj and
+    neg bits, ...): a tensor with any is written by torch's own writer, not framed."""
+    from torch._utils import get_tensor_metadata
+
+    return dict(get_tensor_metadata(tensor))

@@ -66,7 +66,7 @@ from .errors import (
     causes,
     describe,
 )
-from .planner import TieredSavePlanner
+from .planner import planner_for
 from .policy import identity, layout
 from .policy.memory_format import first_refused
 from .policy.retention import RetentionPolicy
@@ -272,7 +272,7 @@ class Lifecycle:
         self.require_restorable(step, state if values is None else values)
         writer = self.writers.get(root)
         single = not dist.is_initialized()
-        planner = TieredSavePlanner() if planner is None else planner
+        planner = planner_for(writer) if planner is None else planner
         try:
             with quiet_single_process():
                 if sync:

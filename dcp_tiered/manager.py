@@ -50,7 +50,8 @@ from .errors import (
 )
 from .events import EventLog
 from .lifecycle import Conventions, Lifecycle, LoadFailure, failure, raise_failures
-from .planner import TieredLoadPlanner, TieredSavePlanner
+from .load_planner import TieredLoadPlanner
+from .planner import planner_for
 from .policy import cadence, layout
 from .policy.admission import Admission, Headroom, shortfall
 from .policy.cadence import Decision, SavePolicy
@@ -411,7 +412,7 @@ class CheckpointManager:
                     app_state,
                     checkpoint_id=name,
                     storage_writer=self._local,
-                    planner=TieredSavePlanner(),
+                    planner=planner_for(self._local),
                     process_group=self._save_pg,
                 )
             )

@@ -7,7 +7,14 @@ plan caching with ``enable_plan_caching=True``) with two changes on the coordina
 - the global plan's check is :func:`dcp_tiered.policy.chunk_grid.plan_errors`: one pass per
   tensor for grid-sharded tensors (FSDP, TP, both), where DCP's compares N²/2 chunk pairs for
   every tensor whose longest dimension is not the sharded one;
-- the global planning runs with cyclic garbage collection paused (:mod:`dcp_tiered._gc`).
+- the global planning runs with cyclic garbage collection paused (:mod:`dcp_tiered._gc`);
+
+and one on every rank: a save of the same structure as the last one (the same keys, shapes,
+dtypes and nesting, plain tensors and values only) reuses the last local plan instead of
+making one item per tensor again. With ``enable_plan_caching=True`` DCP then finds it
+unchanged by identity and skips the plan exchange and the global planning as well.
+``cache_key`` keeps the plan caches of different writers in one process apart (DCP keeps one
+per planner class otherwise).
 
 CheckpointManager and the DeepSpeed and HF adapters use it (Megatron plans with MCore's
 planner); with ``dcp.save``/``dcp.async_save`` pass it yourself::
@@ -22,23 +29,68 @@ import dataclasses
 from collections import ChainMap
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.default_planner import (
-    DefaultLoadPlanner,
     DefaultSavePlanner,
     create_default_global_save_plan,
 )
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadPlan, SavePlan
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan
 
-from . import _gc
-from .errors import ConfigError, DcpTieredError, ManifestError
+from . import _gc, _torch_compat
 from .policy.chunk_grid import plan_errors
+
+# planner cache key -> (structure, flattening map, local plan) of its last save
+_LOCAL_PLANS: dict[str, tuple[list[Any], Any, SavePlan]] = {}
+
+
+def _structure(state: dict[str, Any], is_coordinator: bool) -> list[Any] | None:
+    """What DCP's local plan of the flat ``state`` depends on: per key, a plain tensor's
+    size, dtype, layout, requires_grad and pinning (its TensorProperties), or just the key
+    for a value (a bytes item, on the coordinator only). None for anything else (DTensors,
+    ShardedTensors, objects that make their own write items): those are planned afresh."""
+    out: list[Any] = [is_coordinator]
+    for fqn, v in state.items():
+        kind = type(v)
+        if kind is torch.Tensor or kind is torch.nn.Parameter:
+            out.append((fqn, v.shape, v.dtype, v.layout, v.requires_grad, v.is_pinned()))
+        elif isinstance(v, torch.Tensor) or hasattr(v, "__create_write_items__"):
+            return None
+        else:
+            out.append(fqn)
+    return out
 
 
 class TieredSavePlanner(DefaultSavePlanner):
     """``DefaultSavePlanner`` whose global planning (coordinator only) checks grid-sharded
-    tensors in linear time and pauses the garbage collector. Takes ``DefaultSavePlanner``'s
-    arguments."""
+    tensors in linear time and pauses the garbage collector, and which reuses its local plan
+    for a state of the same structure. Takes ``DefaultSavePlanner``'s arguments, and
+    ``cache_key``: a name for this planner's plan caches (one per writer)."""
+
+    def __init__(self, *args: Any, cache_key: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if cache_key is not None:
+            self._cached_plans_key = f"{type(self).__name__}:{cache_key}"
+
+    def create_local_plan(self) -> SavePlan:
+        shape = _structure(self.state_dict, self.is_coordinator)
+        kept = _LOCAL_PLANS.get(self._cached_plans_key)
+        if (
+            shape is not None
+            and kept is not None
+            and kept[0] == shape
+            and (not self.flatten_state_dict or kept[1] == self.mappings)
+        ):
+            plan = self.plan = kept[2]
+            if self._enable_plan_caching:
+                if _torch_compat.cached_local_plan(self._cached_plans_key) is plan:
+                    return SavePlan([], usable=False)  # unchanged: DCP replays its cache
+                self._pending_local_plan = plan  # promoted by finish_plan, as DCP does
+            return plan
+        plan = super().create_local_plan()
+        if shape is not None:
+            _LOCAL_PLANS[self._cached_plans_key] = (shape, self.mappings, self.plan)
+        return plan
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         with _gc.paused():
@@ -60,54 +112,9 @@ class TieredSavePlanner(DefaultSavePlanner):
         return global_plan, metadata
 
 
-class TieredLoadPlanner(DefaultLoadPlanner):
-    """``DefaultLoadPlanner`` (same arguments) that explains a size mismatch between the state
-    and the step. DCP's planner compares the state's tensors with the manifest's shapes and
-    raises a bare ValueError; given the ``reader`` of the load, this one reads the stored
-    chunk of the first tensor that differs and raises ManifestError when the manifest
-    misstates what its bytes hold (an edited, resealed manifest), else ConfigError (the state
-    is not the model that was saved). Both are ValueErrors, as DCP's own is::
-
-        reader = TieredStorageReader(root)
-        dcp.load(state, checkpoint_id="step-100", storage_reader=reader,
-                 planner=TieredLoadPlanner(reader=reader))
-    """
-
-    def __init__(self, *args: Any, reader: Any = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._reader = reader
-
-    def create_local_plan(self) -> LoadPlan:
-        try:
-            return super().create_local_plan()
-        except ValueError as e:
-            if self._reader is None or "Size mismatch" not in str(e):
-                raise
-            raise self._explained() or e from e
-
-    def _explained(self) -> DcpTieredError | None:
-        for fqn, obj in self.state_dict.items():
-            md = self.metadata.state_dict_metadata.get(fqn) if self.metadata else None
-            size = getattr(obj, "size", None)
-            if not isinstance(md, TensorStorageMetadata) or size is None or md.size == size():
-                continue
-            step = getattr(self._reader, "checkpoint_id", None)
-            try:
-                stored = self._reader.stored_tensor(fqn)
-            except DcpTieredError as e:
-                return e
-            if stored is None:  # a vanilla step: DCP's own error says it
-                return None
-            chunk = md.chunks[0].sizes
-            if stored.size() != chunk:
-                return ManifestError(
-                    f"step {step!r}: the manifest says {fqn!r} is {list(md.size)} (a first "
-                    f"chunk of {list(chunk)}), but its stored bytes hold "
-                    f"{list(stored.size())}: the manifest does not match the data. Restore "
-                    "the step from another tier or load another step."
-                )
-            return ConfigError(
-                f"step {step!r} holds {fqn!r} as {list(md.size)}, the state being loaded has "
-                f"{list(size())}: load it into a model of the shape that was saved"
-            )
-        return None
+def planner_for(writer: Any) -> TieredSavePlanner:
+    """The planner the manager and the adapters save with: DCP's plan caching on, its caches
+    this writer's own. A repeated save of the same structure then skips planning (DCP checks
+    every rank's plan for changes and re-plans when one did); the writer commits each save
+    as its own step all the same (tests/test_plan_caching.py)."""
+    return TieredSavePlanner(enable_plan_caching=True, cache_key=f"{writer.root}@{id(writer)}")

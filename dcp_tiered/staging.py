@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import _torch_compat
+from . import _torch_compat, batch_copy
 from ._torch_compat import ShardedTensor
 from .errors import StagingError
 
@@ -79,6 +79,16 @@ class _Slot:
     nbytes: int = 0
     seq: int = 0
     threads: list[threading.Thread] = field(default_factory=list)
+    batched: bool = False  # the buffers' structure is one batch_copy copies into
+
+
+def _copy_batched(state_dict: dict[str, Any], buffers: Any, cuda: bool) -> Any:
+    """``state_dict`` copied into ``buffers`` in one batched copy, or None (nothing copied)
+    where it does not fit them or holds distributed tensors (DCP's helpers copy those)."""
+    try:
+        return batch_copy.copy_into(state_dict, buffers, non_blocking=cuda)
+    except batch_copy.Mismatch:
+        return None
 
 
 def _executor_thread(candidates: list[threading.Thread]) -> list[threading.Thread]:
@@ -129,19 +139,28 @@ class DoubleBufferStager:
             t for s in self._slots for t in s.threads if t.name.startswith(_PROCESS_EXECUTOR)
         ]
         self._wait_for(in_process_mode, what="the previous PROCESS-mode async save")
-        signature = _signature(state_dict)
-        if slot.buffers is None or signature != slot.signature:
-            slot.buffers = _torch_compat.create_cpu_state_dict(
-                state_dict, pin_memory=torch.cuda.is_available(), share_memory=self._share_memory
+        cuda = torch.cuda.is_available()
+        staged = None
+        if slot.buffers is not None and slot.batched:  # the same structure as last time?
+            staged = _copy_batched(state_dict, slot.buffers, cuda)
+        if staged is None:
+            signature = _signature(state_dict)
+            if slot.buffers is None or signature != slot.signature:
+                slot.buffers = _torch_compat.create_cpu_state_dict(
+                    state_dict, pin_memory=cuda, share_memory=self._share_memory
+                )
+                slot.signature = signature
+                slot.nbytes = state_bytes(state_dict)
+            staged = _copy_batched(state_dict, slot.buffers, cuda)
+            slot.batched = staged is not None
+        if staged is None:
+            assert slot.buffers is not None  # allocated above
+            # type_check=False: non-tensor values are deep-copied, so later mutation by the
+            # trainer cannot leak into the checkpoint.
+            staged = _torch_compat.copy_state_dict(
+                state_dict, slot.buffers, non_blocking=cuda, type_check=False
             )
-            slot.signature = signature
-            slot.nbytes = state_bytes(state_dict)
         self.last_staged_bytes = slot.nbytes
-        # type_check=False: non-tensor values are deep-copied, so later mutation by the
-        # trainer cannot leak into the checkpoint.
-        staged = _torch_compat.copy_state_dict(
-            state_dict, slot.buffers, non_blocking=torch.cuda.is_available(), type_check=False
-        )
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         with self._lock:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import io
 import json
 import logging
 import math
@@ -28,12 +27,12 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 from typing_extensions import Self  # a dependency of torch itself
 
-from . import _gc, _torch_compat
+from . import _gc, _torch_compat, item_writer
 from ._collective_watch import CollectiveWatch
 from ._priority import lower_this_thread
 from ._version import __version__
@@ -51,7 +50,7 @@ from .errors import (
     TransientTierError,
     UploadFailedError,
 )
-from .policy import identity, integrity, layout, manifest, records
+from .policy import identity, layout, manifest, records
 from .staging import DoubleBufferStager
 from .tiers import catalog, commit, orphans, ownership, uploads
 from .tiers import remote as remote_tier
@@ -61,6 +60,7 @@ logger = logging.getLogger(__name__)
 
 _BYTES_ITEM_ESTIMATE = 64 * 2**10  # non-tensor items are small pickles
 _PER_ITEM_OVERHEAD = 4 * 2**10  # torch.save's zip framing, about 1.5 KiB per item
+_FILE_RESULT = "dcp_tiered:data-file:"  # the index of a data file's one WriteResult
 
 
 @dataclass(frozen=True)
@@ -694,7 +694,8 @@ class TieredStorageWriter(StorageWriter):
         lock = None
         try:
             lock = backend.lock_shared(save.tmp)
-            results = self._write_items(save, plan.items, planner)
+            with _gc.paused():  # a few objects per item, none in cycles: see _gc
+                results = self._write_items(save, plan.items, planner)
         except BaseException:
             self._abandon_tmp(save, lock)
             raise
@@ -745,7 +746,7 @@ class TieredStorageWriter(StorageWriter):
     def _write_items(
         self, save: _SaveInfo, items: Sequence[WriteItem], planner: SavePlanner
     ) -> list[WriteResult]:
-        buckets = _split_by_size(items, self.thread_count)
+        buckets = item_writer.split_by_size(items, self.thread_count, _planned_bytes)
         jobs = [
             (layout.data_file_name(save.rank, i), bucket)
             for i, bucket in enumerate(buckets)
@@ -762,50 +763,21 @@ class TieredStorageWriter(StorageWriter):
     def _write_file(
         self, save: _SaveInfo, name: str, items: Sequence[WriteItem], planner: SavePlanner
     ) -> list[WriteResult]:
-        placed: list[tuple[MetadataIndex, int, int, int, int | None]] = []
         with self._tier.backend.open_write(save.tmp, name, sync=self.sync_files) as f:
-            out = integrity.ChecksummingWriter(f)
-            for item in items:
-                data = planner.resolve_data(item)
-                raw_offset = None
-                if item.type == WriteItemType.BYTE_IO:
-                    assert isinstance(data, io.BytesIO)  # as DCP's FileSystemWriter asserts
-                    offset = out.start_item()
-                    out.write(data.getbuffer())
-                else:
-                    assert isinstance(data, torch.Tensor)
-                    tensor = _as_saveable(data)
-                    nbytes = tensor.numel() * tensor.element_size()
-                    offset = out.start_item(nbytes)
-                    try:
-                        _torch_compat.save_tensor(tensor, out)
-                    except RuntimeError as e:
-                        if out.error is not None:
-                            raise out.error from e
-                        raise
-                    raw_offset = out.raw_offset(offset, nbytes, tensor)
-                placed.append((item.index, offset, out.position - offset, out.item_crc, raw_offset))
-            out.close()
-        file_crc = integrity.format_checksum(out.file_crc)
+            out = item_writer.write_items(f, items, planner.resolve_data)
+        placed = item_writer.FileItems.of(name, save.rank, out)
         if self._remote is not None and save.promote:
             uploader = uploads.uploader_for(self._tier, self._remote)
-            uploader.upload_early(save.step, save.save_id, name, file_crc, save.node, save.run_id)
+            uploader.upload_early(
+                save.step, save.save_id, name, placed.file_checksum, save.node, save.run_id
+            )
+        # One result for the whole file (see FileItems); finish() reads it back per item.
         return [
             WriteResult(
-                index=index,
-                size_in_bytes=length,
-                storage_data=manifest.ItemLocation(
-                    relative_path=name,
-                    offset=offset,
-                    length=length,
-                    checksum=integrity.format_checksum(crc),
-                    rank=save.rank,
-                    file_size=out.position,
-                    file_checksum=file_crc,
-                    raw_offset=raw_offset,
-                ),
+                index=MetadataIndex(f"{_FILE_RESULT}{name}"),
+                size_in_bytes=out.position,
+                storage_data=placed,
             )
-            for index, offset, length, crc, raw_offset in placed
         ]
 
     def _replaceable(self, save: _SaveInfo) -> Any:
@@ -871,7 +843,7 @@ class TieredStorageWriter(StorageWriter):
                 ),
             )
         backend = self._tier.backend
-        locations = {wr.index: wr.storage_data for rs in results for wr in rs}
+        locations = _locations(results)
         with _gc.paused():  # one object per item of every rank: see _gc
             built = manifest.build(
                 step=save.step,
@@ -924,17 +896,17 @@ class TieredStorageWriter(StorageWriter):
 # ---------------------------------------------------------------- helpers (no I/O)
 
 
-def _as_saveable(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous CPU tensor whose storage holds only its own bytes: torch.save writes whole
-    storages, and a row-major layout lets the reader view the raw bytes in place."""
-    tensor = tensor.detach()
-    if tensor.device.type != "cpu":
-        tensor = tensor.cpu()
-    if not tensor.is_contiguous():
-        tensor = tensor.contiguous()
-    if tensor.untyped_storage().size() != tensor.numel() * tensor.element_size():
-        tensor = tensor.clone()
-    return tensor
+def _locations(results: list[list[WriteResult]]) -> dict[Any, manifest.ItemLocation]:
+    """Every item's location from every rank's results: a FileItems per data file, or (from
+    other producers, benchmarks/scale.py) an ItemLocation per item."""
+    out: dict[Any, manifest.ItemLocation] = {}
+    for rs in results:
+        for wr in rs:
+            if isinstance(wr.storage_data, item_writer.FileItems):
+                out.update(wr.storage_data.locations())
+            else:
+                out[wr.index] = wr.storage_data
+    return out
 
 
 def _roots(plans: list[SavePlan], own: str, own_run: str | None) -> dict[str, str | None]:
@@ -992,24 +964,8 @@ def _check_space(infos: list[_RankInfo], layouts: list[_Layout], margin: int) ->
             )
 
 
-def _split_by_size(items: Sequence[WriteItem], n: int) -> list[list[WriteItem]]:
-    """Bytes items first (as DCP does), tensors greedily to the lightest bucket."""
-    buckets: list[list[WriteItem]] = [[] for _ in range(n)]
-    sizes = [0] * n
-    for item in items:
-        if item.type == WriteItemType.BYTE_IO:
-            buckets[0].append(item)
-    for item in sorted(
-        (i for i in items if i.type != WriteItemType.BYTE_IO), key=_planned_bytes, reverse=True
-    ):
-        k = sizes.index(min(sizes))
-        buckets[k].append(item)
-        sizes[k] += _planned_bytes(item)
-    return buckets
-
-
 def _vanilla_metadata(
-    metadata: Metadata, locations: dict[MetadataIndex, manifest.ItemLocation], step: str
+    metadata: Metadata, locations: dict[Any, manifest.ItemLocation], step: str
 ) -> bytes:
     """DCP's own ``.metadata`` so the step stays a valid vanilla DCP checkpoint.
 
@@ -1027,9 +983,13 @@ def _vanilla_metadata(
         for chunk in getattr(md, "chunks", ()):  # the planner's: equal values, still its own
             chunk.offsets, chunk.sizes = shared(chunk.offsets), shared(chunk.sizes)
     storage_data = {}
+    sizes: dict[Any, Any] = {}  # an offset as the torch.Size MetadataIndex holds
     for idx, loc in locations.items():
         key = MetadataIndex(shared(idx.fqn), None, idx.index)
-        object.__setattr__(key, "offset", shared(idx.offset))  # frozen; __init__ would copy it
+        offset = idx.offset
+        if offset is not None and type(offset) is not torch.Size:
+            offset = sizes.get(offset) or sizes.setdefault(offset, torch.Size(offset))
+        object.__setattr__(key, "offset", shared(offset))  # frozen; __init__ would copy it
         storage_data[key] = _torch_compat.StorageInfo(
             shared(loc.relative_path), loc.offset, loc.length
         )

@@ -17,9 +17,19 @@ PACKAGE = Path(__file__).resolve().parents[1] / "dcp_tiered"
 
 # Layers are packages where the tree has them (policy/, backends/, tiers/, shims/), and these
 # modules beside them: formats and helpers every layer may use count as policy.
-POLICY = {"config", "errors", "safe_unpickle", "rank_state", "agreement"}
+POLICY = {
+    "config",
+    "errors",
+    "safe_unpickle",
+    "rank_state",
+    "agreement",
+    "item_frame",
+    "batch_copy",
+}
 DCP = {
     "planner",
+    "load_planner",
+    "item_writer",
     "writer",
     "reader",
     "reader_checks",

@@ -32,6 +32,7 @@ _AT_FDCWD = -100
 _RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
 _WRITE_BUFFER_BYTES = 4 * 2**20
+_IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
 _READ_CHUNK_BYTES = 16 * 2**20
 _NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
 
@@ -429,6 +430,26 @@ class LocalBackend:
         while got < len(buffer) and (n := os.preadv(f.fileno(), [buffer[got:]], offset + got)):
             got += n
         return buffer[:got]
+
+    @staticmethod
+    def write_vectors(f: BinaryIO, views: list[memoryview]) -> None:
+        """Write ``views`` in order at the current position of ``f`` (opened by
+        :meth:`open_write`, nothing buffered in it), a few ``writev`` calls for all of them:
+        one call per IOV_MAX buffers, more only after a short write."""
+        fd = f.fileno()
+        for start in range(0, len(views), _IOV_MAX):
+            batch = views[start : start + _IOV_MAX]
+            left = sum(len(v) for v in batch)
+            while left:
+                done = os.writev(fd, batch)
+                if done <= 0:
+                    raise OSError(errno.EIO, f"writev wrote nothing of {left} bytes")
+                left -= done
+                while batch and done >= len(batch[0]):
+                    done -= len(batch[0])
+                    batch = batch[1:]
+                if batch and done:
+                    batch[0] = batch[0][done:]
 
     def file_checksum(self, *names: str, progress: Callable[[int], object] | None = None) -> str:
         """CRC32C of a whole file, read in large chunks."""

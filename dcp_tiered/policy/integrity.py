@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 from typing import Any, BinaryIO
 
 import crc32c
@@ -45,6 +46,7 @@ def _x2n_table() -> list[int]:
 _X2N = _x2n_table()  # x^(2^k) modulo the polynomial
 
 
+@functools.lru_cache(maxsize=8192)
 def _shift(length: int) -> int:
     """x^(8 * length) modulo the polynomial: appending ``length`` bytes, as a factor."""
     p, k = 1 << 31, 3  # one byte is 2^3 bits

@@ -102,21 +102,8 @@ def build(
     run_id: str | None = None,
 ) -> Built:
     """Serialise the manifest of ``metadata`` whose items were written at ``locations``."""
-    fqns = list(metadata.state_dict_metadata)
-    tid = {fqn: i for i, fqn in enumerate(fqns)}
-    ordinal: dict[tuple[str, Any], int] = {}
-    writers: dict[str, list[int]] = {}
-    # Each tensor's chunks in row-major order of their offsets, whatever order DCP's plans
-    # gave them (TP + FSDP on one dim interleaves them by rank): so a sharded tensor is always
-    # its grid of splits, and its writers a few progressions.
-    chunks_of: dict[str, list[Any]] = {}
-    for fqn, md in metadata.state_dict_metadata.items():
-        if isinstance(md, TensorStorageMetadata):
-            chunks_of[fqn] = sorted(md.chunks, key=lambda c: c.offsets)
-        chunks = chunks_of.get(fqn, [None])
-        writers[fqn] = [-1] * len(chunks)
-        for i, c in enumerate(chunks):  # torch.Size hashes and compares as a tuple
-            ordinal[(fqn, c.offsets if c is not None else None)] = i
+    tid, ordinal, chunks_of, entries, props = _described(metadata)
+    writers = {fqn: [-1] * len(chunks_of.get(fqn, [None])) for fqn in tid}
     node_of = {r: n for n, ranks in enumerate(nodes) for r in ranks}
     by_file: dict[str, list[tuple[int, int, ItemLocation]]] = {}
     for index, loc in locations.items():
@@ -155,7 +142,6 @@ def build(
     }
     storage_meta = metadata.storage_meta
     planner_data = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
-    props: list[dict[str, Any]] = []  # each distinct set of tensor properties, once
     index_body = {
         "format": FORMAT,
         "version": VERSION,
@@ -170,12 +156,8 @@ def build(
         "checksum_algorithm": integrity.ALGORITHM,
         "dcp_version": metadata.version,
         "tensors": [
-            [
-                fqn,
-                _encode_entry(md, chunks_of.get(fqn, []), props),
-                manifest_codec.progressions(writers[fqn]),
-            ]
-            for fqn, md in metadata.state_dict_metadata.items()
+            [fqn, entry, manifest_codec.progressions(writers[fqn])]
+            for fqn, entry in entries.items()
         ],
         "properties": props,
         "planner_data": {fqn: list(path) for fqn, path in planner_data.items()},
@@ -194,6 +176,37 @@ def build(
         ],
     }
     return Built(manifest_codec.seal(index_body), sections)
+
+
+_described_last: tuple[Any, tuple[Any, ...]] | None = None  # (state_dict_metadata, its description)
+
+
+def _described(metadata: Metadata) -> tuple[Any, ...]:
+    """What the manifest says of ``metadata``'s tensors whoever wrote them: ids, chunk
+    ordinals, chunks in row-major order, encoded entries, distinct properties. Kept for the
+    last metadata object: DCP's plan caching hands the same one to every save of a
+    structure, whose manifests then skip this per-item work."""
+    global _described_last
+    sdm = metadata.state_dict_metadata
+    last = _described_last  # one read: another thread's save may replace it
+    if last is not None and last[0] is sdm:
+        return last[1]
+    tid = {fqn: i for i, fqn in enumerate(sdm)}
+    ordinal: dict[tuple[str, Any], int] = {}
+    # Each tensor's chunks in row-major order of their offsets, whatever order DCP's plans
+    # gave them (TP + FSDP on one dim interleaves them by rank): so a sharded tensor is always
+    # its grid of splits, and its writers a few progressions.
+    chunks_of: dict[str, list[Any]] = {}
+    for fqn, md in sdm.items():
+        if isinstance(md, TensorStorageMetadata):
+            chunks_of[fqn] = sorted(md.chunks, key=lambda c: c.offsets)
+        for i, c in enumerate(chunks_of.get(fqn, [None])):  # torch.Size hashes as a tuple
+            ordinal[(fqn, c.offsets if c is not None else None)] = i
+    props: list[dict[str, Any]] = []  # each distinct set of tensor properties, once
+    entries = {fqn: _encode_entry(md, chunks_of.get(fqn, []), props) for fqn, md in sdm.items()}
+    described = (tid, ordinal, chunks_of, entries, props)
+    _described_last = (sdm, described)
+    return described
 
 
 def _encode_entry(

@@ -27,7 +27,11 @@ from ..errors import ConfigError, IntegrityError, ManifestError
 from . import integrity, records
 
 FORMAT = "dcp-tiered-memory"
-VERSION = 1
+# 2: checksums over fixed-size chunks of the slot ("chunk_bytes", "chunk_checksums") instead
+# of one per tensor. Version 1 headers (per-tensor checksums) still read.
+VERSION = 2
+_READS = (1, 2)
+CHUNK_BYTES = 16 * 2**20
 ALIGN = 64
 _DTYPES = {str(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 
@@ -182,10 +186,16 @@ def encode_header(
     objects: bytes,
     run_id: str | None = None,
     world_size: int | None = None,
+    chunk_bytes: int = 0,
+    chunk_checksums: list[str] | None = None,
 ) -> bytes:
+    """``checksums``: one per region (version 1), or empty with ``chunk_checksums`` of
+    ``chunk_bytes`` each over the slot's first ``data_size`` bytes."""
+    if chunk_checksums is None and len(checksums) != len(regions):
+        raise ValueError("a checksum per region, or chunk checksums")
     body: dict[str, Any] = {
         "format": FORMAT,
-        "version": VERSION,
+        "version": VERSION if chunk_checksums is not None else 1,
         "step": step,
         "rank": rank,
         "committed_at_ns": committed_at_ns,
@@ -199,7 +209,7 @@ def encode_header(
                 "nbytes": r.nbytes,
                 "checksum": c,
             }
-            for r, c in zip(regions, checksums)
+            for r, c in zip(regions, checksums or [""] * len(regions))
         ],
         "objects": base64.b64encode(objects).decode(),
     }
@@ -207,6 +217,9 @@ def encode_header(
         body["run_id"] = run_id
     if world_size is not None:  # a snapshot fills the state of the same ranks only
         body["world_size"] = world_size
+    if chunk_checksums is not None:
+        body["chunk_bytes"] = chunk_bytes
+        body["chunk_checksums"] = list(chunk_checksums)
     body["header_checksum"] = _checksum(body)
     return json.dumps(body).encode()
 
@@ -222,14 +235,16 @@ class Header:
     objects: bytes
     run_id: str | None = None  # None: written before run identities
     world_size: int | None = None
+    chunk_bytes: int = 0  # > 0: the slot is checked by chunk_checksums, not per region
+    chunk_checksums: tuple[str, ...] = ()
 
 
 def decode_header(data: bytes, *, where: str) -> Header:
     body = records.load_json(data, where=where, max_bytes=records.MAX_MANIFEST_BYTES)
     try:
         expected = body.pop("header_checksum")
-        if body.get("format") != FORMAT or body.get("version") != VERSION:
-            raise ManifestError(f"{where}: not a version-{VERSION} memory-tier header")
+        if body.get("format") != FORMAT or body.get("version") not in _READS:
+            raise ManifestError(f"{where}: not a version-{_READS} memory-tier header")
         if expected != _checksum(body):
             raise ManifestError(f"{where}: header checksum mismatch (modified or torn)")
         regions = [
@@ -247,7 +262,7 @@ def decode_header(data: bytes, *, where: str) -> Header:
             raise ManifestError(f"{where}: a tensor lies outside the {size}-byte buffer")
         for r in regions:
             _check_region(r, where)
-        return Header(
+        header = Header(
             str(body["step"]),
             int(body["rank"]),
             int(body["committed_at_ns"]),
@@ -257,7 +272,14 @@ def decode_header(data: bytes, *, where: str) -> Header:
             base64.b64decode(body["objects"]),
             _optional(body, "run_id", str),
             _optional(body, "world_size", int),
+            int(body.get("chunk_bytes", 0)),
+            tuple(str(c) for c in body.get("chunk_checksums", ())),
         )
+        if body["version"] >= 2 and (
+            header.chunk_bytes <= 0 or len(header.chunk_checksums) != -(-size // header.chunk_bytes)
+        ):
+            raise ManifestError(f"{where}: chunk checksums do not cover the {size}-byte buffer")
+        return header
     except ManifestError:
         raise
     except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as e:
@@ -298,6 +320,19 @@ def region_checksums(buffer: torch.Tensor, regions: list[Region]) -> list[str]:
         integrity.format_checksum(integrity.checksum(data[r.offset : r.offset + r.nbytes]))
         for r in regions
     ]
+
+
+def chunk_checksum(buffer: torch.Tensor, chunk: int, chunk_bytes: int, size: int) -> str:
+    """CRC32C of chunk number ``chunk`` of the slot's first ``size`` bytes."""
+    start = chunk * chunk_bytes
+    data = memoryview(buffer.numpy())  # type: ignore[arg-type]  # numpy arrays are buffers
+    return integrity.format_checksum(
+        integrity.checksum(data[start : min(start + chunk_bytes, size)])
+    )
+
+
+def chunk_count(size: int, chunk_bytes: int) -> int:
+    return -(-size // chunk_bytes)
 
 
 def fill(

@@ -32,12 +32,13 @@ from typing import Any
 
 import torch
 
+from .. import batch_copy
 from .._priority import lower_this_thread
 from ..backends.local import LocalBackend
 from ..errors import CheckpointNotFoundError, IntegrityError, ManifestError
 from ..policy import layout
 from ..policy import memory_format as fmt
-from . import ownership
+from . import memory_copy, ownership
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ class MemoryTier:
         self._leased: int | None = None
         # slot -> (structure of the state, (regions, size, buffer, a view per tensor))
         self._buffers: dict[int, tuple[Any, tuple[list[fmt.Region], int, torch.Tensor, Any]]] = {}
+        self._plans: dict[int, memory_copy.CopyPlan | None] = {}  # slot -> how its copy runs
         self._pool = ThreadPoolExecutor(
             1, thread_name_prefix="dcp-tiered-memory", initializer=lower_this_thread
         )
@@ -103,23 +105,46 @@ class MemoryTier:
             ownership.record_local(LocalBackend(self.root), self.run_id)
             self._recorded = True
         started = time.perf_counter()
-        tensors, objects = [], {}
-        for path, leaf in fmt.leaves(state):
-            if isinstance(leaf, torch.Tensor):
-                tensors.append((path, leaf))
-            else:
-                objects[fmt.key(path)] = leaf
         slot = self._uncommit_a_slot()
-        sig = tuple((path, t.dtype, t.shape) for path, t in tensors)
-        regions, size, buffer, views = self._buffer(slot, sig, lambda: fmt.layout(tensors))
-        with torch.no_grad():
-            for (_, src), dst in zip(tensors, views):
-                dst.copy_(src)
+        objects: dict[str, Any] = {}
+        found = self._planned_pairs(slot, state, objects)
+        if found is None:  # a new structure, or one the plan cannot hold
+            objects, tensors = {}, []
+            for path, leaf in fmt.leaves(state):
+                if isinstance(leaf, torch.Tensor):
+                    tensors.append((path, leaf))
+                else:
+                    objects[fmt.key(path)] = leaf
+            sig = tuple((path, t.dtype, t.shape) for path, t in tensors)
+            regions, size, buffer, views = self._buffer(slot, sig, lambda: fmt.layout(tensors))
+            self._plans[slot] = memory_copy.plan(state, regions, views, buffer)
+            dsts, srcs = views, [t for _, t in tensors]
+        else:
+            dsts, srcs = found
+        regions, size, buffer, _ = self._buffers[slot][1]
+        plan = self._plans.get(slot)
+        steps = plan.batches if plan is not None else memory_copy.batches(dsts, buffer.data_ptr())
+        chunks = memory_copy.copy_and_checksum(buffer, size, dsts, srcs, steps, self._pool.submit)
         blob = fmt.encode_objects(objects)  # values may change once we return
         self.last_copy_secs = time.perf_counter() - started
         self.last_bytes = sum(r.nbytes for r in regions)
-        self._pending = self._pool.submit(self._commit, step, slot, buffer, regions, size, blob)
+        self._pending = self._pool.submit(self._commit, step, slot, regions, size, blob, chunks)
         return self._pending
+
+    def _planned_pairs(
+        self, slot: int, state: dict[str, Any], objects: dict[str, Any]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """(slot views, state tensors) when ``state`` has the structure the slot's plan was
+        made for (``objects`` then holds its values), else None."""
+        plan = self._plans.get(slot)
+        if plan is None:
+            return None
+        try:
+            _, dsts, srcs = batch_copy.pair(state, plan.tree, on_value=objects.__setitem__)
+        except batch_copy.Mismatch:
+            objects.clear()
+            return None
+        return dsts, srcs
 
     def _uncommit_a_slot(self) -> int:
         """The slot to write next, its header removed first (the copy tears it)."""
@@ -146,6 +171,7 @@ class MemoryTier:
         cached = self._buffers.get(slot)
         if cached is None or cached[0] != sig:
             self._buffers.pop(slot, None)  # drop the old mapping before making the new one
+            self._plans.pop(slot, None)  # its views are the old mapping's
             regions, size = make_layout()
             buffer = self.backend.map_file(_data(slot), size)
             self._buffers[slot] = (sig, (regions, size, buffer, fmt.views(buffer, regions)))
@@ -155,23 +181,24 @@ class MemoryTier:
         self,
         step: str,
         slot: int,
-        buffer: torch.Tensor,
         regions: list[fmt.Region],
         size: int,
         blob: bytes,
+        chunks: list[Future[str]],
     ) -> dict[str, float]:
         started = time.perf_counter()
-        checksums = fmt.region_checksums(buffer, regions)
         header = fmt.encode_header(
             step=step,
             rank=self.rank,
             committed_at_ns=time.time_ns(),
             data_size=size,
             regions=regions,
-            checksums=checksums,
+            checksums=[],
             objects=blob,
             run_id=self.run_id,
             world_size=self.world_size,
+            chunk_bytes=fmt.CHUNK_BYTES,
+            chunk_checksums=[c.result() for c in chunks],  # done: queued before this task
         )
         write_done = time.perf_counter()
         self.backend.replace_root_file(_header(slot), header)
@@ -251,6 +278,7 @@ class MemoryTier:
         self.wait()
         self._pool.shutdown()
         self._buffers.clear()
+        self._plans.clear()  # their views hold the mappings too
 
     # ------------------------------------------------------------ reading
 
@@ -302,9 +330,24 @@ class MemoryTier:
 
 
 def verify(header: fmt.Header, buffer: torch.Tensor, where: str) -> None:
-    """Raises IntegrityError unless every tensor of ``buffer`` matches the header's checksum."""
+    """Raises IntegrityError unless ``buffer`` matches the header's checksums (of its chunks,
+    or of each tensor in version-1 headers)."""
     if buffer.numel() < header.data_size:
         raise IntegrityError(f"{where}: {buffer.numel()} bytes, the header says {header.data_size}")
+    if header.chunk_bytes:
+        for chunk, expected in enumerate(header.chunk_checksums):
+            got = fmt.chunk_checksum(buffer, chunk, header.chunk_bytes, header.data_size)
+            if got != expected:
+                start = chunk * header.chunk_bytes
+                end = min(start + header.chunk_bytes, header.data_size)
+                hit = [
+                    r.key for r in header.regions if r.offset < end and r.offset + r.nbytes > start
+                ]
+                raise IntegrityError(
+                    f"{where}: the chunk of bytes {start}-{end} (tensors {hit[:5]}"
+                    f"{' ...' if len(hit) > 5 else ''}) fails its checksum"
+                )
+        return
     actual = fmt.region_checksums(buffer, header.regions)
     for region, expected, got in zip(header.regions, header.checksums, actual):
         if got != expected:

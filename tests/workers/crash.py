@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+import dcp_tiered.item_writer
 import dcp_tiered.staging
 from dcp_tiered import TieredStorageWriter, checkpoint_process_group
 from dcp_tiered.backends.local import LocalBackend
-from dcp_tiered.policy import integrity
 from dcp_tiered.tiers import commit
 from tests._model import AppState, build, full_state, make_opt, train_step
 
@@ -60,6 +60,7 @@ def wrap(owner, attr, kill, *, after=False, when=lambda *a, **k: True):
 @point("stage")
 def _(kill):
     wrap(dcp_tiered.staging._torch_compat, "copy_state_dict", kill)
+    wrap(dcp_tiered.staging.batch_copy, "copy_into", kill)
 
 
 @point("local-plan")
@@ -74,12 +75,15 @@ def _(kill):
 
 @point("write-first-byte")
 def _(kill):
-    wrap(integrity.ChecksummingWriter, "write", kill)
+    wrap(LocalBackend, "write_vectors", kill)
 
 
 @point("write-middle")
 def _(kill):
-    wrap(integrity.ChecksummingWriter, "write", kill, when=lambda self, d: self.position > 150_000)
+    # the data files' writes (batched writev, made small here so that there are many) once a
+    # file holds more than 150 kB
+    dcp_tiered.item_writer._BATCH_BYTES = 64 * 2**10
+    wrap(LocalBackend, "write_vectors", kill, when=lambda f, views: f.tell() > 150_000)
 
 
 @point("fsync-data")

@@ -1,0 +1,128 @@
+"""DCP's default load planner, without its per-item planning where there is nothing to plan.
+
+When every requested value is a plain tensor saved whole, in one chunk of the same size (the
+same ranks and sharding as the save, or no sharding at all), or a non-tensor value, each read
+item is the whole saved item into the whole target: ``TieredLoadPlanner`` writes those items
+directly instead of running DCP's chunk-overlap search per tensor. Anything else (DTensors,
+ShardedTensors, chunks that differ: resharding) is planned by ``DefaultLoadPlanner`` as
+before, with its checks and errors. The read items are the ones DCP would make.
+
+Given the ``reader`` of the load, it also explains a size mismatch between the state and the
+step: DCP's planner raises a bare ValueError; this one reads the stored chunk of the first
+tensor that differs and raises ManifestError when the manifest misstates what its bytes hold
+(an edited, resealed manifest), else ConfigError (the state is not the model that was saved).
+Both are ValueErrors, as DCP's own is.
+
+CheckpointManager and the lifecycle restore with it; with ``dcp.load`` pass it yourself::
+
+    reader = TieredStorageReader(root)
+    dcp.load(state, checkpoint_id="step-100", storage_reader=reader,
+             planner=TieredLoadPlanner(reader=reader))
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
+from . import _gc
+from .errors import ConfigError, DcpTieredError, ManifestError
+
+_ZERO = torch.Size((0,))
+_KEPT_HERE = "dcp_tiered:whole-reads-kept-on-this-rank"
+
+
+class TieredLoadPlanner(DefaultLoadPlanner):
+    """``DefaultLoadPlanner`` (same arguments, and the load's ``reader``) that plans
+    whole-tensor reads directly and explains size mismatches (see the module)."""
+
+    _kept: LoadPlan | None = None  # this rank's whole reads, while an empty plan travels
+
+    def __init__(self, *args: Any, reader: Any = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._reader = reader
+
+    def create_local_plan(self) -> LoadPlan:
+        with _gc.paused():  # one object per item, none in cycles: see _gc
+            items = self._whole_items()
+        if items is None:
+            self._kept = None
+            try:
+                return super().create_local_plan()
+            except ValueError as e:
+                if self._reader is None or "Size mismatch" not in str(e):
+                    raise
+                raise self._explained() or e from e
+        # DCP sends every rank's plan to the coordinator and back (pickled both ways), for a
+        # global step that changes nothing in a default load: these whole reads stay here,
+        # and an empty plan that says so travels instead.
+        self._kept = LoadPlan(items)
+        return LoadPlan([], planner_data=_KEPT_HERE)
+
+    def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
+        kept = getattr(self, "_kept", None)
+        if new_plan.planner_data == _KEPT_HERE and not new_plan.items and kept is not None:
+            return super().finish_plan(kept)
+        return super().finish_plan(new_plan)
+
+    def _whole_items(self) -> list[ReadItem] | None:
+        """One whole read per value, or None where DCP has to plan (see the module)."""
+        if self.metadata is None:
+            return None
+        saved = self.metadata.state_dict_metadata
+        items = []
+        for fqn, obj in self.state_dict.items():
+            md = saved.get(fqn)
+            if isinstance(md, BytesStorageMetadata) and not isinstance(obj, torch.Tensor):
+                index = MetadataIndex(fqn)
+                items.append(ReadItem(LoadItemType.BYTE_IO, index, _ZERO, index, _ZERO, _ZERO))
+                continue
+            kind = type(obj)
+            if (
+                not isinstance(md, TensorStorageMetadata)
+                or not (kind is torch.Tensor or kind is torch.nn.Parameter)
+                or len(md.chunks) != 1
+                or md.size != obj.size()
+                or md.chunks[0].sizes != md.size
+                or any(md.chunks[0].offsets)
+            ):
+                return None
+            offsets = md.chunks[0].offsets
+            index = MetadataIndex(fqn, offsets, 0)  # where it goes and where it comes from
+            items.append(ReadItem(LoadItemType.TENSOR, index, offsets, index, offsets, md.size))
+        return items
+
+    def _explained(self) -> DcpTieredError | None:
+        for fqn, obj in self.state_dict.items():
+            md = self.metadata.state_dict_metadata.get(fqn) if self.metadata else None
+            size = getattr(obj, "size", None)
+            if not isinstance(md, TensorStorageMetadata) or size is None or md.size == size():
+                continue
+            step = getattr(self._reader, "checkpoint_id", None)
+            try:
+                stored = self._reader.stored_tensor(fqn)
+            except DcpTieredError as e:
+                return e
+            if stored is None:  # a vanilla step: DCP's own error says it
+                return None
+            chunk = md.chunks[0].sizes
+            if stored.size() != chunk:
+                return ManifestError(
+                    f"step {step!r}: the manifest says {fqn!r} is {list(md.size)} (a first "
+                    f"chunk of {list(chunk)}), but its stored bytes hold "
+                    f"{list(stored.size())}: the manifest does not match the data. Restore "
+                    "the step from another tier or load another step."
+                )
+            return ConfigError(
+                f"step {step!r} holds {fqn!r} as {list(md.size)}, the state being loaded has "
+                f"{list(size())}: load it into a model of the shape that was saved"
+            )
+        return None
