@@ -110,7 +110,7 @@ def _probe(backend: RemoteBackend, where: tuple[str, str]) -> bool | None:
     try:
         try:
             put(crc ^ 0xFFFFFFFF)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any refusal is an answer; its code says which
             if _code(e) not in _REFUSED_CODES:
                 logger.warning(
                     "checksum probe of %s: no answer (%s: %s); uploads are read back",
@@ -136,7 +136,7 @@ def _probe(backend: RemoteBackend, where: tuple[str, str]) -> bool | None:
     finally:
         try:
             backend.remove(key, reason="the checksum probe's own object")
-        except Exception as e:  # a leftover probe object is harmless; say so and go on
+        except Exception as e:  # noqa: BLE001 - a leftover probe object is harmless: say so
             logger.warning("could not delete %s: %s", backend.url(key), e)
 
 
@@ -259,7 +259,7 @@ async def _multipart(
         await asyncio.gather(*tasks, return_exceptions=True)
         try:
             await fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=obj, UploadId=upload_id)
-        except Exception as e:  # recover() aborts leftovers of our own keys later
+        except Exception as e:  # noqa: BLE001 - recover() aborts our keys' leftovers later
             logger.warning("could not abort the upload of s3://%s/%s: %s", bucket, obj, e)
         raise
 
