@@ -528,7 +528,7 @@ class TieredStorageReader(StorageReader):
 
     def _remote_payloads(
         self, files: list[tuple[str, list[ReadItem]]]
-    ) -> Iterator[tuple[ReadItem, bytes]]:
+    ) -> Iterator[tuple[ReadItem, memoryview]]:
         """Every item of ``files`` from the remote, delivered in file order: neighbours merged
         into ranges of about a part, parallel ranged GETs of a part each across all the files
         (:mod:`.backends.ranged_reads`)."""
@@ -554,7 +554,10 @@ class TieredStorageReader(StorageReader):
                     while g < len(groups) and self._locations[groups[g][0]].offset < end:
                         index, group = groups[g]
                         loc = self._locations[index]
-                        data = blob[loc.offset - start : loc.offset - start + loc.length]
+                        # a view, not a copy: the range's bytes are handed out in place
+                        data = memoryview(blob)[
+                            loc.offset - start : loc.offset - start + loc.length
+                        ]
                         problem = self._problem(loc, [data])
                         if problem:
                             raise self._integrity_error(name, index.fqn, loc, problem, remote=True)

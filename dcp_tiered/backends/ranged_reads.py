@@ -39,14 +39,15 @@ def read_ranges(
     window: int,
 ) -> Iterator[tuple[str, int, int, bytes]]:
     """``(key, start, end, bytes)`` of every range of every object in ``objects`` (key, ranges),
-    in the order given, each read with ``fetch(key, start, end)`` in pieces of at most ``span``
-    bytes, ``window`` pieces in flight. Closing the iterator early waits for the pieces in
+    in the order given, each read with ``fetch(key, start, end)`` in equal pieces of at most
+    ``span`` bytes, ``window`` pieces in flight. Closing the iterator early waits for the pieces in
     flight and starts no more."""
+    counts = [[_pieces(end - start, span) for start, end in ranges] for _, ranges in objects]
     pieces = [
-        (key, s, min(end, s + span))
-        for key, ranges in objects
-        for start, end in ranges
-        for s in range(start, end, span)
+        (key, start + k * (end - start) // n, start + (k + 1) * (end - start) // n)
+        for (key, ranges), ns in zip(objects, counts)
+        for (start, end), n in zip(ranges, ns)
+        for k in range(n)
     ]
     window = max(1, min(window, len(pieces)))
     with ThreadPoolExecutor(window, thread_name_prefix="dcp-tiered-get") as pool:
@@ -66,10 +67,16 @@ def read_ranges(
             return fut.result()
 
         try:
-            for key, ranges in objects:
-                for start, end in ranges:
-                    parts = [take() for _ in range(start, end, span)]
+            for (key, ranges), ns in zip(objects, counts):
+                for (start, end), n in zip(ranges, ns):
+                    parts = [take() for _ in range(n)]
                     yield key, start, end, parts[0] if len(parts) == 1 else b"".join(parts)
         finally:
             for fut in queued:
                 fut.cancel()
+
+
+def _pieces(length: int, span: int) -> int:
+    """How many GETs read ``length`` bytes in pieces of at most ``span``, of equal size (an
+    item a little larger than a part is two halves, not a part and a sliver)."""
+    return max(1, -(-length // span))

@@ -226,6 +226,8 @@ class RemoteBackend:
         nothing stored, if not), and the stored object's ETag is returned; None elsewhere."""
         path = self.path(key)
         if self.protocol in ("s3", "s3a"):
+            if self.config.verify_uploads == "auto":
+                s3_checksums.probe_soon(self)
             meta = {"crc32c": checksum}
             return self._call(
                 "upload", key, lambda: s3_checksums.upload(self, local_path, key, checksum, meta)

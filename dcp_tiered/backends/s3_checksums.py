@@ -28,6 +28,7 @@ import uuid
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+import fsspec
 from fsspec.asyn import sync
 
 from ..errors import IntegrityError, PermanentTierError, TransientTierError
@@ -48,6 +49,8 @@ _MAX_PARTS = 10_000  # S3's limit on parts of one multipart upload
 _lock = threading.Lock()  # one probe at a time: uploads wait for the verdict, not probe twice
 _verdicts: dict[tuple[str, str], bool] = {}
 _retry_at: dict[tuple[str, str], float] = {}
+_started_lock = threading.Lock()
+_started: set[tuple[str, str]] = set()
 
 
 def header(crc: int) -> str:
@@ -88,6 +91,19 @@ def validates(backend: RemoteBackend) -> bool:
         return verdict
 
 
+def probe_soon(backend: RemoteBackend) -> None:
+    """Start the probe of the backend's store in the background, once, so that its requests
+    (and a client of its own) overlap the upload that will ask :func:`validates`."""
+    where = store_of(backend)
+    with _started_lock:
+        if where in _started or where in _verdicts:
+            return
+        _started.add(where)
+    threading.Thread(
+        target=validates, args=(backend,), name="dcp-tiered-checksum-probe", daemon=True
+    ).start()
+
+
 def _code(exc: BaseException) -> str:
     from .remote import _client_error
 
@@ -101,9 +117,17 @@ def _probe(backend: RemoteBackend, where: tuple[str, str]) -> bool | None:
     key = layout.probe_key(uuid.uuid4().hex[:16])
     bucket, _, obj = backend.path(key).partition("/")
     crc = integrity.checksum(_PROBE_BODY)
+    # A client of its own that sends each probe once: botocore's default (legacy) retries
+    # resend a body refused with BadDigest, with backoff, seconds for an expected refusal.
+    opts = dict(backend.config.storage_options)
+    config_kwargs = {**(opts.get("config_kwargs") or {})}
+    config_kwargs["retries"] = {"mode": "standard", "max_attempts": 1}
+    fs = fsspec.filesystem(
+        backend.protocol, skip_instance_cache=True, **{**opts, "config_kwargs": config_kwargs}
+    )
 
     def put(value: int) -> None:
-        backend.fs.call_s3(
+        fs.call_s3(
             "put_object", Bucket=bucket, Key=obj, Body=_PROBE_BODY, ChecksumCRC32C=header(value)
         )
 
