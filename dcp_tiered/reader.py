@@ -531,7 +531,7 @@ class TieredStorageReader(StorageReader):
     ) -> Iterator[tuple[ReadItem, memoryview]]:
         """Every item of ``files`` from the remote, delivered in file order: neighbours merged
         into ranges of about a part, parallel ranged GETs of a part each across all the files
-        (:mod:`.backends.ranged_reads`)."""
+        (:mod:`dcp_tiered.backends.ranged_reads`)."""
         assert self._remote is not None
         span = remote_tier.chunk_bytes(self._remote)
         plan = []

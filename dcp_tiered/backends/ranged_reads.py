@@ -12,7 +12,7 @@ GETs in flight plus the range being handed out.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 # A small gap between two wanted ranges is fetched rather than paid for with another GET.
@@ -37,7 +37,7 @@ def read_ranges(
     fetch: Callable[[str, int, int], bytes],
     span: int,
     window: int,
-) -> Iterator[tuple[str, int, int, bytes]]:
+) -> Generator[tuple[str, int, int, bytes], None, None]:
     """``(key, start, end, bytes)`` of every range of every object in ``objects`` (key, ranges),
     in the order given, each read with ``fetch(key, start, end)`` in equal pieces of at most
     ``span`` bytes, ``window`` pieces in flight. Closing the iterator early waits for the pieces in
