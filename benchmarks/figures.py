@@ -134,7 +134,7 @@ class Bench:
         self.pg = checkpoint_process_group()
         self.writer = TieredStorageWriter(self.work / "ours")
         self.part_mib, self.concurrency = a.part_mib, a.concurrency
-        self.verify_uploads = not a.no_verify_uploads
+        self.verify_uploads: bool | str = "auto" if not a.no_verify_uploads else False
         self.seq = 0
         self.samples: dict[str, list[float]] = {}
         # Restores load into one set of tensors, as into a model that already exists; zeroed

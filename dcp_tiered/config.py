@@ -48,10 +48,15 @@ class RemoteConfig:
             3.1 GB/s with 16 MiB parts need 109, with 64 MiB parts 28. Each save records its
             count in its commit marker, so changing it never makes older steps unreadable.
         durable_timeout_secs: how long the coordinator waits for other nodes' uploads.
-        verify_uploads: read every uploaded object back and check its CRC32C against the
-            manifest before the step is committed remotely, so a store or proxy that corrupts
-            a PUT is caught at promotion, not at restore (it is uploaded again). Costs one
-            read of each object; turn off only for a store you trust end to end.
+        verify_uploads: how an upload is proved whole before the step is committed remotely,
+            so a store or proxy that corrupts a PUT is caught at promotion, not at restore (it
+            is uploaded again). S3 uploads always send the CRC32C of every body (object or
+            part). ``"auto"`` (default): once per store and process, a PUT with a wrong CRC32C
+            probes whether the store refuses a body that fails its checksum (AWS S3 does); where
+            it does, an upload it accepted is proved and not read back; elsewhere (the store
+            keeps it, or the probe got no answer) every object is read back and its CRC32C
+            checked against the manifest. ``True``: always read back (one read of each
+            object). ``False``: never; turn off only for a store you trust end to end.
         orphan_grace_secs: objects of a save that was never committed remotely (a killed
             upload) are removed by the next writer's ``recover()`` once the newest of them is
             this old; younger ones may belong to a save still uploading.
@@ -64,7 +69,7 @@ class RemoteConfig:
     prefix_strategy: str = "none"
     hash_prefixes: int = 16
     durable_timeout_secs: float = 3600.0
-    verify_uploads: bool = True
+    verify_uploads: bool | str = "auto"
     orphan_grace_secs: float = 3600.0
     retry: RetryConfig = field(default_factory=RetryConfig)
 
@@ -83,6 +88,10 @@ class RemoteConfig:
             raise ConfigError(
                 f"part_size_bytes={self.part_size_bytes} is outside S3's multipart limits "
                 "(5 MiB to 5 GiB); choose a value in that range"
+            )
+        if self.verify_uploads not in (True, False, "auto"):
+            raise ConfigError(
+                f"verify_uploads must be 'auto', True or False, not {self.verify_uploads!r}"
             )
         if self.max_concurrency < 1:
             raise ConfigError("max_concurrency must be >= 1")

@@ -28,6 +28,7 @@ from torch.futures import Future
 
 from . import _gc, reader_checks
 from ._torch_compat import StorageReaderTransforms, ZStandard
+from .backends import ranged_reads
 from .backends.local import LocalBackend
 from .backends.remote import remote_backend
 from .config import RemoteConfig
@@ -49,8 +50,6 @@ from .tiers.local import LocalTier
 
 logger = logging.getLogger(__name__)
 
-_RANGE_MERGE_GAP_BYTES = 1 * 2**20  # fetch a small gap rather than issue another GET
-_RANGE_MAX_BYTES = 64 * 2**20
 # Local reads: neighbouring items share one read of up to a block; a tensor of at least
 # _IN_PLACE_MIN_BYTES is read alone, straight into its target where it can be.
 _LOCAL_BLOCK_BYTES = 8 * 2**20
@@ -327,8 +326,8 @@ class TieredStorageReader(StorageReader):
             self._load_local(local, planner)
         finally:
             self._read_buffers = [bytearray(), bytearray()]  # as large as the largest item
-        for name, items in remote:
-            for item, payload in self._remote_payloads(name, items):
+        if remote:
+            for item, payload in self._remote_payloads(remote):
                 self._deliver(item, payload, planner)
         if self.hydrate and self.files_read_remotely:
             self._hydrate(sorted(self.files_read_remotely))
@@ -528,31 +527,45 @@ class TieredStorageReader(StorageReader):
         return [memoryview(bytearray(loc.raw_offset)), body, memoryview(bytearray(tail))]
 
     def _remote_payloads(
-        self, name: str, items: list[ReadItem]
-    ) -> Iterator[tuple[ReadItem, bytes]]:
-        """Coalesced ranged GETs, a few in flight at once, delivered in file order."""
+        self, files: list[tuple[str, list[ReadItem]]]
+    ) -> Iterator[tuple[ReadItem, memoryview]]:
+        """Every item of ``files`` from the remote, delivered in file order: neighbours merged
+        into ranges of about a part, parallel ranged GETs of a part each across all the files
+        (:mod:`dcp_tiered.backends.ranged_reads`)."""
         assert self._remote is not None
-        groups = list(_by_storage_index(items))
-        ranges = _coalesce([self._locations[i] for i, _ in groups])
-        window = self._remote.config.max_concurrency
-        with ThreadPoolExecutor(window, thread_name_prefix="dcp-tiered-get") as pool:
-            futures = [pool.submit(self._fetch, name, s, e) for s, e in ranges[:window]]
-            g = 0
-            for k, (start, end) in enumerate(ranges):
-                blob = futures[k].result()
-                futures[k] = None  # type: ignore[call-overload]  # free it once consumed
-                if k + window < len(ranges):
-                    futures.append(pool.submit(self._fetch, name, *ranges[k + window]))
-                while g < len(groups) and self._locations[groups[g][0]].offset < end:
-                    index, group = groups[g]
-                    loc = self._locations[index]
-                    data = blob[loc.offset - start : loc.offset - start + loc.length]
-                    problem = self._problem(loc, [data])
-                    if problem:
-                        raise self._integrity_error(name, index.fqn, loc, problem, remote=True)
-                    for item in group:
-                        yield item, data
-                    g += 1
+        span = remote_tier.chunk_bytes(self._remote)
+        plan = []
+        for name, items in files:
+            groups = list(_by_storage_index(items))
+            locs = [self._locations[index] for index, _ in groups]
+            spans = [(loc.offset, loc.offset + loc.length) for loc in locs]
+            plan.append((name, groups, ranged_reads.coalesce(spans, span)))
+        blobs = ranged_reads.read_ranges(
+            [(name, ranges) for name, _, ranges in plan],
+            self._fetch,
+            span,
+            self._remote.config.max_concurrency,
+        )
+        try:
+            for name, groups, ranges in plan:
+                g = 0
+                for _ in ranges:
+                    _, start, end, blob = next(blobs)
+                    while g < len(groups) and self._locations[groups[g][0]].offset < end:
+                        index, group = groups[g]
+                        loc = self._locations[index]
+                        # a view, not a copy: the range's bytes are handed out in place
+                        data = memoryview(blob)[
+                            loc.offset - start : loc.offset - start + loc.length
+                        ]
+                        problem = self._problem(loc, [data])
+                        if problem:
+                            raise self._integrity_error(name, index.fqn, loc, problem, remote=True)
+                        for item in group:
+                            yield item, data
+                        g += 1
+        finally:
+            blobs.close()
 
     def _fetch(self, name: str, start: int, end: int) -> bytes:
         assert self._remote is not None and self._step is not None
@@ -822,19 +835,3 @@ def _by_storage_index(items: list[ReadItem]) -> Iterator[tuple[Any, list[ReadIte
         group.append(item)
     if group:
         yield group[0].storage_index, group
-
-
-def _coalesce(locs: list[ItemLocation]) -> list[tuple[int, int]]:
-    """Merge the byte ranges of items (sorted by offset) into few, bounded GETs."""
-    ranges: list[list[int]] = []
-    for loc in locs:
-        start, end = loc.offset, loc.offset + loc.length
-        if (
-            ranges
-            and start - ranges[-1][1] <= _RANGE_MERGE_GAP_BYTES
-            and (end - ranges[-1][0] <= _RANGE_MAX_BYTES)
-        ):
-            ranges[-1][1] = max(ranges[-1][1], end)
-        else:
-            ranges.append([start, end])
-    return [(s, e) for s, e in ranges]

@@ -244,6 +244,7 @@ def fault_proxy(s3):
         fail_reads: str | None = None,
         slow_reads: str | None = None,
         slow_secs: float = 2.0,
+        check_crc32c: bool = False,
     ) -> str:
         port = free_port()
         proc = subprocess.Popen(
@@ -265,6 +266,7 @@ def fault_proxy(s3):
                 *(["--deny", deny] if deny else []),
                 *(["--corrupt", corrupt, "--corrupt-count", str(corrupt_count)] if corrupt else []),
                 *(["--fail-reads", fail_reads] if fail_reads else []),
+                *(["--check-crc32c"] if check_crc32c else []),
                 *(
                     ["--slow-reads", slow_reads, "--slow-secs", str(slow_secs)]
                     if slow_reads

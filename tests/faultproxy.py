@@ -11,6 +11,9 @@ Usage: python tests/faultproxy.py --port P --upstream http://127.0.0.1:Q --rate 
        [--fail-reads step-3/]   (503 SlowDown to every GET of a key containing "step-3/", a
                         store whose reads of it fail for a while, until POST /__heal__)
        [--slow-reads .distcp --slow-secs 2]   (every GET of such a key answers 2 s late)
+       [--check-crc32c]   (a store that checks checksums, as AWS S3 does: a PUT whose body
+                        fails its x-amz-checksum-crc32c header is refused with 400 BadDigest,
+                        after any --corrupt flip, so a body corrupted on the way is refused)
 
 GET /__requests__ answers how many requests of each S3 kind reached the proxy (LIST, HEAD,
 GET, PUT, CREATE/PART/COMPLETE/ABORT of multipart uploads, LIST_UPLOADS, DELETE, POST), and
@@ -21,15 +24,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import random
 import sys
 
+import crc32c
 from aiohttp import ClientSession, ClientTimeout, web
 
 FAULTS = ("500", "503", "reset-before", "reset-mid-body", "stall")
 SLOWDOWN = (
     b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
     b"<Message>Please reduce your request rate.</Message></Error>"
+)
+BAD_DIGEST = (
+    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>BadDigest</Code>'
+    b"<Message>The CRC32C you specified did not match the calculated checksum.</Message></Error>"
 )
 DENIED = (
     b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>AccessDenied</Code>'
@@ -73,9 +82,11 @@ def build_app(
     fail_reads: str | None = None,
     slow_reads: str | None = None,
     slow_secs: float = 2.0,
+    check_crc32c: bool = False,
 ) -> web.Application:
     rng = random.Random(seed)
     counts = {f: 0 for f in FAULTS} | {"ok": 0, "denied": 0, "corrupted": 0, "failed_reads": 0}
+    counts["bad_digest"] = 0
     failing = {"reads": fail_reads}
     session: dict[str, ClientSession] = {}
     requests: list[tuple[str, str]] = []  # (kind, key) of every S3 request, in arrival order
@@ -114,6 +125,12 @@ def build_app(
             flipped = bytearray(body)
             flipped[len(body) // 2] ^= 0x01
             body = bytes(flipped)
+        sent = request.headers.get("x-amz-checksum-crc32c")
+        if check_crc32c and request.method == "PUT" and sent is not None:
+            actual = base64.b64encode(crc32c.crc32c(body).to_bytes(4, "big")).decode()
+            if actual != sent:
+                counts["bad_digest"] += 1
+                return web.Response(status=400, body=BAD_DIGEST, content_type="application/xml")
         fault = rng.choice(FAULTS) if rng.random() < rate else None
         counts[fault or "ok"] += 1
         if fault == "500":
@@ -182,6 +199,7 @@ def main() -> None:
     p.add_argument("--fail-reads", help="503 to GETs of keys containing this, until healed")
     p.add_argument("--slow-reads", help="delay GETs of keys containing this by --slow-secs")
     p.add_argument("--slow-secs", type=float, default=2.0)
+    p.add_argument("--check-crc32c", action="store_true", help="refuse bodies failing CRC32C")
     p.add_argument("--max-secs", type=float, default=1800.0, help="stop by itself after this")
     a = p.parse_args()
     app = build_app(
@@ -196,6 +214,7 @@ def main() -> None:
         a.fail_reads,
         a.slow_reads,
         a.slow_secs,
+        a.check_crc32c,
     )
     web.run_app(app, host="127.0.0.1", port=a.port, print=None, access_log=None)
 

@@ -23,6 +23,7 @@ from .. import _retry
 from ..config import RemoteConfig, RetryConfig
 from ..errors import ConfigError, IntegrityError, PermanentTierError, TransientTierError
 from ..policy import layout
+from . import s3_checksums
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -44,6 +45,9 @@ _TRANSIENT_CODES = {
     "502",
     "503",
     "504",
+    # A body that fails the CRC32C sent with it (a store that checks: s3_checksums) was
+    # corrupted on the way, not stored: sending it again is the fix.
+    "BadDigest",
 }
 _PERMANENT_HINTS = {
     "AccessDenied": "check the credentials' permissions on this bucket/prefix",
@@ -216,18 +220,26 @@ class RemoteBackend:
 
     # ------------------------------------------------------------ writes
 
-    def put_file(self, local_path: str, key: str, checksum: str) -> None:
+    def put_file(self, local_path: str, key: str, checksum: str) -> str | None:
+        """Upload a local file whose CRC32C is ``checksum``. S3: every body goes with its
+        CRC32C (:mod:`dcp_tiered.backends.s3_checksums`), the bytes read must match ``checksum`` (IntegrityError,
+        nothing stored, if not), and the stored object's ETag is returned; None elsewhere."""
         path = self.path(key)
-        kwargs: dict[str, Any] = {}
         if self.protocol in ("s3", "s3a"):
-            kwargs = {
-                "chunksize": self.config.part_size_bytes,
-                "max_concurrency": self.config.max_concurrency,
-                "Metadata": {"crc32c": checksum},
-            }
-        else:
-            self._call("mkdir", key, lambda: self.fs.makedirs(self.fs._parent(path), exist_ok=True))
-        self._call("upload", key, lambda: self.fs.put_file(local_path, path, **kwargs))
+            if self.config.verify_uploads == "auto":
+                s3_checksums.probe_soon(self)
+            meta = {"crc32c": checksum}
+            return self._call(
+                "upload", key, lambda: s3_checksums.upload(self, local_path, key, checksum, meta)
+            )
+        self._call("mkdir", key, lambda: self.fs.makedirs(self.fs._parent(path), exist_ok=True))
+        self._call("upload", key, lambda: self.fs.put_file(local_path, path))
+        return None
+
+    def validates_checksums(self) -> bool:
+        """Whether the store proved it refuses a body that fails its CRC32C (probed once per
+        store and process), so an upload it accepted need not be read back."""
+        return s3_checksums.validates(self)
 
     def put_bytes(self, key: str, data: bytes) -> None:
         path = self.path(key)

@@ -52,6 +52,10 @@ HASHED_DATA = "data"  # remote prefix of hashed data keys: never a step name
 # after the step's marker, moved only forward in `newest`'s order; restores read it instead of
 # listing the root, and fall back to listing when it is missing or names no committed save.
 REMOTE_LATEST = ".dcp-tiered-latest.json"
+# The remote root's checksum probe (backends/s3_checksums.py): a tiny object only this library
+# writes, under a hidden prefix that is never a step name, deleted by the probe that made it.
+REMOTE_PROBE = "_probe"
+_PROBE_RE = re.compile(r"_probe/crc32c-[0-9a-f]{16}")
 
 _STEP_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # fullmatch: no trailing newline
 _DATA_FILE_RE = re.compile(r"__(0|[1-9][0-9]{0,8})_(0|[1-9][0-9]{0,5})\.distcp")
@@ -334,3 +338,15 @@ def save_id_of_key(step: str, key: str) -> str | None:
             head = key[len(prefix) :].split("/", 1)
             return head[0] if len(head) == 2 and is_save_id(head[0]) else None
     return None
+
+
+def probe_key(token: str) -> str:
+    """The key of one checksum probe's object (``token``: 16 hex digits, unique per probe)."""
+    key = f"{REMOTE_PROBE}/crc32c-{token}"
+    if not _PROBE_RE.fullmatch(key):
+        raise ValueError(f"not a probe token: {token!r}")
+    return key
+
+
+def is_probe_key(key: str) -> bool:
+    return bool(_PROBE_RE.fullmatch(key))

@@ -28,6 +28,7 @@ import uuid
 from typing import Any
 
 from .._daemon_pool import DaemonPool
+from ..backends import s3_checksums
 from ..backends.remote import RemoteBackend
 from ..errors import IntegrityError, ManifestError, UploadFailedError
 from ..policy import integrity, layout, records
@@ -332,12 +333,16 @@ def upload_verified(
     checksum: str,
 ) -> str | None:
     """Upload a local file after checking it against its manifest checksum, so promotion
-    never copies corruption; then, with ``verify_uploads``, read the stored object back and
-    check it too, so what the store holds is what was written (a store or proxy that
-    corrupts a body gets it again, a few times, before the promotion fails). Returns the
-    stored object's version tag (None without ``verify_uploads``)."""
-    actual = tier.backend.file_checksum(*directory, name)
+    never copies corruption (S3: the bytes sent are checked as they are read); then prove
+    what the store holds is what was written (a store or proxy that corrupts a body gets it
+    again, a few times, before the promotion fails): on a store that proved it refuses a body
+    failing its CRC32C (``verify_uploads="auto"``), its acceptance of every body; elsewhere
+    (``"auto"`` or ``True``), a read-back of the stored object checked against the manifest.
+    Returns the stored object's version tag (None with ``verify_uploads=False``)."""
     path = tier.backend.path_of(*directory, name)
+    # S3 uploads check the bytes they send (s3_checksums): no separate read of the file.
+    actual = checksum if remote.protocol in ("s3", "s3a") else None
+    actual = actual or tier.backend.file_checksum(*directory, name)
     if actual != checksum:
         raise IntegrityError(
             f"local file {path} fails its checksum ({actual} != manifest {checksum}); it was "
@@ -346,9 +351,12 @@ def upload_verified(
     size = tier.backend.file_size(*directory, name)
     attempts = min(3, remote.config.retry.max_attempts)  # each one is a whole upload
     for attempt in range(1, attempts + 1):
-        remote.put_file(path, key, checksum)
-        if not remote.config.verify_uploads:
+        sent = remote.put_file(path, key, checksum)
+        mode = remote.config.verify_uploads
+        if mode is False:
             return None
+        if mode == "auto" and sent is not None and remote.validates_checksums():
+            return sent  # the store checked every body against the CRC32C of the bytes read
         stored, tag = verify_object(remote, key, size, read_back=True)
         if stored == checksum:
             return tag
@@ -376,10 +384,18 @@ def verify_object(
     """``(CRC32C, version tag)`` of the object at ``key`` if it has ``size`` bytes and is whole,
     else ``(None, None)``. Unless told otherwise, reads it back only where ``verify_uploads``
     asks (or the store keeps no metadata); otherwise trusts the checksum recorded with it at
-    upload (one HEAD, no tag)."""
+    upload: on a store that checks checksums (``"auto"``), one HEAD that shows the store
+    checked it (with its tag); with ``verify_uploads=False``, one HEAD (no tag)."""
+    mode = remote.config.verify_uploads
     if read_back is None:
-        read_back = remote.config.verify_uploads
-    if not read_back:
+        read_back = mode is True or (mode == "auto" and not remote.validates_checksums())
+    if not read_back and mode == "auto" and remote.validates_checksums():
+        got = s3_checksums.head(remote, key)
+        if got is None or got[0] != size:
+            return None, None
+        if got[3]:
+            return got[1], got[2]
+    elif not read_back:
         stat = remote.stat(key)
         if stat is None or stat[0] != size:
             return None, None

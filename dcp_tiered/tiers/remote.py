@@ -15,6 +15,7 @@ under the prefix is left alone.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import errno
 import json
@@ -24,6 +25,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from ..backends import ranged_reads
 from ..backends.remote import RemoteBackend
 from ..errors import (
     CheckpointExistsError,
@@ -466,10 +468,13 @@ def _download(
 ) -> None:
     """Stream one remote object into a local file in bounded chunks, checking its checksum."""
     crc = 0
-    with tier.backend.open_write(*dst) as f:
-        span = chunk_bytes(remote)
-        for start in range(0, size, span):
-            chunk = remote.get_range(key, start, min(size, start + span))
+    span = chunk_bytes(remote)
+    ranges = [(start, min(size, start + span)) for start in range(0, size, span)]
+    pieces = ranged_reads.read_ranges(
+        [(key, ranges)], remote.get_range, span, remote.config.max_concurrency
+    )
+    with tier.backend.open_write(*dst) as f, contextlib.closing(pieces):
+        for _, _, _, chunk in pieces:
             crc = integrity.checksum(chunk, crc)
             f.write(chunk)
             if progress is not None:
