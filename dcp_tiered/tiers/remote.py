@@ -56,6 +56,8 @@ class Durability(str, enum.Enum):
     STAGED = "staged"  # being written on the local tier
     COMMITTED_LOCAL = "committed-local"
     DURABLE_REMOTE = "durable-remote"
+    MEMORY = "memory"  # in a node's memory tier only (``dcp-tiered status``)
+    PEER_COPIES = "copies"  # only partners' copies of some ranks' snapshots (peer replication)
 
 
 def read_marker(remote: RemoteBackend, step: str) -> dict[str, Any] | None:

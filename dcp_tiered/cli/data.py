@@ -1,7 +1,7 @@
 """The CLI's commands that read a step's data or its remote copy: ``diff`` and
-``verify --remote`` (``export`` is in :mod:`dcp_tiered.cli_export`). Data is read through
-:class:`dcp_tiered.step_items.StepItems` (the reader's verified path), a batch of tensors at a
-time, never a whole step."""
+``verify --remote`` (``export`` is in :mod:`dcp_tiered.cli.export`). Data is read through
+:class:`StepItems` (the reader's verified path), a batch of tensors at a time, never a whole
+step."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .cli import OK, PROBLEM
-from .cli_steps import Run, human, progress, read_remote_manifest, read_step_manifest
-from .errors import CheckpointNotFoundError, ManifestError
-from .policy import integrity, layout
-from .step_items import StepItems
-from .tiers import catalog, promotion
+from ..errors import ManifestError
+from ..policy import integrity, layout
+from ..tiers import catalog, promotion
+from ._base import OK, PROBLEM, human
+from ._context import Run, progress
+from ._items import StepItems
 
 _COMPARE_ELEMENTS = 2**22  # elements compared at once: bounds the temporaries of a comparison
 
@@ -63,8 +63,8 @@ def compare(x: torch.Tensor, y: torch.Tensor) -> tuple[int, float | None, int]:
 
 def cmd_diff(run: Run) -> int:
     """Which items of two steps differ, and by how much. Exit 0: identical; 1: they differ."""
-    ma, source_a = read_step_manifest(run, run.args.step_a)
-    mb, source_b = read_step_manifest(run, run.args.step_b)
+    ma, source_a = catalog.step_manifest(run.tier, run.remote(), run.args.step_a)
+    mb, source_b = catalog.step_manifest(run.tier, run.remote(), run.args.step_b)
     remote = run.remote()
     config = remote.config if remote is not None else None
     a = StepItems(run.tier.root, ma.step, config)
@@ -166,22 +166,13 @@ def cmd_verify_remote(run: Run) -> int:
     if step is None:
         steps = remote.committed_steps()
     elif step == layout.LATEST:
-        newest = layout.newest(
-            [
-                (s.name, s.committed_at_ns)
-                for s in catalog.list_steps(run.tier, remote, strict=True)
-                if s.remote
-            ]
-        )
-        if newest is None:
-            raise CheckpointNotFoundError(f"no committed step on {remote.config.url}")
-        steps = [newest]
+        steps = [catalog.remote_latest_step(remote)]
     else:
         steps = [layout.validate_step_name(step)]
     results = []
     for name in steps:
         try:
-            m, keys = read_remote_manifest(remote, name)
+            m, keys = catalog.remote_manifest(remote, name)
         except (ManifestError, FileNotFoundError) as e:  # this step only
             why = f"{type(e).__name__}: {e}"
             results.append({"step": name, "tier": "remote", "ok": False, "problems": [why]})
