@@ -336,6 +336,3 @@ def _run(args: argparse.Namespace, fields: dict[str, Any], errors: list[dict[str
     finally:
         log.removeHandler(shown)
         log.setLevel(level)
-
-
-__all__ = ["main"]

@@ -296,11 +296,7 @@ def hidden_steps(tier: LocalTier) -> list[HiddenStep]:
 def in_progress(tier: LocalTier) -> set[str]:
     """Steps with a save directory on the local tier that has not committed (yet): being
     written, or abandoned by a writer that died."""
-    return {
-        p[0]
-        for n in tier.backend.list_names()
-        if (p := layout.parse_hidden_dir(n)) and p[2] == layout.TMP_SUFFIX
-    }
+    return layout.unfinished_steps(tier.backend.list_names())
 
 
 def durability_of(*, local: bool, remote: bool, memory: bool, copies: bool) -> Durability:

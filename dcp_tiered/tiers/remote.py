@@ -281,10 +281,7 @@ def durability(tier: LocalTier, remote: RemoteBackend | None, step: str) -> Dura
         logger.warning("cannot query %s: %s", remote, e)
         if step in local:
             return Durability.COMMITTED_LOCAL
-    if any(
-        (p := layout.parse_hidden_dir(n)) and p[0] == step and p[2] == layout.TMP_SUFFIX
-        for n in tier.backend.list_names()
-    ):
+    if step in layout.unfinished_steps(tier.backend.list_names()):
         return Durability.STAGED
     raise CheckpointNotFoundError(f"step {step!r} is neither in {tier.root} nor remote")
 
