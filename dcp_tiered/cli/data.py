@@ -12,8 +12,8 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..errors import ManifestError
-from ..policy import integrity, layout
-from ..tiers import catalog, promotion
+from ..policy import layout
+from ..tiers import catalog, verify
 from ._base import OK, PROBLEM, human
 from ._context import Run, progress
 from ._items import StepItems
@@ -153,10 +153,8 @@ def cmd_diff(run: Run) -> int:
 
 def cmd_verify_remote(run: Run) -> int:
     """Check the remote copy of steps: every data file there, with the manifest's size and
-    CRC32C. Where the store keeps the checksum recorded with the object at upload (S3 object
-    metadata), a HEAD per object answers and nothing is downloaded; elsewhere (``file://``,
-    objects without it) or with ``--read-back``, each object is read in ranges and
-    checksummed, nothing kept."""
+    CRC32C (:func:`dcp_tiered.tiers.verify.remote_files`: by the checksum the store recorded
+    at upload where it keeps one, else, or with ``--read-back``, of the bytes read back)."""
     args = run.args
     url, step = args.remote or None, args.step
     if url is not None and "://" not in url and step is None:
@@ -178,37 +176,12 @@ def cmd_verify_remote(run: Run) -> int:
             results.append({"step": name, "tier": "remote", "ok": False, "problems": [why]})
             run.say(f"{name} on {remote.config.url}: CORRUPT\n  {why}")
             continue
-        problems: list[str] = []
-        checked = {"recorded": 0, "read": 0}
-        read_bytes = 0
         total = sum(int(f["size"]) for f in m.files.values())
-        if remote.stat(keys.metadata) is None:
-            problems.append(f"{layout.DCP_METADATA_NAME}: missing")
         with progress(total, f"verify {name}", run) as bar:
-            for file, info in sorted(m.files.items()):
-                key, size = keys.file(file), int(info["size"])
-                stat = remote.stat(key)
-                if stat is None:
-                    problems.append(f"{file}: missing ({remote.url(key)})")
-                    continue
-                if stat[0] != size:
-                    problems.append(f"{file}: {stat[0]} bytes, manifest says {size}")
-                    continue
-                crc: str | None
-                if stat[1] is not None and not args.read_back:
-                    crc, how = stat[1], "recorded"
-                else:
-                    crc = promotion.remote_checksum(remote, key, size, read_back=True)
-                    how, read_bytes = "read", read_bytes + size
-                bar.update(size)
-                checked[how] += 1
-                if crc is None:
-                    problems.append(f"{file}: the store's own checksum fails on read")
-                elif crc != info["checksum"]:
-                    what = "recorded at upload" if how == "recorded" else "of the stored bytes"
-                    problems.append(
-                        f"{file}: {integrity.ALGORITHM} {what} {crc} != manifest {info['checksum']}"
-                    )
+            check = verify.remote_files(
+                remote, keys, m, read_back=args.read_back, progress=bar.update
+            )
+        problems, checked, read_bytes = check.problems, check.checked, check.bytes_read
         results.append(
             {
                 "step": name,

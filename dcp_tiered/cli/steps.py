@@ -10,8 +10,8 @@ import logging
 from typing import Any
 
 from ..errors import ManifestError, TierError, TierUnavailableError
-from ..policy import integrity, layout
-from ..tiers import catalog, replica
+from ..policy import layout
+from ..tiers import catalog, replica, verify
 from ..tiers import memory as memory_tier
 from ..tiers import remote as remote_tier
 from ._base import OK, PROBLEM, UNREADABLE, human, iso
@@ -104,25 +104,9 @@ def cmd_verify(run: Run) -> int:
 
 
 def _verify_step(run: Run, step: str) -> list[str]:
-    tier = run.tier
-    m = tier.read_manifest(step)
-    total = sum(int(f["size"]) for f in m.files.values())
-    problems = []
-    with progress(total, step, run) as bar:
-        for name, info in sorted(m.files.items()):
-            if not tier.backend.exists(step, name):
-                problems.append(f"{name}: missing")
-                continue
-            size = tier.backend.file_size(step, name)
-            if size != int(info["size"]):
-                problems.append(f"{name}: {size} bytes, manifest says {info['size']}")
-                continue
-            crc = tier.backend.file_checksum(step, name, progress=bar.update)
-            if crc != info["checksum"]:
-                problems.append(
-                    f"{name}: {integrity.ALGORITHM} {crc} != manifest {info['checksum']}"
-                )
-    return problems
+    m = run.tier.read_manifest(step)
+    with progress(sum(int(f["size"]) for f in m.files.values()), step, run) as bar:
+        return verify.local_files(run.tier, step, m, progress=bar.update)
 
 
 def cmd_status(run: Run) -> int:
