@@ -290,7 +290,7 @@ def test_export_assembles_tensors_sharded_across_ranks(tmp_path, capsys):
 
 _PEAK = """
 import sys
-import dcp_tiered.cli_data, dcp_tiered.cli_export, safetensors.torch  # all imports done
+import dcp_tiered.cli.data, dcp_tiered.cli.export, safetensors.torch  # all imports done
 from dcp_tiered.cli import main
 
 

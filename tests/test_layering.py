@@ -4,6 +4,9 @@ Dependencies point one way: the entry points (manager, CLI) and the shims use th
 core, which uses the DCP writer and reader, which use the tiers and the upload queue, which use
 the backends; policy and format modules do no I/O and
 import neither tiers nor backends; nothing but the CLI and the shims themselves imports a shim.
+The CLI is a package nothing else imports, and inside it the dependencies point one way too:
+``cli/__init__`` (parsing) -> the command modules -> ``cli/_base`` and ``cli/_context`` -> the
+library; no module of it imports ``dcp_tiered.cli`` back, and it has no import cycle.
 """
 
 from __future__ import annotations
@@ -34,10 +37,9 @@ DCP = {
     "reader",
     "reader_checks",
     "staging",
-    "step_items",
 }  # torch's StorageWriter/StorageReader, and staging
 LIFECYCLE = {"lifecycle", "runs"}  # what every entry point shares around a save and a restore
-ENTRY_POINTS = {"manager", "cli", "cli_steps", "cli_ops", "cli_data", "cli_export", "cli_runs"}
+ENTRY_POINTS = {"manager"}  # and the cli/ package
 
 
 def imports_of(path: Path) -> set[str]:
@@ -76,6 +78,8 @@ MODULES = {".".join(p.relative_to(PACKAGE).with_suffix("").parts): p for p in PA
 
 def _layer(module: str) -> str:
     top = module.split(".")[0]
+    if top == "cli":
+        return "entry"
     if top in ("shims", "backends", "tiers", "policy"):
         return {"tiers": "tiers", "policy": "policy"}.get(top, top)
     for name, members in (
@@ -110,7 +114,7 @@ def test_imports_point_down_the_layers(module):
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if _layer(m) != "shims"))
 def test_only_the_cli_and_the_shims_import_a_shim(module):
     shims = sorted(m for m in imports_of(MODULES[module]) if m.split(".")[0] == "shims")
-    assert module == "cli" or shims == [], f"{module} imports {shims}"
+    assert module.split(".")[0] == "cli" or shims == [], f"{module} imports {shims}"
 
 
 def test_the_checker_resolves_imports_and_would_catch_a_violation():
@@ -139,3 +143,77 @@ def test_the_newer_shims_sit_on_the_lifecycle_and_the_public_modules():
     titan = imports_of(PACKAGE / "shims" / "torchtitan.py")
     assert "lifecycle" in titan and "writer" not in titan
     assert imports_of(PACKAGE / "shims" / "torchtitan_ft.py") == {"shims.torchtitan"}
+
+
+def _name(module: str) -> str:
+    """A package's ``__init__`` under the package's own name, as imports name it."""
+    return module.removesuffix(".__init__")
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of ``graph`` (its strongly connected components with more than one
+    module, or a module importing itself), by Tarjan's algorithm."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1 or v in graph.get(v, ()):
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+CLI = {_name(m): p for m, p in MODULES.items() if m.split(".")[0] == "cli"}
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.split(".")[0] != "cli"))
+def test_nothing_outside_the_cli_imports_it(module):
+    cli = sorted(m for m in imports_of(MODULES[module]) if m.split(".")[0] == "cli")
+    assert cli == [], f"{module} imports {cli}: the CLI is an entry point, nothing builds on it"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in CLI if m not in ("cli", "cli.__main__")))
+def test_no_cli_module_imports_the_cli_package_back(module):
+    """``cli/__init__`` imports the command modules (by name, after parsing); they import
+    ``cli/_base`` and ``cli/_context``, never ``dcp_tiered.cli`` itself (the cycle it had)."""
+    assert "cli" not in imports_of(CLI[module]), f"{module} imports dcp_tiered.cli"
+
+
+def test_the_cli_package_has_no_import_cycle():
+    graph = {m: {i for i in imports_of(p) if i in CLI} for m, p in CLI.items()}
+    assert {"cli", "cli._base", "cli.steps", "cli.ops"} <= set(graph)
+    assert "cli._base" in graph["cli"] and "cli._context" in graph["cli.steps"]
+    assert _cycles(graph) == []
+
+
+def test_the_package_has_no_import_cycle():
+    """Every import counts, also one inside a function (the CLI's cycle was of those)."""
+    names = {_name(m) for m in MODULES}
+    graph = {_name(m): {i for i in imports_of(p) if i in names} for m, p in MODULES.items()}
+    assert _cycles(graph) == []
+
+
+def test_the_cycle_checker_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"a"}}) == [["a"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []

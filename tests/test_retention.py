@@ -200,11 +200,17 @@ def test_prune_local_on_real_directories(tmp_path_factory, ops, policy):
                 awaiting.add(f"step-{step}")
         assert (f"step-{step}" in awaiting) == (promote and not upload_ok)
     before = {s.name for s in writer.local_tier.steps()}
+    dry = housekeeping.local_pass(
+        writer.local_tier, policy, writer.remote_backend, label="local", dry_run=True
+    )  # what `dcp-tiered prune --dry-run` says: the same pass, deleting nothing
+    assert {s.name for s in writer.local_tier.steps()} == before
+    assert not set(dry.held) & set(dry.deleted) and set(dry.held) <= awaiting
     deleted = housekeeping.prune_local(
         writer.local_tier, policy, writer.remote_backend, label="local"
     )
     after = {s.name for s in writer.local_tier.steps()}
     assert after == before - set(deleted)
+    assert deleted == dry.deleted and sorted(dry.kept) == sorted(after)
     assert not set(deleted) & awaiting
     assert f"step-{len(ops) - 1}" in after
     assert not [n for n in os.listdir(tmp / "local") if n.endswith(layout.DELETE_SUFFIX)]

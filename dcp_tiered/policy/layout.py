@@ -127,6 +127,12 @@ def parse_hidden_dir(name: str) -> tuple[str, str, str] | None:
     return None
 
 
+def unfinished_steps(names: Iterable[str]) -> set[str]:
+    """The steps among a root's entry ``names`` that have a save directory not committed (yet):
+    being written, or left by a writer that died."""
+    return {p[0] for n in names if (p := parse_hidden_dir(n)) and p[2] == TMP_SUFFIX}
+
+
 def manifest_section_name(node: int) -> str:
     """Node ``node``'s manifest section; node -1 is the section every node holds."""
     return "manifest.shared.json" if node == -1 else f"manifest.node-{node}.json"

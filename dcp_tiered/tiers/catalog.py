@@ -1,4 +1,5 @@
-"""Which steps exist, on which tier, and what 'latest' means across tiers."""
+"""Which steps exist, on which tier, and what 'latest' means across tiers; where a step's
+manifest comes from, how durable each step is, which saves are still being written."""
 
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ from ..errors import (
     TierUnavailableError,
 )
 from ..policy import layout
-from ..policy.identity import Owner
+from ..policy.identity import Owner, RunRecord
+from ..policy.manifest import Manifest
 from . import remote as remote_tier
 from .local import LocalTier
+from .remote import Durability
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +35,12 @@ class StepLocation:
     verified_format: bool  # False: a vanilla DCP directory without our manifest
     run_id: str | None = None  # the run that saved it (its manifest's, else its marker's)
     save_id: str = ""
+
+    def owner(self, record: RunRecord | None) -> Owner:
+        """Whose this step is for the run ``record`` (a root's; None: the root records none)."""
+        if record is not None:
+            return record.owner(self.run_id, self.name, self.save_id)
+        return Owner.UNOWNED if self.run_id is None else Owner.FOREIGN
 
 
 def list_steps(
@@ -216,3 +225,125 @@ def _marker(remote: RemoteBackend, name: str) -> int | None:
         logger.warning("remote step %s is unreadable: %s", name, e)
         raise
     return None if marker is None else int(marker["committed_at_ns"])
+
+
+def remote_latest_step(remote: RemoteBackend) -> str:
+    """The name of the newest committed step on the remote (:func:`remote_latest`: the
+    ``latest`` pointer, else a listing); CheckpointNotFoundError if there is none."""
+    top = remote_latest(remote)
+    if top is None:
+        raise CheckpointNotFoundError(f"no committed step on {remote.config.url}")
+    return top[0]
+
+
+def remote_manifest(remote: RemoteBackend, step: str) -> tuple[Manifest, layout.RemoteKeys]:
+    """The manifest of the save committed as ``step`` on ``remote``, and its keys."""
+    keys = remote_tier.keys_of_step(remote, step)
+    if keys is None:
+        raise CheckpointNotFoundError(
+            f"step {step!r} is not committed on {remote.config.url}; "
+            f"`dcp-tiered status ROOT --remote {remote.config.url}` lists the steps there"
+        )
+    return remote_tier.read_manifest(remote, keys), keys
+
+
+def step_manifest(tier: LocalTier, remote: RemoteBackend | None, step: str) -> tuple[Manifest, str]:
+    """The manifest of ``step`` ('latest' resolved on both tiers), from the local tier if it
+    holds the step (with the other nodes' sections merged in from the remote, for a node's
+    directory that holds its own only), else from the remote; and which tier it came from:
+    ``local``, ``local+remote`` or ``remote``. ManifestError for a vanilla DCP directory."""
+    name = resolve(tier, remote, step).name
+    if tier.has_step(name):
+        if not tier.backend.exists(name, layout.MANIFEST_NAME):
+            raise ManifestError(
+                f"{tier.root}/{name} is a vanilla DCP checkpoint without a "
+                "manifest: it cannot be inspected without reading its data"
+            )
+        m = tier.read_manifest(name)
+        keys = remote_tier.keys_of_step(remote, name) if remote and not m.complete else None
+        if keys is not None and keys.save_id == m.save_id:
+            # A node's directory holds its own section: the others are on the remote.
+            assert remote is not None
+            return remote_tier.merge_sections(remote, keys, m, m.sections), "local+remote"
+        return m, "local"
+    assert remote is not None  # resolve found it on some tier
+    return remote_manifest(remote, name)[0], "remote"
+
+
+@dataclass(frozen=True)
+class HiddenStep:
+    """A step directory that is not a committed step: a save being written (``in-progress``),
+    one whose writer died (``abandoned``, swept by the next writer), or a ``quarantined`` save."""
+
+    step: str
+    path: str  # the directory's name under the root
+    state: str
+
+
+def hidden_steps(tier: LocalTier) -> list[HiddenStep]:
+    """The local tier's saves in progress, abandoned and quarantined, in listing order."""
+    out = []
+    for name in tier.backend.list_names():
+        parsed = layout.parse_hidden_dir(name)
+        if parsed and parsed[2] == layout.TMP_SUFFIX:
+            busy = tier.backend.exists(name, layout.LOCK_NAME) and tier.backend.is_locked(name)
+            out.append(HiddenStep(parsed[0], name, "in-progress" if busy else "abandoned"))
+        elif parsed and parsed[2] == layout.QUARANTINE_SUFFIX:
+            out.append(HiddenStep(parsed[0], name, "quarantined"))
+    return out
+
+
+def in_progress(tier: LocalTier) -> set[str]:
+    """Steps with a save directory on the local tier that has not committed (yet): being
+    written, or abandoned by a writer that died."""
+    return layout.unfinished_steps(tier.backend.list_names())
+
+
+def durability_of(*, local: bool, remote: bool, memory: bool, copies: bool) -> Durability:
+    """How durable a step is from where it was found: the remote tier, a committed local
+    directory, this node's memory tier, partners' copies (peer replication), else only a save
+    in progress."""
+    if remote:
+        return Durability.DURABLE_REMOTE
+    if local:
+        return Durability.COMMITTED_LOCAL
+    if memory:
+        return Durability.MEMORY
+    return Durability.PEER_COPIES if copies else Durability.STAGED
+
+
+def local_holds_whole(tier: LocalTier, step: str, save_id: str) -> bool:
+    """The local tier holds save ``save_id`` of ``step`` whole (not only an adopted manifest)."""
+    if not tier.has_step(step) or not tier.backend.exists(step, layout.MANIFEST_NAME):
+        return False
+    try:
+        m = tier.read_manifest(step)
+    except (ManifestError, OSError):
+        return False
+    return m.save_id == save_id and all(tier.backend.exists(step, n) for n in m.files)
+
+
+def another_copy(
+    tier: LocalTier,
+    remote: RemoteBackend | None,
+    step: str,
+    *,
+    on_remote: bool,
+    run_id: str | None,
+) -> str | None:
+    """Where another whole copy of ``step`` is (the local root or the remote URL), besides
+    the tier it would be deleted from (the remote with ``on_remote``, else the local tier), or
+    None. Deleting a local step requires it to be run ``run_id``'s (ForeignPathError
+    otherwise). TierError if a tier cannot tell: the step may be the only durable copy."""
+    if on_remote:
+        assert remote is not None
+        keys = remote_tier.keys_of_step(remote, step)
+        if keys is None:
+            raise CheckpointNotFoundError(f"step {step!r} is not committed on {remote.config.url}")
+        if keys.save_id and local_holds_whole(tier, step, keys.save_id):
+            return tier.root
+        return None
+    tier.require_ours(step, run_id)  # never another run's, a copy, or a vanilla dir
+    if remote is not None and remote_tier.holds_whole(remote, tier.read_manifest(step)):
+        return remote.config.url
+    return None

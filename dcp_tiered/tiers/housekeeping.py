@@ -11,9 +11,11 @@ A step due on the remote is deleted locally only once the store itself shows its
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from ..backends.remote import RemoteBackend
 from ..errors import ManifestError, TierError
+from ..policy import layout
 from ..policy.identity import Owner
 from ..policy.retention import RetentionPolicy, StepState, evictions
 from . import remote as remote_tier
@@ -22,29 +24,63 @@ from .local import LocalTier
 logger = logging.getLogger(__name__)
 
 
-def local_candidates(tier: LocalTier, policy: RetentionPolicy) -> list[str]:
-    """The steps ``policy`` would delete from ``tier``, among this run's own."""
+def _own_steps(tier: LocalTier) -> list[StepState]:
+    """This run's own committed steps on ``tier`` (none when the root records no run:
+    nothing there is provably ours)."""
     record = tier.record()
-    if record is None:  # no run recorded here: nothing is provably ours
+    if record is None:
         return []
-    states = [
+    return [
         StepState(s.name, s.committed_at_ns) for s in tier.steps() if s.owner(record) == Owner.OURS
     ]
-    return evictions(states, policy)
+
+
+def local_candidates(tier: LocalTier, policy: RetentionPolicy) -> list[str]:
+    """The steps ``policy`` would delete from ``tier``, among this run's own."""
+    return evictions(_own_steps(tier), policy)
+
+
+@dataclass(frozen=True)
+class Pruned:
+    """What one retention pass over a local tier did (or, dry, would do)."""
+
+    deleted: list[str]  # oldest first; with dry_run: what would be deleted
+    held: list[str]  # due by the policy but kept: not durable on the remote yet (or unknown)
+    kept: list[str]  # the run's own steps left, by step number
+
+
+def local_pass(
+    tier: LocalTier,
+    policy: RetentionPolicy,
+    remote: RemoteBackend | None,
+    *,
+    label: str,
+    dry_run: bool = False,
+) -> Pruned:
+    """Apply ``policy`` to a local tier's own steps (with ``dry_run``: decide only, delete
+    nothing). A step whose manifest asks for promotion is kept until the store holds its save
+    whole (or while that cannot be told)."""
+    own = _own_steps(tier)
+    deleted, held = [], []
+    for name in evictions(own, policy):
+        if remote is not None and awaiting_remote(tier, remote, name):
+            held.append(name)
+            continue
+        if not dry_run:
+            tier.delete_step(name, reason=f"retention of the {label} tier")
+        deleted.append(name)
+    kept = sorted(
+        (s.name for s in own if s.name not in deleted),
+        key=lambda n: (layout.step_number(n) or -1, n),
+    )
+    return Pruned(deleted, held, kept)
 
 
 def prune_local(
     tier: LocalTier, policy: RetentionPolicy, remote: RemoteBackend | None, *, label: str
 ) -> list[str]:
-    """Apply ``policy`` to a local tier's own steps. A step whose manifest asks for promotion
-    is kept until the store holds its save whole (or while that cannot be told)."""
-    deleted = []
-    for name in local_candidates(tier, policy):
-        if remote is not None and awaiting_remote(tier, remote, name):
-            continue
-        tier.delete_step(name, reason=f"retention of the {label} tier")
-        deleted.append(name)
-    return deleted
+    """Apply ``policy`` to a local tier's own steps; the names deleted (:func:`local_pass`)."""
+    return local_pass(tier, policy, remote, label=label).deleted
 
 
 def awaiting_remote(tier: LocalTier, remote: RemoteBackend, step: str) -> bool:

@@ -58,6 +58,8 @@ class Durability(str, enum.Enum):
     STAGED = "staged"  # being written on the local tier
     COMMITTED_LOCAL = "committed-local"
     DURABLE_REMOTE = "durable-remote"
+    MEMORY = "memory"  # in a node's memory tier only (``dcp-tiered status``)
+    PEER_COPIES = "copies"  # only partners' copies of some ranks' snapshots (peer replication)
 
 
 def read_marker(remote: RemoteBackend, step: str) -> dict[str, Any] | None:
@@ -281,10 +283,7 @@ def durability(tier: LocalTier, remote: RemoteBackend | None, step: str) -> Dura
         logger.warning("cannot query %s: %s", remote, e)
         if step in local:
             return Durability.COMMITTED_LOCAL
-    if any(
-        (p := layout.parse_hidden_dir(n)) and p[0] == step and p[2] == layout.TMP_SUFFIX
-        for n in tier.backend.list_names()
-    ):
+    if step in layout.unfinished_steps(tier.backend.list_names()):
         return Durability.STAGED
     raise CheckpointNotFoundError(f"step {step!r} is neither in {tier.root} nor remote")
 

@@ -11,20 +11,44 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._version import __version__
+from .._version import __version__
+from ._base import OK, PROBLEM, UNREADABLE, USAGE, envelope, error_entry
 
 # Only the standard library at import time: `--help`, `--version` and usage errors answer
-# without importing torch (seconds). Each command imports what it needs, after parsing.
+# without importing torch (seconds). Each command's module is imported after parsing, by name:
+# command -> (module of this package, function). No command module imports this one.
+COMMANDS = {
+    "ls": ("steps", "cmd_ls"),
+    "verify": ("steps", "cmd_verify"),
+    "status": ("steps", "cmd_status"),
+    "inspect": ("steps", "cmd_inspect"),
+    "diff": ("data", "cmd_diff"),
+    "export": ("export", "cmd_export"),
+    "pull": ("ops", "cmd_pull"),
+    "rm": ("ops", "cmd_rm"),
+    "prune": ("ops", "cmd_prune"),
+    "adopt": ("runs", "cmd_adopt"),
+    "quarantine": ("runs", "cmd_quarantine"),
+    "convert": ("convert", "cmd_convert"),
+}
+_VERIFY_REMOTE = ("data", "cmd_verify_remote")  # verify --remote
 
-OK, PROBLEM, USAGE, UNREADABLE = 0, 1, 2, 3
-SCHEMA = 1  # of the --json output; bumped only on an incompatible change
+
+def _command(command: str, args: argparse.Namespace) -> Callable[..., int]:
+    """The function that runs ``command``, its module imported now."""
+    module, function = COMMANDS[command]
+    if command == "verify" and getattr(args, "remote", None) is not None:
+        module, function = _VERIFY_REMOTE
+    run: Callable[..., int] = getattr(importlib.import_module(f"{__name__}.{module}"), function)
+    return run
 
 
 class _UsageError(Exception):
@@ -34,64 +58,6 @@ class _UsageError(Exception):
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> Any:  # raise instead of exiting: main() returns the code
         raise _UsageError(f"{self.format_usage()}{self.prog}: error: {message}")
-
-
-def envelope(
-    command: str | None, code: int, errors: list[dict[str, str]], fields: dict[str, Any]
-) -> dict[str, Any]:
-    """The one JSON shape every command prints: these keys, then the command's own."""
-    return {
-        "schema": SCHEMA,
-        "tool": "dcp-tiered",
-        "version": __version__,
-        "command": command,
-        "exit_code": code,
-        "ok": code == OK,
-        "errors": errors,
-        **fields,
-    }
-
-
-def error_entry(e: BaseException) -> dict[str, str]:
-    return {"type": type(e).__name__, "message": str(e)}
-
-
-def cmd_convert(
-    args: argparse.Namespace, fields: dict[str, Any], errors: list[dict[str, str]]
-) -> int:
-    from .errors import DcpTieredError
-
-    try:
-        if args.framework == "megatron":
-            from .shims import megatron_convert  # needs megatron-core
-
-            out = megatron_convert.convert(
-                args.src,
-                args.dst,
-                iteration=args.iteration,
-                trust_source=args.trust_source,
-                overwrite=args.overwrite,
-            )
-        else:
-            from .shims import deepspeed_convert  # needs DeepSpeed
-
-            out = deepspeed_convert.convert(
-                args.src,
-                args.dst,
-                tag=args.tag,
-                native=args.native,
-                trust_source=args.trust_source,
-                overwrite=args.overwrite,
-                work_dir=args.work_dir,
-            )
-    except DcpTieredError as e:
-        print(f"dcp-tiered: {e}", file=sys.stderr)
-        errors.append(error_entry(e))
-        return USAGE
-    fields.update(src=args.src, dst=args.dst, framework=args.framework, output=str(out))
-    if not args.json:
-        print(out)
-    return OK
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -310,7 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(
                 json.dumps(envelope(None, USAGE, [{"type": "UsageError", "message": str(e)}], {}))
             )
-        return USAGE
+        return int(USAGE)
     except SystemExit as e:  # --help, --version
         return e.code if isinstance(e.code, int) else OK
     fields: dict[str, Any] = {}
@@ -318,13 +284,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     code = _run(args, fields, errors)
     if args.json:
         print(json.dumps(envelope(args.command, code, errors, fields), indent=1))
-    return code
+    return int(code)
 
 
 def _run(args: argparse.Namespace, fields: dict[str, Any], errors: list[dict[str, str]]) -> int:
     """Run the command; errors are said on stderr and collected for --json."""
-    if args.command == "convert":
-        return cmd_convert(args, fields, errors)
+    if args.command == "convert":  # no tier root: DST is the one written
+        return _command("convert", args)(args, fields, errors)
     if args.command == "pull":  # a fresh node's local tier: the pull makes its root
         with contextlib.suppress(OSError):  # a file there, or no permission: said below
             os.makedirs(args.root, exist_ok=True)
@@ -337,14 +303,15 @@ def _run(args: argparse.Namespace, fields: dict[str, Any], errors: list[dict[str
         print(f"dcp-tiered: {message}", file=sys.stderr)
         errors.append({"type": "ConfigError", "message": message})
         return USAGE
-    from . import cli_data, cli_export, cli_ops, cli_runs, cli_steps
-    from .errors import (
+    handler = _command(args.command, args)
+    from ..errors import (
         DcpTieredError,
         IntegrityError,
         ManifestError,
         MissingShardError,
         TierError,
     )
+    from ._context import Run
 
     # The tiers log every delete and every tier they cannot reach: show those to the operator.
     log = logging.getLogger("dcp_tiered")
@@ -358,23 +325,8 @@ def _run(args: argparse.Namespace, fields: dict[str, Any], errors: list[dict[str
     log.addHandler(shown)
     level = log.level
     log.setLevel(min(level or logging.WARNING, shown.level))
-    handler = {
-        "ls": cli_steps.cmd_ls,
-        "verify": cli_data.cmd_verify_remote
-        if getattr(args, "remote", None) is not None
-        else cli_steps.cmd_verify,
-        "status": cli_steps.cmd_status,
-        "inspect": cli_steps.cmd_inspect,
-        "diff": cli_data.cmd_diff,
-        "export": cli_export.cmd_export,
-        "pull": cli_ops.cmd_pull,
-        "rm": cli_ops.cmd_rm,
-        "prune": cli_ops.cmd_prune,
-        "adopt": cli_runs.cmd_adopt,
-        "quarantine": cli_runs.cmd_quarantine,
-    }
     try:
-        return handler[args.command](cli_steps.Run(args, fields, errors))
+        return handler(Run(args, fields, errors))
     except DcpTieredError as e:
         print(f"dcp-tiered: {e}", file=sys.stderr)
         errors.append(error_entry(e))
@@ -384,7 +336,3 @@ def _run(args: argparse.Namespace, fields: dict[str, Any], errors: list[dict[str
     finally:
         log.removeHandler(shown)
         log.setLevel(level)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

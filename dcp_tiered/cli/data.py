@@ -1,7 +1,7 @@
 """The CLI's commands that read a step's data or its remote copy: ``diff`` and
-``verify --remote`` (``export`` is in :mod:`dcp_tiered.cli_export`). Data is read through
-:class:`dcp_tiered.step_items.StepItems` (the reader's verified path), a batch of tensors at a
-time, never a whole step."""
+``verify --remote`` (``export`` is in :mod:`dcp_tiered.cli.export`). Data is read through
+:class:`StepItems` (the reader's verified path), a batch of tensors at a time, never a whole
+step."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .cli import OK, PROBLEM
-from .cli_steps import Run, human, progress, read_remote_manifest, read_step_manifest
-from .errors import CheckpointNotFoundError, ManifestError
-from .policy import integrity, layout
-from .step_items import StepItems
-from .tiers import catalog, promotion
+from ..errors import ManifestError
+from ..policy import layout
+from ..tiers import catalog, verify
+from ._base import OK, PROBLEM, human
+from ._context import Run, progress
+from ._items import StepItems
 
 _COMPARE_ELEMENTS = 2**22  # elements compared at once: bounds the temporaries of a comparison
 
@@ -63,8 +63,8 @@ def compare(x: torch.Tensor, y: torch.Tensor) -> tuple[int, float | None, int]:
 
 def cmd_diff(run: Run) -> int:
     """Which items of two steps differ, and by how much. Exit 0: identical; 1: they differ."""
-    ma, source_a = read_step_manifest(run, run.args.step_a)
-    mb, source_b = read_step_manifest(run, run.args.step_b)
+    ma, source_a = catalog.step_manifest(run.tier, run.remote(), run.args.step_a)
+    mb, source_b = catalog.step_manifest(run.tier, run.remote(), run.args.step_b)
     remote = run.remote()
     config = remote.config if remote is not None else None
     a = StepItems(run.tier.root, ma.step, config)
@@ -153,10 +153,8 @@ def cmd_diff(run: Run) -> int:
 
 def cmd_verify_remote(run: Run) -> int:
     """Check the remote copy of steps: every data file there, with the manifest's size and
-    CRC32C. Where the store keeps the checksum recorded with the object at upload (S3 object
-    metadata), a HEAD per object answers and nothing is downloaded; elsewhere (``file://``,
-    objects without it) or with ``--read-back``, each object is read in ranges and
-    checksummed, nothing kept."""
+    CRC32C (:func:`dcp_tiered.tiers.verify.remote_files`: by the checksum the store recorded
+    at upload where it keeps one, else, or with ``--read-back``, of the bytes read back)."""
     args = run.args
     url, step = args.remote or None, args.step
     if url is not None and "://" not in url and step is None:
@@ -166,58 +164,24 @@ def cmd_verify_remote(run: Run) -> int:
     if step is None:
         steps = remote.committed_steps()
     elif step == layout.LATEST:
-        newest = layout.newest(
-            [
-                (s.name, s.committed_at_ns)
-                for s in catalog.list_steps(run.tier, remote, strict=True)
-                if s.remote
-            ]
-        )
-        if newest is None:
-            raise CheckpointNotFoundError(f"no committed step on {remote.config.url}")
-        steps = [newest]
+        steps = [catalog.remote_latest_step(remote)]
     else:
         steps = [layout.validate_step_name(step)]
     results = []
     for name in steps:
         try:
-            m, keys = read_remote_manifest(remote, name)
+            m, keys = catalog.remote_manifest(remote, name)
         except (ManifestError, FileNotFoundError) as e:  # this step only
             why = f"{type(e).__name__}: {e}"
             results.append({"step": name, "tier": "remote", "ok": False, "problems": [why]})
             run.say(f"{name} on {remote.config.url}: CORRUPT\n  {why}")
             continue
-        problems: list[str] = []
-        checked = {"recorded": 0, "read": 0}
-        read_bytes = 0
         total = sum(int(f["size"]) for f in m.files.values())
-        if remote.stat(keys.metadata) is None:
-            problems.append(f"{layout.DCP_METADATA_NAME}: missing")
         with progress(total, f"verify {name}", run) as bar:
-            for file, info in sorted(m.files.items()):
-                key, size = keys.file(file), int(info["size"])
-                stat = remote.stat(key)
-                if stat is None:
-                    problems.append(f"{file}: missing ({remote.url(key)})")
-                    continue
-                if stat[0] != size:
-                    problems.append(f"{file}: {stat[0]} bytes, manifest says {size}")
-                    continue
-                crc: str | None
-                if stat[1] is not None and not args.read_back:
-                    crc, how = stat[1], "recorded"
-                else:
-                    crc = promotion.remote_checksum(remote, key, size, read_back=True)
-                    how, read_bytes = "read", read_bytes + size
-                bar.update(size)
-                checked[how] += 1
-                if crc is None:
-                    problems.append(f"{file}: the store's own checksum fails on read")
-                elif crc != info["checksum"]:
-                    what = "recorded at upload" if how == "recorded" else "of the stored bytes"
-                    problems.append(
-                        f"{file}: {integrity.ALGORITHM} {what} {crc} != manifest {info['checksum']}"
-                    )
+            check = verify.remote_files(
+                remote, keys, m, read_back=args.read_back, progress=bar.update
+            )
+        problems, checked, read_bytes = check.problems, check.checked, check.bytes_read
         results.append(
             {
                 "step": name,

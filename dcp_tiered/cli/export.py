@@ -28,10 +28,11 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .cli import OK
-from .cli_steps import Run, human, progress, read_step_manifest
-from .errors import CheckpointExistsError, ConfigError, ForeignPathError, InsufficientSpaceError
-from .step_items import StepItems
+from ..errors import CheckpointExistsError, ConfigError, ForeignPathError, InsufficientSpaceError
+from ..tiers import catalog
+from ._base import OK, human
+from ._context import Run, progress
+from ._items import StepItems
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +137,7 @@ def cmd_export(run: Run) -> int:
         )
     if os.path.lexists(out):
         _require_export(out)
-    m, source = read_step_manifest(run, args.step)
+    m, source = catalog.step_manifest(run.tier, run.remote(), args.step)
     prefix = args.prefix or ""
     tensors: list[tuple[str, str, TensorStorageMetadata]] = []  # (fqn, name written, md)
     skipped: list[dict[str, str]] = []

@@ -8,14 +8,14 @@ quarantined save its name back. Each act is logged and listed in the output."""
 
 from __future__ import annotations
 
-from .backends.remote import RemoteBackend
-from .cli import OK
-from .cli_steps import Run
-from .errors import CheckpointNotFoundError, ConfigError
-from .policy import identity, layout
-from .policy.identity import Owner
-from .tiers import ownership
-from .tiers import remote as remote_tier
+from ..backends.remote import RemoteBackend
+from ..errors import CheckpointNotFoundError, ConfigError
+from ..policy import identity, layout
+from ..policy.identity import Owner
+from ..tiers import ownership
+from ..tiers import remote as remote_tier
+from ._base import OK
+from ._context import Run
 
 
 def cmd_adopt(run: Run) -> int:

@@ -1,107 +1,23 @@
-"""The CLI's read-only commands: ``ls``, ``verify``, ``status``, ``inspect``; and ``Run``, what
-every command gets. Imported by :mod:`dcp_tiered.cli` only after the arguments are parsed (it
-imports torch). Each command fills ``run.fields`` (its part of the ``--json`` object, schema in
-docs/cli.md) and prints a table unless ``--json``."""
+"""The CLI's read-only commands: ``ls``, ``verify``, ``status``, ``inspect``. Imported by
+:mod:`dcp_tiered.cli` only after the arguments are parsed (it imports torch). Each command fills
+``run.fields`` (its part of the ``--json`` object, schema in docs/cli.md) and prints a table
+unless ``--json``; what the tiers hold, and how durable, the catalog answers
+(:mod:`dcp_tiered.tiers.catalog`)."""
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import logging
-import sys
 from typing import Any
 
-from .backends.local import LocalBackend
-from .backends.remote import RemoteBackend, remote_backend
-from .cli import OK, PROBLEM, UNREADABLE, error_entry
-from .config import RemoteConfig, RetryConfig
-from .errors import (
-    CheckpointNotFoundError,
-    ConfigError,
-    ManifestError,
-    TierError,
-    TierUnavailableError,
-)
-from .policy import integrity, layout, manifest, records
-from .policy.identity import Owner
-from .tiers import catalog, replica
-from .tiers import memory as memory_tier
-from .tiers import remote as remote_tier
-from .tiers.local import LocalTier
+from ..errors import ManifestError, TierError, TierUnavailableError
+from ..policy import layout
+from ..tiers import catalog, replica, verify
+from ..tiers import memory as memory_tier
+from ..tiers import remote as remote_tier
+from ._base import OK, PROBLEM, UNREADABLE, human, iso
+from ._context import Run, progress
 
 logger = logging.getLogger(__name__)
-
-
-class Run:
-    """One command's arguments, local tier, output and errors."""
-
-    def __init__(
-        self, args: argparse.Namespace, fields: dict[str, Any], errors: list[dict[str, str]]
-    ) -> None:
-        self.args, self.fields, self.errors = args, fields, errors
-        self.tier = LocalTier(LocalBackend(args.root))
-        fields["root"] = self.tier.root
-
-    def say(self, text: str = "") -> None:
-        if not self.args.json:
-            print(text)
-
-    def error(self, e: BaseException) -> None:
-        print(f"dcp-tiered: {e}", file=sys.stderr)
-        self.errors.append(error_entry(e))
-
-    def recorded(self) -> dict[str, Any]:
-        """The tiers the writer or manager recorded in the root (never credentials)."""
-        backend = self.tier.backend
-        try:
-            data = backend.read_file(layout.TIERS_RECORD, limit=records.MAX_RECORD_BYTES)
-            return records.tiers_record(data, where=backend.path_of(layout.TIERS_RECORD))
-        except FileNotFoundError:
-            return {}
-        except (OSError, ManifestError) as e:  # give --remote / --memory instead
-            logger.warning("ignoring %s: %s", backend.path_of(layout.TIERS_RECORD), e)
-            return {}
-
-    def remote(self, url: str | None = None) -> RemoteBackend | None:
-        """The remote tier: ``url``, else ``--remote``, else the one recorded in the root."""
-        url = url or getattr(self.args, "remote", None) or self.recorded().get("remote")
-        self.fields["remote"] = url
-        # Two attempts, not eight: an operator wants the answer, not a minute of retries.
-        return remote_backend(
-            RemoteConfig(url=url, retry=RetryConfig(max_attempts=2)) if url else None
-        )
-
-    def need_remote(self, url: str | None = None) -> RemoteBackend:
-        remote = self.remote(url)
-        if remote is None:
-            raise ConfigError(f"{self.tier.root} records no remote tier: give --remote URL")
-        return remote
-
-
-def human(n: float) -> str:
-    unit = "B"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024:
-            break
-        n /= 1024
-    return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
-
-
-def iso(ns: int) -> str | None:
-    if ns < 0:
-        return None
-    return datetime.datetime.fromtimestamp(ns / 1e9, datetime.timezone.utc).isoformat(
-        timespec="seconds"
-    )
-
-
-def progress(total: int, desc: str, run: Run) -> Any:
-    """A tqdm bar (stderr) for work over 256 MiB; smaller work finishes before it would help."""
-    from tqdm import tqdm
-
-    return tqdm(
-        total=total, unit="B", unit_scale=True, desc=desc, leave=False, disable=total < 256 * 2**20
-    )
 
 
 def cmd_ls(run: Run) -> int:
@@ -132,20 +48,8 @@ def cmd_ls(run: Run) -> int:
         else:
             row.update(state="vanilla", world_size=None, committed_at=None)
         rows.append(row)
-    for name in tier.backend.list_names():
-        parsed = layout.parse_hidden_dir(name)
-        if parsed and parsed[2] == layout.TMP_SUFFIX:
-            busy = tier.backend.exists(name, layout.LOCK_NAME) and tier.backend.is_locked(name)
-            rows.append(
-                {
-                    "step": parsed[0],
-                    "bytes": None,
-                    "state": "in-progress" if busy else "abandoned",
-                    "path": name,
-                }
-            )
-        elif parsed and parsed[2] == layout.QUARANTINE_SUFFIX:
-            rows.append({"step": parsed[0], "bytes": None, "state": "quarantined", "path": name})
+    for h in catalog.hidden_steps(tier):  # in progress, abandoned, quarantined
+        rows.append({"step": h.step, "bytes": None, "state": h.state, "path": h.path})
     run.fields["steps"] = rows
     run.say(f"run: {record.run_id if record else '- (none recorded yet)'}")
     if not rows:
@@ -200,33 +104,9 @@ def cmd_verify(run: Run) -> int:
 
 
 def _verify_step(run: Run, step: str) -> list[str]:
-    tier = run.tier
-    m = tier.read_manifest(step)
-    total = sum(int(f["size"]) for f in m.files.values())
-    problems = []
-    with progress(total, step, run) as bar:
-        for name, info in sorted(m.files.items()):
-            if not tier.backend.exists(step, name):
-                problems.append(f"{name}: missing")
-                continue
-            size = tier.backend.file_size(step, name)
-            if size != int(info["size"]):
-                problems.append(f"{name}: {size} bytes, manifest says {info['size']}")
-                continue
-            crc = tier.backend.file_checksum(step, name, progress=bar.update)
-            if crc != info["checksum"]:
-                problems.append(
-                    f"{name}: {integrity.ALGORITHM} {crc} != manifest {info['checksum']}"
-                )
-    return problems
-
-
-def _in_progress(tier: LocalTier) -> set[str]:
-    return {
-        p[0]
-        for n in tier.backend.list_names()
-        if (p := layout.parse_hidden_dir(n)) and p[2] == layout.TMP_SUFFIX
-    }
+    m = run.tier.read_manifest(step)
+    with progress(sum(int(f["size"]) for f in m.files.values()), step, run) as bar:
+        return verify.local_files(run.tier, step, m, progress=bar.update)
 
 
 def cmd_status(run: Run) -> int:
@@ -252,17 +132,13 @@ def cmd_status(run: Run) -> int:
     for s in listed:
         row = rows.setdefault(s.name, {})
         row["local"], row["remote"] = s.local, None if unreadable else s.remote
-        row["owner"] = (
-            record.owner(s.run_id, s.name, s.save_id)
-            if record is not None
-            else (Owner.UNOWNED if s.run_id is None else Owner.FOREIGN)
-        ).value
+        row["owner"] = s.owner(record).value
         if s.local and not s.remote and s.verified_format and remote is not None:
             try:
                 row["promote"] = tier.read_manifest(s.name).promote
             except (ManifestError, OSError):
                 row["promote"] = False
-    for name in _in_progress(tier):
+    for name in catalog.in_progress(tier):
         rows.setdefault(name, {})["saving"] = True
     quarantined = [{"step": n, "save_id": sid, "tier": "local"} for n, sid in tier.quarantined()]
     if remote is not None and not unreadable:
@@ -276,17 +152,12 @@ def cmd_status(run: Run) -> int:
             run.error(e)
     run.fields["quarantined"] = quarantined
     for row in rows.values():
-        row["durability"] = (
-            "durable-remote"
-            if row.get("remote")
-            else "committed-local"
-            if row.get("local")
-            else "memory"
-            if row.get("memory")
-            else "copies"
-            if row.get("copies_of_ranks")
-            else "staged"
-        )
+        row["durability"] = catalog.durability_of(
+            local=bool(row.get("local")),
+            remote=bool(row.get("remote")),
+            memory=bool(row.get("memory")),
+            copies=bool(row.get("copies_of_ranks")),
+        ).value
         if row.get("promote"):
             row["durability"] += " (remote unreadable)" if unreadable else " (upload pending)"
     ordered = sorted(rows.items(), key=lambda kv: (layout.step_number(kv[0]) or -1, kv[0]))
@@ -321,46 +192,11 @@ def cmd_status(run: Run) -> int:
     return status
 
 
-def read_step_manifest(run: Run, step: str) -> tuple[manifest.Manifest, str]:
-    """The manifest of ``step`` ('latest' resolved on both tiers), from the local tier if it
-    holds the step, else from the remote; and which tier it came from."""
-    remote = run.remote()
-    name = catalog.resolve(run.tier, remote, step).name
-    if run.tier.has_step(name):
-        if not run.tier.backend.exists(name, layout.MANIFEST_NAME):
-            raise ManifestError(
-                f"{run.tier.root}/{name} is a vanilla DCP checkpoint without a "
-                "manifest: it cannot be inspected without reading its data"
-            )
-        m = run.tier.read_manifest(name)
-        keys = remote_tier.keys_of_step(remote, name) if remote and not m.complete else None
-        if keys is not None and keys.save_id == m.save_id:
-            # A node's directory holds its own section: the others are on the remote.
-            assert remote is not None
-            return remote_tier.merge_sections(remote, keys, m, m.sections), "local+remote"
-        return m, "local"
-    assert remote is not None  # resolve found it on some tier
-    return read_remote_manifest(remote, name)[0], "remote"
-
-
-def read_remote_manifest(
-    remote: RemoteBackend, step: str
-) -> tuple[manifest.Manifest, layout.RemoteKeys]:
-    """The manifest of the save committed as ``step`` on ``remote``, and its keys."""
-    keys = remote_tier.keys_of_step(remote, step)
-    if keys is None:
-        raise CheckpointNotFoundError(
-            f"step {step!r} is not committed on {remote.config.url}; "
-            f"`dcp-tiered status ROOT --remote {remote.config.url}` lists the steps there"
-        )
-    return remote_tier.read_manifest(remote, keys), keys
-
-
 def cmd_inspect(run: Run) -> int:
     """What a step holds, from its manifest alone: no data file is read."""
     from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
-    m, source = read_step_manifest(run, run.args.step)
+    m, source = catalog.step_manifest(run.tier, run.remote(), run.args.step)
     ranks: dict[int, dict[str, int]] = {}
     for info in m.files.values():
         r = ranks.setdefault(int(info["rank"]), {"files": 0, "bytes": 0, "items": 0})

@@ -1,21 +1,20 @@
 """The CLI's commands that change a tier: ``pull``, ``rm``, ``prune``. Each goes through the
 tiers' own functions (hydration's atomic commit, ``LocalTier.delete_step``,
-``delete_remote_step``, ``prune_local``), so it keeps their guarantees; every delete is logged
-by the backend (the CLI shows those logs on stderr) and listed in the output."""
+``delete_remote_step``, the retention pass the manager runs), so it keeps their guarantees;
+every delete is logged by the backend (the CLI shows those logs on stderr) and listed in the
+output."""
 
 from __future__ import annotations
 
 import time
 
-from .backends.remote import RemoteBackend
-from .cli import OK, UNREADABLE, USAGE
-from .cli_steps import Run, human, progress
-from .errors import CheckpointExistsError, CheckpointNotFoundError, ManifestError, TierError
-from .policy import layout
-from .policy.identity import Owner
-from .policy.retention import RetentionPolicy
-from .tiers import catalog, housekeeping
-from .tiers import remote as remote_tier
+from ..errors import CheckpointExistsError, CheckpointNotFoundError, TierError
+from ..policy import layout
+from ..policy.retention import RetentionPolicy
+from ..tiers import catalog, housekeeping
+from ..tiers import remote as remote_tier
+from ._base import OK, UNREADABLE, USAGE, human
+from ._context import Run, progress
 
 
 def cmd_pull(run: Run) -> int:
@@ -25,14 +24,7 @@ def cmd_pull(run: Run) -> int:
     tier, remote = run.tier, run.need_remote()
     step = run.args.step
     if step == layout.LATEST:
-        remote_steps = [
-            (s.name, s.committed_at_ns)
-            for s in catalog.list_steps(tier, remote, strict=True)
-            if s.remote
-        ]
-        step = layout.newest(remote_steps)
-        if step is None:
-            raise CheckpointNotFoundError(f"no committed step on {remote.config.url}")
+        step = catalog.remote_latest_step(remote)
     layout.validate_step_name(step)
     keys = remote_tier.keys_of_step(remote, step)
     if keys is None:
@@ -74,23 +66,6 @@ def cmd_pull(run: Run) -> int:
     return OK
 
 
-def _remote_holds(remote: RemoteBackend, run: Run, step: str) -> bool:
-    """The store itself shows this root's save of ``step`` whole (marker and objects)."""
-    return remote_tier.holds_whole(remote, run.tier.read_manifest(step))
-
-
-def _local_holds(run: Run, step: str, save_id: str) -> bool:
-    """The local tier holds this save of ``step`` whole (not only an adopted manifest)."""
-    tier = run.tier
-    if not tier.has_step(step) or not tier.backend.exists(step, layout.MANIFEST_NAME):
-        return False
-    try:
-        m = tier.read_manifest(step)
-    except (ManifestError, OSError):
-        return False
-    return m.save_id == save_id and all(tier.backend.exists(step, n) for n in m.files)
-
-
 def cmd_rm(run: Run) -> int:
     tier, args = run.tier, run.args
     step = layout.validate_step_name(args.step)
@@ -102,19 +77,7 @@ def cmd_rm(run: Run) -> int:
     record = tier.record()
     run_id = record.run_id if record is not None else None
     try:
-        if on_remote:
-            assert remote is not None
-            keys = remote_tier.keys_of_step(remote, step)
-            if keys is None:
-                raise CheckpointNotFoundError(
-                    f"step {step!r} is not committed on {remote.config.url}"
-                )
-            if keys.save_id and _local_holds(run, step, keys.save_id):
-                other = tier.root
-        else:
-            tier.require_ours(step, run_id)  # never another run's, a copy, or a vanilla dir
-            if remote is not None and _remote_holds(remote, run, step):
-                other = remote.config.url
+        other = catalog.another_copy(tier, remote, step, on_remote=on_remote, run_id=run_id)
     except TierError as e:
         if not args.force:
             run.error(
@@ -166,20 +129,8 @@ def cmd_prune(run: Run) -> int:
                 )
             )
             return UNREADABLE
-    record = tier.record()
-    states = [s.name for s in tier.steps() if record and s.owner(record) == Owner.OURS]
-    candidates = housekeeping.local_candidates(tier, policy)
-    held = [
-        n
-        for n in candidates
-        if remote is not None and housekeeping.awaiting_remote(tier, remote, n)
-    ]
-    if args.dry_run:
-        deleted = [n for n in candidates if n not in held]
-    else:
-        deleted = housekeeping.prune_local(tier, policy, remote, label="local")
-        held = [n for n in candidates if n not in deleted]
-    kept = sorted(set(states) - set(deleted), key=lambda n: (layout.step_number(n) or -1, n))
+    pruned = housekeeping.local_pass(tier, policy, remote, label="local", dry_run=args.dry_run)
+    deleted, kept, held = pruned.deleted, pruned.kept, pruned.held
     run.fields.update(dry_run=args.dry_run, deleted=deleted, kept=kept, kept_not_durable=held)
     verb = "would delete" if args.dry_run else "deleted"
     for name in deleted:

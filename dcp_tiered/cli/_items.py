@@ -25,9 +25,9 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from .config import RemoteConfig
-from .errors import IntegrityError
-from .reader import TieredStorageReader
+from ..config import RemoteConfig
+from ..errors import IntegrityError
+from ..reader import TieredStorageReader
 
 BATCH_BYTES = 16 * 2**20  # small tensors share one read_data call (and its coalesced GETs)
 
