@@ -72,17 +72,6 @@ _CREDENTIAL_ERRORS = {
 _OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "adl"}
 
 
-def _client_error(exc: BaseException | None) -> Any | None:
-    """The botocore ClientError behind an exception (s3fs keeps it as __cause__)."""
-    seen = 0
-    while exc is not None and seen < 5:
-        if hasattr(exc, "response") and isinstance(exc.response, dict):
-            return exc
-        exc = exc.__cause__ or exc.__context__
-        seen += 1
-    return None
-
-
 def _caused_by(exc: BaseException | None, name: str) -> bool:
     for _ in range(5):
         if exc is None:
@@ -95,7 +84,10 @@ def _caused_by(exc: BaseException | None, name: str) -> bool:
 
 def translate(exc: BaseException, op: str, where: str) -> BaseException:
     """Map a backend exception to our taxonomy; FileNotFound/FileExists pass through."""
-    if isinstance(exc, (FileNotFoundError, FileExistsError)) and _client_error(exc) is None:
+    if (
+        isinstance(exc, (FileNotFoundError, FileExistsError))
+        and s3_checksums.client_error(exc) is None
+    ):
         return exc
     if _caused_by(exc, "FlexibleChecksumError"):
         # botocore checked the body against the checksum the store recorded with it at
@@ -104,7 +96,7 @@ def translate(exc: BaseException, op: str, where: str) -> BaseException:
             f"{op} {where}: the stored object fails the checksum recorded at "
             f"its upload ({exc}); it is corrupt in the store"
         )
-    ce = _client_error(exc)
+    ce = s3_checksums.client_error(exc)
     if ce is not None:
         err = ce.response.get("Error", {})
         code = str(err.get("Code", ""))

@@ -25,8 +25,8 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, TypeVar
 
 import fsspec
 from fsspec.asyn import sync
@@ -34,8 +34,25 @@ from fsspec.asyn import sync
 from ..errors import IntegrityError, PermanentTierError, TransientTierError
 from ..policy import integrity, layout
 
-if TYPE_CHECKING:
-    from .remote import RemoteBackend
+T = TypeVar("T")
+
+
+class RemoteBackend(Protocol):
+    """What this module uses of :class:`~dcp_tiered.backends.remote.RemoteBackend`: named here,
+    not imported, since that module builds on this one."""
+
+    config: Any  # a RemoteConfig
+    base: str
+    protocol: str
+
+    @property
+    def fs(self) -> Any: ...
+
+    def path(self, key: str) -> str: ...
+    def url(self, key: str) -> str: ...
+    def remove(self, key: str, *, reason: str) -> None: ...
+    def _call(self, op: str, key: str, fn: Callable[[], T], retry: Any = None) -> T: ...
+
 
 logger = logging.getLogger(__name__)
 
@@ -104,10 +121,19 @@ def probe_soon(backend: RemoteBackend) -> None:
     ).start()
 
 
-def _code(exc: BaseException) -> str:
-    from .remote import _client_error
+def client_error(exc: BaseException | None) -> Any | None:
+    """The botocore ClientError behind an exception (s3fs keeps it as __cause__)."""
+    seen = 0
+    while exc is not None and seen < 5:
+        if hasattr(exc, "response") and isinstance(exc.response, dict):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return None
 
-    ce = _client_error(exc)
+
+def _code(exc: BaseException) -> str:
+    ce = client_error(exc)
     return "" if ce is None else str(ce.response.get("Error", {}).get("Code", ""))
 
 
