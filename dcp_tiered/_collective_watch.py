@@ -20,7 +20,7 @@ import time
 
 import torch.distributed as dist
 
-logger = logging.getLogger("dcp_tiered.writer")
+logger = logging.getLogger(__name__)
 
 THREAD_NAME = "dcp-tiered-collective-watch"
 

@@ -21,8 +21,9 @@ from .errors import TransientTierError
 logger = logging.getLogger("dcp_tiered.retry")
 T = TypeVar("T")
 
-# Set when the interpreter exits (see tiers.uploads): background uploads stop retrying, so a job that
-# ends with uploads pending exits at once instead of logging retries against a closing runtime.
+# Set when the interpreter exits (see tiers.uploads): background uploads stop retrying, so a job
+# that ends with uploads pending exits at once instead of logging retries against a closing
+# runtime.
 EXITING = threading.Event()
 
 

@@ -2,11 +2,11 @@
 
 The manager and the framework adapters decide together (did any rank fail? is every rank's
 write done? which step do we all try?) through this one class. It runs on a gloo group of its
-own (``distributed.agreement_group()``, one per process): never the training group, so an NCCL-only default group works and a vote
-on the training thread never interleaves with training collectives; never the group a
-background save runs its collectives on (``checkpoint_process_group()``), so a vote cannot
-interleave with those either. Without a default process group every method answers for this
-process alone.
+own (``distributed.agreement_group()``, one per process): never the training group, so an
+NCCL-only default group works and a vote on the training thread never interleaves with
+training collectives; never the group a background save runs its collectives on
+(``checkpoint_process_group()``), so a vote cannot interleave with those either. Without a
+default process group every method answers for this process alone.
 """
 
 from __future__ import annotations

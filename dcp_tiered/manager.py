@@ -154,8 +154,6 @@ class CheckpointManager:
         self._distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self._distributed else 0
         self._ranks_on_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        # Saves run their collectives on one group, the manager's votes on another: a vote on
-        # the training thread never interleaves with a background save's collectives.
         options = dict(writer_options or {})
         options.setdefault("overwrite", True)  # a replayed step replaces its abandoned twin
         self._lifecycle = Lifecycle(

@@ -1,10 +1,12 @@
-"""The package's import surface: light to import, every public name and old path still there."""
+"""The package's import surface: light to import, every public name there, no stale path."""
 
 from __future__ import annotations
 
 import importlib
 import subprocess
 import sys
+
+import pytest
 
 import dcp_tiered
 
@@ -38,7 +40,7 @@ def test_importing_the_package_and_cli_help_does_not_import_torch():
         assert p.returncode == 0, (args, p.stdout, p.stderr)
 
 
-def test_every_public_name_and_old_module_path_resolves():
+def test_every_public_name_resolves_and_no_old_module_path_does():
     for name in dcp_tiered.__all__:
         assert getattr(dcp_tiered, name) is not None, name
     ns: dict = {}
@@ -48,17 +50,10 @@ def test_every_public_name_and_old_module_path_resolves():
 
     assert TieredStorageWriter is writer.TieredStorageWriter
     assert CheckpointManager is manager.CheckpointManager
-    for old, new in (
-        ("layout", "policy.layout"),
-        ("tiering", "tiers.remote"),
-        ("local_tier", "tiers.local"),
-        ("manifest", "policy.manifest"),
-    ):
-        moved = importlib.import_module(f"dcp_tiered.{new}")
-        assert importlib.import_module(f"dcp_tiered.{old}") is moved
-        assert getattr(dcp_tiered, old) is moved
-        assert moved.__spec__.name == f"dcp_tiered.{new}"  # importlib.reload still works
-    from dcp_tiered.tiering import hydrate_step
-
-    assert hydrate_step.__module__ == "dcp_tiered.tiers.remote"
+    # The module paths before the moves into policy/ and tiers/ are gone (never released).
+    for old in ("layout", "tiering", "local_tier", "manifest"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(f"dcp_tiered.{old}")
+        with pytest.raises(AttributeError):
+            getattr(dcp_tiered, old)
     assert "TieredStorageReader" in dir(dcp_tiered)

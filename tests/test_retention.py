@@ -2,8 +2,11 @@
 
 A hypothesis state machine drives a model of the three tiers through saves (some in flight
 while retention runs), promotions that succeed or fail, and deletions by someone else, and
-runs the real policy (``retention.evictions``) on every tier. A second test runs the real
-deletes (``housekeeping.prune_local``) on real directories written by the real writer.
+runs the real policy on every tier as production does: ``retention.decide`` on the local tier,
+asking the model what ``housekeeping.awaiting_remote`` asks the store (does the step's
+manifest ask for promotion, and does the remote not hold it?), and ``retention.evictions`` on
+the memory and remote tiers. A second test runs the real pass (``housekeeping.local_pass``,
+with the real ``awaiting_remote``) on real directories written by the real writer.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from dcp_tiered import (
     UploadFailedError,
 )
 from dcp_tiered.policy import layout
-from dcp_tiered.policy.retention import StepState, evictions
+from dcp_tiered.policy.retention import StepState, decide, evictions
 from dcp_tiered.tiers import housekeeping
 
 POLICIES = st.builds(
@@ -43,7 +46,7 @@ class Tiers(RuleBasedStateMachine):
         super().__init__()
         self.policy = RetentionPolicy()
         self.tiers: dict[str, dict[str, int]] = {"memory": {}, "local": {}, "remote": {}}
-        self.awaiting: set[str] = set()  # committed locally, to be promoted, not durable yet
+        self.promote: set[str] = set()  # local steps whose manifest asks for promotion
         self.in_flight: tuple[str, str, bool] | None = None
         self.step = 0
         self.clock = 0
@@ -75,15 +78,22 @@ class Tiers(RuleBasedStateMachine):
         self.in_flight = None
         self.tiers[tier][name] = self.clock
         if promote:
-            self.awaiting.add(name)
+            self.promote.add(name)
+
+    @property
+    def awaiting(self) -> set[str]:
+        """Local steps not durable on the remote: what ``housekeeping.awaiting_remote`` finds
+        (promotion asked for, and the store does not hold the save), including a step whose
+        remote copy someone else (or the remote's retention) deleted."""
+        local, remote = self.tiers["local"], self.tiers["remote"]
+        return {n for n in self.promote if n in local and n not in remote}
 
     @precondition(lambda self: bool(self.awaiting))
     @rule(data=st.data(), ok=st.booleans())
     def promotion(self, data: st.DataObject, ok: bool) -> None:
         name = data.draw(st.sampled_from(sorted(self.awaiting)))
         if ok:
-            self.awaiting.discard(name)
-            self.tiers["remote"][name] = self.tiers["local"].get(name, self.clock)
+            self.tiers["remote"][name] = self.tiers["local"][name]
         # a failed promotion leaves the step awaiting: it is retried at the next start
 
     @rule(data=st.data(), tier=st.sampled_from(["memory", "local", "remote"]))
@@ -92,22 +102,34 @@ class Tiers(RuleBasedStateMachine):
             name = data.draw(st.sampled_from(sorted(self.tiers[tier])))
             del self.tiers[tier][name]
             if tier == "local":
-                self.awaiting.discard(name)  # nothing left to promote
+                self.promote.discard(name)  # nothing left to promote
 
     @rule(tier=st.sampled_from(["memory", "local", "remote"]))
     def retention(self, tier: str) -> None:
         before = dict(self.tiers[tier])
-        states = [
-            StepState(n, t, awaiting_lower_tier=n in self.awaiting and tier == "local")
-            for n, t in before.items()
-        ]
-        doomed = evictions(states, self.policy)
+        awaiting = self.awaiting if tier == "local" else set()
+        states = [StepState(n, t) for n, t in before.items()]
+        if tier == "local":  # housekeeping.local_pass
+            asked: list[str] = []
+
+            def awaiting_remote(name: str) -> bool:
+                asked.append(name)
+                return name in awaiting
+
+            doomed, held = decide(states, self.policy, awaiting_remote)
+            assert set(held) == set(asked) & awaiting, "held a durable step, or deleted one not"
+            # only the steps the policy would delete are asked about (each costs a listing)
+            assert sorted(asked) == sorted(evictions(states, self.policy))
+        else:  # no lower tier to wait for (housekeeping.prune_remote on the remote)
+            doomed = evictions(states, self.policy)
         assert set(doomed) <= set(before), "evicted a step the tier does not hold"
         if self.in_flight is not None:
             assert self.in_flight[1] not in doomed
         for name in doomed:
-            assert not (tier == "local" and name in self.awaiting), f"evicted {name} before durable"
+            assert name not in awaiting, f"evicted {name} before it was durable on the remote"
             del self.tiers[tier][name]
+            if tier == "local":
+                self.promote.discard(name)
         if before:
             newest = layout.newest(before.items())
             assert newest in self.tiers[tier], f"evicted the newest step {newest} of {tier}"
@@ -116,7 +138,7 @@ class Tiers(RuleBasedStateMachine):
             protected = (
                 name in self.policy.pinned
                 or (self.policy.keep_every and num % self.policy.keep_every == 0)
-                or (tier == "local" and name in self.awaiting)
+                or name in awaiting
             )
             if protected:
                 assert name in self.tiers[tier], f"evicted protected {name}"
@@ -126,7 +148,7 @@ class Tiers(RuleBasedStateMachine):
             for n in self.tiers[tier]
             if n not in self.policy.pinned
             and not (self.policy.keep_every and layout.step_number(n) % self.policy.keep_every == 0)
-            and not (tier == "local" and n in self.awaiting)
+            and n not in awaiting
         ]
         assert len(unprotected) <= self.policy.keep_latest
 

@@ -351,7 +351,10 @@ class LocalBackend:
             elif final.exists():
                 if _renameat2(tmp, final, _RENAME_EXCHANGE):
                     os.rename(tmp, self._child(old_name))
-                else:  # no RENAME_EXCHANGE: a short window, repaired by recover_interrupted()
+                else:
+                    # No RENAME_EXCHANGE: a short window without the step, repaired by
+                    # LocalTier.undo_interrupted_overwrites (readers) and
+                    # LocalTier.recover_and_sweep (writers), both through _undo_overwrite.
                     os.rename(final, self._child(old_name))
                     os.rename(tmp, final)
                 replaced = True

@@ -214,8 +214,9 @@ class RemoteBackend:
 
     def put_file(self, local_path: str, key: str, checksum: str) -> str | None:
         """Upload a local file whose CRC32C is ``checksum``. S3: every body goes with its
-        CRC32C (:mod:`dcp_tiered.backends.s3_checksums`), the bytes read must match ``checksum`` (IntegrityError,
-        nothing stored, if not), and the stored object's ETag is returned; None elsewhere."""
+        CRC32C (:mod:`dcp_tiered.backends.s3_checksums`), the bytes read must match
+        ``checksum`` (IntegrityError, nothing stored, if not), and the stored object's ETag is
+        returned; None elsewhere."""
         path = self.path(key)
         if self.protocol in ("s3", "s3a"):
             if self.config.verify_uploads == "auto":

@@ -289,7 +289,8 @@ def hash_prefixes_of(marker: Mapping[str, Any]) -> int:
     """How many hashed data prefixes a marker's save spreads over (16 before it was recorded)."""
     value = marker.get("hash_prefixes", DEFAULT_HASH_PREFIXES)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"hash_prefixes {value!r} is not an integer")  # noqa: TRY004 - callers catch ValueError for a bad marker
+        # ValueError, not TypeError: callers catch ValueError for a bad marker
+        raise ValueError(f"hash_prefixes {value!r} is not an integer")  # noqa: TRY004
     if not 1 <= value <= MAX_HASH_PREFIXES:
         raise ValueError(f"hash_prefixes {value} is outside 1..{MAX_HASH_PREFIXES}")
     return value

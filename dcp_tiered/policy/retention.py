@@ -3,7 +3,8 @@
 Invariants, whatever the policy says:
 
 - a step still waiting to become durable on a lower tier (its promotion pending, running or
-  failed) is never evicted: it may be the only copy;
+  failed) is never evicted: it may be the only copy (:func:`decide` holds it back, asking the
+  caller, which can look at the lower tier);
 - the newest committed step of a tier is never evicted, so a tier that holds anything keeps
   its newest durable step;
 - pinned steps and milestones (step number a multiple of ``keep_every``) are kept;
@@ -14,7 +15,7 @@ Invariants, whatever the policy says:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
@@ -39,9 +40,6 @@ class RetentionPolicy:
             raise ConfigError(f"keep_every must be >= 1, got {self.keep_every}")
         object.__setattr__(self, "pinned", frozenset(self.pinned))
 
-    def pin(self, *steps: str) -> RetentionPolicy:
-        return RetentionPolicy(self.keep_latest, self.keep_every, self.pinned | set(steps))
-
 
 @dataclass(frozen=True)
 class StepState:
@@ -49,7 +47,6 @@ class StepState:
 
     name: str
     committed_at_ns: int
-    awaiting_lower_tier: bool = False  # destined for a lower tier, not durable there yet
 
 
 def order_key(s: StepState) -> tuple[int, int, str]:
@@ -59,7 +56,8 @@ def order_key(s: StepState) -> tuple[int, int, str]:
 
 
 def evictions(steps: Iterable[StepState], policy: RetentionPolicy) -> list[str]:
-    """Names of the steps to delete from this tier, oldest first."""
+    """Names of the steps the policy would delete from this tier, oldest first (before the
+    steps still awaiting a lower tier are held back: :func:`decide`)."""
     ordered: Sequence[StepState] = sorted(steps, key=order_key)
     latest = {s.name for s in ordered[-policy.keep_latest :]}
     doomed = []
@@ -68,10 +66,24 @@ def evictions(steps: Iterable[StepState], policy: RetentionPolicy) -> list[str]:
         milestone = (
             policy.keep_every is not None and num is not None and num % policy.keep_every == 0
         )
-        if s.name in latest or s.name in policy.pinned or milestone or s.awaiting_lower_tier:
+        if s.name in latest or s.name in policy.pinned or milestone:
             continue
         doomed.append(s.name)
     return doomed
+
+
+def decide(
+    steps: Iterable[StepState], policy: RetentionPolicy, awaiting: Callable[[str], bool]
+) -> tuple[list[str], list[str]]:
+    """``(deleted, held)``, oldest first: the :func:`evictions` of ``steps``, split by
+    ``awaiting(name)``. A step it says is not durable on the lower tier yet (or that it cannot
+    be told) is held, never deleted. ``awaiting`` is asked only about the steps the policy
+    would delete (for a remote tier each answer costs a listing)."""
+    deleted: list[str] = []
+    held: list[str] = []
+    for name in evictions(steps, policy):
+        (held if awaiting(name) else deleted).append(name)
+    return deleted, held
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,10 @@ gives, so stock ``dist_checkpointing.load`` reads it into a model at any tensor-
   ``linear_fc2``) on dim 1; everything else is replicated and must agree across ranks.
 - Per-layer keys ``decoder.layers.<i>.<name>`` become one tensor ``decoder.layers.<name>``
   with a leading layer axis, as ``torch_dist`` stacks them, and the layer norms of mcore's
-  local spec take the Transformer Engine names its ``sharded_state_dict`` maps them to. Stacked, a checkpoint's keys do
-  not depend on the layer count per pipeline stage, and it loads through the same mcore code
-  path as checkpoints Megatron itself saves; per-layer keys would load into nothing.
+  local spec take the Transformer Engine names its ``sharded_state_dict`` maps them to.
+  Stacked, a checkpoint's keys do not depend on the layer count per pipeline stage, and it
+  loads through the same mcore code path as checkpoints Megatron itself saves; per-layer keys
+  would load into nothing.
 - ``iteration``, ``checkpoint_version`` and ``opt_param_scheduler`` are carried over, and
   ``DST/latest_checkpointed_iteration.txt`` names the result (written atomically, last).
   Optimizer state is not: the legacy files key it by parameter position, and the distributed

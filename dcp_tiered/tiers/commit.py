@@ -13,10 +13,11 @@ handshake through the c10d store, which never interleaves with DCP's collectives
                                           ◀─  done/n = ok | error
     return (so dcp.save returns on every rank only after every node has published)
 
-Each node receives the manifest's index, the shared section and its own section only (the coordinator's node keeps
-every section and DCP's ``.metadata``), so the bytes through the store grow with the state, not
-with nodes x ranks. The coordinator's store traffic is batched: one ``multi_set`` of the
-sections, and per phase one ``wait`` and one ``multi_get`` over every node's key.
+Each node receives the manifest's index, the shared section and its own section only (the
+coordinator's node keeps every section and DCP's ``.metadata``), so the bytes through the store
+grow with the state, not with nodes x ranks. The coordinator's store traffic is batched: one
+``multi_set`` of the sections, and per phase one ``wait`` and one ``multi_get`` over every
+node's key.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from ..backends.remote import RemoteBackend
 from ..errors import ManifestError, TierError
 from ..policy import layout
 from ..policy.identity import Owner
-from ..policy.retention import RetentionPolicy, StepState, evictions
+from ..policy.retention import RetentionPolicy, StepState, decide, evictions
 from . import remote as remote_tier
 from .local import LocalTier
 
@@ -33,11 +33,6 @@ def _own_steps(tier: LocalTier) -> list[StepState]:
     return [
         StepState(s.name, s.committed_at_ns) for s in tier.steps() if s.owner(record) == Owner.OURS
     ]
-
-
-def local_candidates(tier: LocalTier, policy: RetentionPolicy) -> list[str]:
-    """The steps ``policy`` would delete from ``tier``, among this run's own."""
-    return evictions(_own_steps(tier), policy)
 
 
 @dataclass(frozen=True)
@@ -61,14 +56,12 @@ def local_pass(
     nothing). A step whose manifest asks for promotion is kept until the store holds its save
     whole (or while that cannot be told)."""
     own = _own_steps(tier)
-    deleted, held = [], []
-    for name in evictions(own, policy):
-        if remote is not None and awaiting_remote(tier, remote, name):
-            held.append(name)
-            continue
-        if not dry_run:
+    deleted, held = decide(
+        own, policy, lambda name: remote is not None and awaiting_remote(tier, remote, name)
+    )
+    if not dry_run:
+        for name in deleted:
             tier.delete_step(name, reason=f"retention of the {label} tier")
-        deleted.append(name)
     kept = sorted(
         (s.name for s in own if s.name not in deleted),
         key=lambda n: (layout.step_number(n) or -1, n),

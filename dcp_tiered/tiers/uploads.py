@@ -1,10 +1,10 @@
 """The upload queue: which committed steps this process promotes to the remote tier, when.
 
 One :class:`Uploader` per (local root, remote) per process runs promotions
-(:class:`~dcp_tiered.tiers.promotion.Promotion`, the remote commit protocol) in commit order, on daemon threads.
-Writers hold it while they live (:func:`acquire_uploader`); the last release stops its threads.
-At interpreter exit, what is still pending is abandoned with one warning: the steps stay
-committed locally and the next writer on the root resumes them.
+(:class:`~dcp_tiered.tiers.promotion.Promotion`, the remote commit protocol) in commit order,
+on daemon threads. Writers hold it while they live (:func:`acquire_uploader`); the last
+release stops its threads. At interpreter exit, what is still pending is abandoned with one
+warning: the steps stay committed locally and the next writer on the root resumes them.
 """
 
 from __future__ import annotations
