@@ -140,6 +140,14 @@ def append_line(path: str | os.PathLike[str], line: str) -> None:
         raise typed_write_error(e, Path(path), "append to", Path(path).parent) from e
 
 
+def replace_file(path: str | os.PathLike[str], data: bytes) -> None:
+    """Atomic, durable replacement of the small file ``path`` (an existing directory's):
+    :meth:`LocalBackend.replace_root_file` of its directory. For the frameworks' own files
+    beside a step (trackers, stubs, configs)."""
+    path = os.fspath(path)
+    LocalBackend(os.path.dirname(path)).replace_root_file(os.path.basename(path), data)
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -260,13 +268,9 @@ class LocalBackend:
             f.write(data)
 
     def write_atomically(self, directory: str, name: str, data: bytes) -> None:
-        """Write ``directory/name`` via a hidden temporary file and a rename (readers never
-        see a partial file)."""
-        tmp = f".{name}.{os.getpid()}{TMP_SUFFIX}"
-        self.write_file(directory, tmp, data)
-        with self._writing("rename into", self._child(directory, name)):
-            os.replace(self._child(directory, tmp), self._child(directory, name))
-            fsync_dir(self._child(directory))
+        """Replace small file ``directory/name`` as :meth:`replace_root_file` does under the
+        root: readers see the old content or the new, even after a power loss."""
+        self._put_small_file(directory, name, data, exclusive=False)
 
     def map_file(self, name: str, nbytes: int) -> torch.Tensor:
         """A uint8 tensor backed by root-level file ``name`` of exactly ``nbytes`` bytes, shared
@@ -296,31 +300,40 @@ class LocalBackend:
     def replace_root_file(self, name: str, data: bytes) -> None:
         """Write a small file directly under the root via a temporary file and a rename, both
         fsynced: readers see the old content or the new, even after a power loss."""
-        self._put_root_file(name, data, exclusive=False)
+        self._put_small_file(None, name, data, exclusive=False)
 
     def create_root_file(self, name: str, data: bytes) -> bool:
         """Create small file ``name`` directly under the root only if it does not exist, whole
         or not at all (as :meth:`replace_root_file`, but linked into place); False if it
         exists."""
-        return self._put_root_file(name, data, exclusive=True)
+        return self._put_small_file(None, name, data, exclusive=True)
 
-    def _put_root_file(self, name: str, data: bytes, *, exclusive: bool) -> bool:
-        self.ensure_root()
-        tmp = self._child(f".{name}.{os.getpid()}-{threading.get_ident()}{TMP_SUFFIX}")
+    def _put_small_file(
+        self, directory: str | None, name: str, data: bytes, *, exclusive: bool
+    ) -> bool:
+        """The one atomic small-file write: ``name`` (under ``directory``, else the root)
+        written aside (a hidden temporary file of this process and thread), fsynced, then
+        renamed over it (``exclusive``: linked into place, False if it exists), and its
+        directory fsynced."""
+        where = () if directory is None else (directory,)
+        if directory is None:
+            self.ensure_root()
+        final = self._child(*where, name)
+        tmp = self._child(*where, f".{name}.{os.getpid()}-{threading.get_ident()}{TMP_SUFFIX}")
         try:
-            with self._writing("write", self._child(name)):
+            with self._writing("write", final):
                 with open(tmp, "wb") as f:
                     f.write(data)
                     f.flush()
                     os.fsync(f.fileno())
                 if not exclusive:
-                    os.replace(tmp, self._child(name))
+                    os.replace(tmp, final)
                 else:
                     try:
-                        os.link(tmp, self._child(name), follow_symlinks=False)
+                        os.link(tmp, final, follow_symlinks=False)
                     except FileExistsError:
                         return False
-                fsync_dir(self.root)
+                fsync_dir(final.parent)
             return True
         finally:
             with contextlib.suppress(OSError):

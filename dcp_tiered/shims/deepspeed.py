@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from .. import _torch_compat
-from ..backends.local import LocalBackend
+from ..backends.local import LocalBackend, replace_file
 from ..backends.remote import remote_backend
 from ..config import RemoteConfig
 from ..errors import CheckpointNotFoundError, ConfigError, ManifestError
@@ -414,9 +414,9 @@ def publish(save_dir: str, tag: str, *, latest: bool) -> None:
     """
     step_dir = os.path.join(save_dir, tag)
     for name in file_names(save_dir, tag):
-        _write_atomically(os.path.join(step_dir, name), _stub(step_dir, name))
+        replace_file(os.path.join(step_dir, name), _stub(step_dir, name))
     if latest:
-        _write_atomically(os.path.join(save_dir, LATEST_NAME), tag.encode())
+        replace_file(os.path.join(save_dir, LATEST_NAME), tag.encode())
         logger.info("published %s as the latest DeepSpeed checkpoint in %s", tag, save_dir)
 
 
@@ -443,10 +443,6 @@ def _stub(step_dir: str, name: str) -> bytes:
     buf = io.BytesIO()
     torch.save(_StubError(message), buf)  # a real torch file: zero_to_fp32 opens it with mmap
     return buf.getvalue()
-
-
-def _write_atomically(path: str, data: bytes) -> None:
-    LocalBackend(os.path.dirname(path)).replace_root_file(os.path.basename(path), data)
 
 
 # ------------------------------------------------------------------ installing

@@ -40,7 +40,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from .. import _torch_compat
-from ..backends.local import LocalBackend
+from ..backends.local import LocalBackend, replace_file
 from ..distributed import checkpoint_process_group
 from ..errors import ConfigError, ForeignPathError
 from ..lifecycle import Writers
@@ -410,11 +410,6 @@ def remove_sidecars(root: str, step: str) -> None:
     tier = LocalTier(LocalBackend(root))
     if tier.is_pending(step):
         tier.discard_pending(step, reason=f"{step} is not committed in {root}")
-
-
-def replace_file(path: str, data: bytes) -> None:
-    """Atomic, durable replacement of a small file (through the local backend)."""
-    LocalBackend(os.path.dirname(path)).replace_root_file(os.path.basename(path), data)
 
 
 def _rank() -> int:
