@@ -21,6 +21,7 @@ from concurrent.futures import TimeoutError as FutureTimeoutError
 from .. import _retry
 from .._daemon_pool import DaemonPool
 from .._priority import lower_this_thread
+from .._stdlib_compat import at_interpreter_shutdown
 from ..backends.remote import RemoteBackend
 from ..errors import ForeignRunError, ManifestError, UploadFailedError
 from ..policy import layout
@@ -291,7 +292,7 @@ def _abandon_at_exit() -> None:
 
 # Runs before concurrent.futures and asyncio shut their executors down at exit (threading's
 # exit hooks run in reverse order of registration), so no upload retries against them.
-threading._register_atexit(_abandon_at_exit)  # type: ignore[attr-defined]
+at_interpreter_shutdown(_abandon_at_exit)
 
 
 def wait_durable(
