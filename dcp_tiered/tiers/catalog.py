@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..backends.remote import RemoteBackend
@@ -141,15 +140,12 @@ def resolve(
     tier: LocalTier,
     remote: RemoteBackend | None,
     checkpoint_id: str | os.PathLike[str] | None,
-    share: Callable[[Callable[[], tuple[str, int] | None]], tuple[str, int] | None] | None = None,
 ) -> StepLocation:
     """Map 'latest' (or None) or a step name to a committed step on some tier, or raise.
 
     On the remote, 'latest' costs two GETs (:func:`remote_latest`), a step name one (its
     marker); the root is listed only for a root without a valid ``latest`` pointer, or to
-    name the committed steps when the one asked for is missing. ``share(fn)``, if given, runs
-    ``fn`` (the remote's answer for 'latest') on one rank and returns its result on every
-    rank, so a job resolves 'latest' with O(1) requests, not O(ranks)."""
+    name the committed steps when the one asked for is missing."""
     where = tier.root + (f" or {remote.config.url}" if remote is not None else "")
     latest = checkpoint_id is None or checkpoint_id == layout.LATEST
     if not latest and not isinstance(checkpoint_id, str):
@@ -163,7 +159,7 @@ def resolve(
     if remote is not None:
         try:
             if latest:
-                top = share(lambda: remote_latest(remote)) if share else remote_latest(remote)
+                top = remote_latest(remote)
                 if top is not None:
                     _add_remote(found, *top)
             else:
