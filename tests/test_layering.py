@@ -82,6 +82,8 @@ def _layer(module: str) -> str:
         return "entry"
     if top in ("shims", "backends", "tiers", "policy"):
         return {"tiers": "tiers", "policy": "policy"}.get(top, top)
+    if top in ("writer", "reader"):  # packages: DCP's call sequence and its private modules
+        return "dcp"
     for name, members in (
         ("policy", POLICY),
         ("dcp", DCP),
@@ -133,6 +135,8 @@ def test_the_checker_resolves_imports_and_would_catch_a_violation():
     assert "backends" in FORBIDDEN[_layer("policy.layout")]
     assert _layer("backends.local") == "backends" and _layer("shims.deepspeed") == "shims"
     assert "lifecycle" in FORBIDDEN[_layer("writer")] and "entry" in FORBIDDEN["lifecycle"]
+    assert _layer("writer._plan") == "dcp" and _layer("reader._local") == "dcp"
+    assert {"writer._plan", "writer._commit"} <= imports_of(PACKAGE / "writer" / "__init__.py")
 
 
 def test_the_newer_shims_sit_on_the_lifecycle_and_the_public_modules():
@@ -143,6 +147,34 @@ def test_the_newer_shims_sit_on_the_lifecycle_and_the_public_modules():
     titan = imports_of(PACKAGE / "shims" / "torchtitan.py")
     assert "lifecycle" in titan and "writer" not in titan
     assert imports_of(PACKAGE / "shims" / "torchtitan_ft.py") == {"shims.torchtitan"}
+
+
+# The private modules of the writer and reader packages (writer/_plan.py ...): the package's own.
+PRIVATE = {
+    m
+    for m in MODULES
+    if m.split(".")[0] in ("writer", "reader") and m.split(".")[-1][:1] == "_"
+    if not m.endswith(".__init__")
+}
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_only_its_own_package_imports_a_private_module(module):
+    """``writer._plan`` is the writer's: the rest of dcp_tiered imports ``writer``."""
+    package = module.split(".")[0]
+    foreign = sorted(
+        m for m in imports_of(MODULES[module]) if m in PRIVATE and m.split(".")[0] != package
+    )
+    assert foreign == [], f"{module} imports {foreign}, private to their package"
+
+
+def test_the_writers_plan_does_no_io():
+    """``writer._plan`` decides (rank info, layouts, the checks before writing) and does no
+    I/O: it imports neither the tiers nor the backends."""
+    below = sorted(
+        m for m in imports_of(PACKAGE / "writer" / "_plan.py") if _layer(m) in ("tiers", "backends")
+    )
+    assert below == []
 
 
 def _name(module: str) -> str:

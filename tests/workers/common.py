@@ -82,13 +82,13 @@ def die_while_writing(step: str) -> None:
     """SIGKILL this process when its write of step ``step``'s data starts."""
     import signal
 
-    import dcp_tiered.writer as writer_module
+    from dcp_tiered.writer import _datafile  # writes each data file, looked up per call
 
-    original = writer_module.TieredStorageWriter._write_file
+    original = _datafile.write_file
 
-    def write_or_die(self, *args, **kwargs):
-        if self.checkpoint_id == step:
+    def write_or_die(tier, remote, save, *args, **kwargs):
+        if save.step == step:
             os.kill(os.getpid(), signal.SIGKILL)
-        return original(self, *args, **kwargs)
+        return original(tier, remote, save, *args, **kwargs)
 
-    writer_module.TieredStorageWriter._write_file = write_or_die
+    _datafile.write_file = write_or_die

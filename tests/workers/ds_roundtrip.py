@@ -92,15 +92,15 @@ def save_native(save_dir: Path, stage: int, bf16: bool, rank: int, live: Path) -
 
 def kill_while_writing() -> None:
     """SIGKILL this rank as soon as its background write of a data file starts."""
-    import dcp_tiered.writer as writer_module
+    from dcp_tiered.writer import _datafile  # writes each data file, looked up per call
 
-    original = writer_module.TieredStorageWriter._write_file
+    original = _datafile.write_file
 
-    def write_then_die(self, *args, **kwargs):
+    def write_then_die(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
-        return original(self, *args, **kwargs)
+        return original(*args, **kwargs)
 
-    writer_module.TieredStorageWriter._write_file = write_then_die
+    _datafile.write_file = write_then_die
 
 
 def existing_tag(save_dir: Path, a: argparse.Namespace, rank: int) -> None:

@@ -1,0 +1,246 @@
+"""Local reads: each file of the step on this node's disk read in blocks of neighbouring items,
+or a large tensor straight into its target, with the next read running ahead on a helper
+thread; every item checked against its checksum, and fetched from the remote tier instead when
+its local bytes fail."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import math
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
+
+from .. import reader_checks
+from ..errors import IntegrityError, MissingShardError
+from ..policy.manifest import ItemLocation
+from ._deliver import Delivery
+from ._remote import RemoteReads
+from ._state import by_storage_index
+
+logger = logging.getLogger("dcp_tiered.reader")  # the reader's one logger, whichever module
+
+# Local reads: neighbouring items share one read of up to a block; a tensor of at least
+# _IN_PLACE_MIN_BYTES is read alone, straight into its target where it can be.
+_LOCAL_BLOCK_BYTES = 8 * 2**20
+_LOCAL_GAP_BYTES = 64 * 2**10  # read across a gap this small rather than issue another read
+_IN_PLACE_MIN_BYTES = 64 * 2**10  # above this, three reads cost less than a copy
+
+
+class LocalReads(Delivery, RemoteReads):
+    def _valid_locally(self, name: str) -> bool:
+        """Whether to read ``name`` from the local tier (present, with the manifest's size);
+        False means the remote, and raises when there is none to fall back on."""
+        can_fetch = self._remote is not None and self._manifest is not None
+        here = bool(self._step and self._step.local) and self._tier.backend.is_regular_file(
+            *self._dir, name
+        )  # no links, FIFOs
+        if here:
+            size = self._tier.backend.file_size(*self._dir, name)
+            expected = int(self._manifest.files[name]["size"]) if self._manifest else size
+            if size == expected:
+                return True
+            problem = f"local copy has {size} bytes, manifest says {expected}"
+            if not can_fetch:
+                raise IntegrityError.proof(
+                    f"corrupt data in step {self.checkpoint_id!r}: file {name!r} in {self.root}: "
+                    f"{problem}. Restore it from another tier or load an earlier step."
+                )
+            logger.warning(
+                "%s of step %s: %s; reading it from %s",
+                name,
+                self.checkpoint_id,
+                problem,
+                self._remote.config.url if self._remote else "",
+            )
+        elif not can_fetch:
+            raise MissingShardError(
+                f"data file {name!r} of step {self.checkpoint_id!r} is missing (or not a "
+                f"plain file: links, FIFOs and devices are never read) from "
+                f"{os.path.join(self.root, *self._dir)} and no remote tier holds the step; "
+                "restore it from another tier or load an earlier step"
+            )
+        return False
+
+    def _load_local(self, files: list[tuple[str, list[ReadItem]]], planner: LoadPlanner) -> None:
+        """Loads items from the local tier, verifying each against its checksum.
+
+        Neighbouring items are read together, one read per block of up to
+        ``_LOCAL_BLOCK_BYTES``, and each is checked and delivered from the block: a state of
+        many small tensors costs a few reads, not one (or a thread hand-off) per item. A helper
+        thread reads the next block (across file boundaries) while this one is checksummed and
+        delivered; both release the GIL. A large tensor whose raw bytes the manifest locates,
+        and whose target is a plain CPU tensor of the stored shape, is read on its own straight
+        into the target (no staging buffer, no copy). Blocks use one of two reused buffers.
+        """
+        reads = self._plan_reads(files)
+        if not reads:
+            return
+        opened: dict[str, Any] = {}
+        # The pool is left first, so a read still in flight finishes before any file closes.
+        with (
+            contextlib.ExitStack() as open_files,
+            ThreadPoolExecutor(1, thread_name_prefix="dcp-tiered-read") as pool,
+        ):
+
+            def read(n: int) -> list[memoryview]:  # runs on the helper thread only
+                r = reads[n]
+                if r.name not in opened:
+                    opened[r.name] = open_files.enter_context(
+                        self._tier.backend.open_read(*self._dir, r.name)
+                    )
+                if r.direct:
+                    parts = self._direct_parts(self._locations[r.groups[0][0]], r.target)
+                else:
+                    parts = [self._read_buffer(n % 2, r.end - r.start)]
+                offset, filled = r.start, []
+                for part in parts:
+                    got = self._tier.backend.read_range_into(opened[r.name], offset, part)
+                    filled.append(got)
+                    offset += len(got)
+                    if len(got) < len(part):
+                        break
+                return filled
+
+            self._resolve_direct(reads[0], planner)
+            pending = pool.submit(read, 0)
+            for n, r in enumerate(reads):
+                parts = pending.result()
+                if n + 1 < len(reads):
+                    self._resolve_direct(reads[n + 1], planner)
+                    pending = pool.submit(read, n + 1)
+                if r.direct:
+                    index, group = r.groups[0]
+                    parts = self._verified(r.name, index, parts)
+                    if len(parts) == 3:  # still the target's own memory: nothing to copy
+                        assert r.target is not None  # direct: _resolve_direct set it
+                        reader_checks.check_storage_tail(
+                            parts[2], r.target.nbytes, self._what(index)
+                        )
+                        planner.commit_tensor(group[0], r.target)
+                        continue
+                    self._deliver(group[0], parts[0], planner, r.target)
+                    continue
+                block = parts[0] if parts else memoryview(b"")
+                for index, group in r.groups:
+                    lo = self._locations[index].offset - r.start
+                    (data,) = self._verified(
+                        r.name, index, [block[lo : lo + self._locations[index].length]]
+                    )
+                    for item in group:
+                        self._deliver(item, data, planner, r.target)
+
+    def _verified(
+        self, name: str, index: MetadataIndex, parts: list[memoryview]
+    ) -> list[memoryview]:
+        """The item's local bytes (``parts``) if they match the manifest; else, with a remote
+        tier, its remote bytes (as one part) if those do; else IntegrityError."""
+        loc = self._locations[index]
+        problem = self._problem(loc, parts)
+        if problem and self._remote is not None and self._manifest is not None:
+            logger.warning(
+                "local copy of %s in step %s is corrupt (%s, item %s); reading it from %s",
+                name,
+                self.checkpoint_id,
+                problem,
+                index.fqn,
+                self._remote.config.url,
+            )
+            parts = [memoryview(self._fetch(name, loc.offset, loc.offset + loc.length))]
+            problem = self._problem(loc, parts)
+        if problem:
+            raise self._integrity_error(name, index.fqn, loc, problem)
+        return parts
+
+    def _plan_reads(self, files: list[tuple[str, list[ReadItem]]]) -> list[Read]:
+        """The local reads for ``files`` (items sorted by offset): each large tensor that may
+        be read in place on its own, every other run of neighbouring items in blocks."""
+        reads: list[Read] = []
+        for name, items in files:
+            block: Read | None = None
+            for index, group in by_storage_index(items):
+                loc = self._locations[index]
+                start, end = loc.offset, loc.offset + loc.length
+                if self._may_read_in_place(index, group):
+                    reads.append(Read(name, start, end, [(index, group)], in_place=True))
+                    block = None
+                elif (
+                    block is not None
+                    and block.end <= start <= block.end + _LOCAL_GAP_BYTES
+                    and end - block.start <= _LOCAL_BLOCK_BYTES
+                ):
+                    block.end = end
+                    block.groups.append((index, group))
+                else:
+                    block = Read(name, start, end, [(index, group)])
+                    reads.append(block)
+        return reads
+
+    def _may_read_in_place(self, index: MetadataIndex, group: list[ReadItem]) -> bool:
+        """Whether the saved item is a large tensor wanted whole (its target not yet known)."""
+        loc = self._locations[index]
+        if loc.raw_offset is None or index not in self._chunks or len(group) != 1:
+            return False
+        item = group[0]
+        sizes, dtype = self._chunks[index]
+        return (
+            item.type == LoadItemType.TENSOR
+            and not any(item.storage_offsets)
+            and tuple(item.lengths) == tuple(sizes)  # not part of the chunk (resharding)
+            and math.prod(sizes) * dtype.itemsize >= _IN_PLACE_MIN_BYTES
+        )
+
+    def _resolve_direct(self, r: Read, planner: LoadPlanner) -> None:
+        """Sets ``r.target`` for a large tensor, and ``r.direct`` when it can be read straight
+        into that target."""
+        if not r.in_place:
+            return
+        index, (item,) = r.groups[0]
+        loc = self._locations[index]
+        sizes, dtype = self._chunks[index]
+        target = planner.resolve_tensor(item).detach()
+        r.target = target
+        r.direct = (
+            type(target) is torch.Tensor
+            and target.device.type == "cpu"
+            and target.dtype == dtype
+            and target.size() == sizes
+            and target.is_contiguous()
+            and target.layout == torch.strided
+            and loc.raw_offset is not None
+            and loc.raw_offset + target.nbytes <= loc.length
+        )
+
+    @staticmethod
+    def _direct_parts(loc: ItemLocation, target: torch.Tensor | None) -> list[memoryview]:
+        """The item's bytes as [framing before, the target's own memory, framing after]."""
+        assert loc.raw_offset is not None and target is not None
+        body = memoryview((ctypes.c_char * target.nbytes).from_address(target.data_ptr())).cast("B")
+        tail = loc.length - loc.raw_offset - target.nbytes
+        return [memoryview(bytearray(loc.raw_offset)), body, memoryview(bytearray(tail))]
+
+    def _read_buffer(self, which: int, length: int) -> memoryview:
+        if len(self._read_buffers[which]) < length:
+            self._read_buffers[which] = bytearray(length)
+        return memoryview(self._read_buffers[which])[:length]
+
+
+@dataclass
+class Read:
+    """One local read: a byte range of one file and the saved items in it (with the read
+    items each serves)."""
+
+    name: str
+    start: int
+    end: int
+    groups: list[tuple[MetadataIndex, list[ReadItem]]]
+    in_place: bool = False  # a single large tensor, resolved ahead of its read
+    target: torch.Tensor | None = None
+    direct: bool = False  # the read goes straight into ``target``

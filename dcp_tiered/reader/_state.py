@@ -1,0 +1,96 @@
+"""What every part of the reader shares: the state of the step being loaded (which
+``read_metadata`` sets and ``read_data`` grows), how the reader names what it reads, and the one
+check every item's bytes pass, from whichever tier.
+
+:class:`ReaderState` is the base of the roles :class:`~dcp_tiered.reader.TieredStorageReader`
+inherits (``_vanilla``, ``_deliver``, ``_remote``, ``_local``): each role inherits the roles it
+calls, so that its methods type-check on their own; the reader's ``__init__`` sets the state.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import ReadItem
+
+from .._torch_compat import StorageReaderTransforms
+from ..backends.remote import RemoteBackend
+from ..errors import DcpTieredError, IntegrityError
+from ..policy import integrity, layout, manifest
+from ..policy.manifest import ItemLocation
+from ..tiers import catalog
+from ..tiers.local import LocalTier
+
+
+class ReaderState:
+    # Set by TieredStorageReader.__init__; see there.
+    _tier: LocalTier
+    _remote: RemoteBackend | None
+    hydrate: bool
+    allow_pickle: bool
+    _transforms: StorageReaderTransforms
+    _descriptors: dict[MetadataIndex, tuple[str, ...]]
+    _requested: str | os.PathLike[str] | None
+    _step: catalog.StepLocation | None
+    _dir: tuple[str, ...]
+    _manifest: manifest.Manifest | None
+    _index_is_local: bool
+    _locations: dict[Any, ItemLocation]
+    _chunks: dict[MetadataIndex, tuple[torch.Size, torch.dtype]]
+    _read_buffers: list[bytearray]
+    _deferred_error: DcpTieredError | None
+    _keys: layout.RemoteKeys | None
+    files_read_remotely: set[str]
+    _remote_checked: bool
+
+    @property
+    def root(self) -> str:
+        return self._tier.root
+
+    @property
+    def checkpoint_id(self) -> str | None:
+        return self._step.name if self._step else None
+
+    def _what(self, index: MetadataIndex) -> str:
+        return f"item {index.fqn!r} of step {self.checkpoint_id!r} in {self.root}"
+
+    @staticmethod
+    def _problem(loc: ItemLocation, parts: list[memoryview] | list[bytes]) -> str | None:
+        """Why the item's bytes (consecutive ``parts``) do not match the manifest, or None."""
+        got = sum(len(p) for p in parts)
+        if got != loc.length:
+            return f"expected {loc.length} bytes at offset {loc.offset}, got {got}"
+        if loc.checksum:
+            crc = 0
+            for part in parts:
+                crc = integrity.checksum(part, crc)
+            actual = integrity.format_checksum(crc)
+            if actual != loc.checksum:
+                return f"{integrity.ALGORITHM} {actual} != manifest {loc.checksum}"
+        return None
+
+    def _integrity_error(
+        self, name: str, fqn: str, loc: ItemLocation, problem: str, remote: bool = False
+    ) -> IntegrityError:
+        tier = self._remote.config.url if remote and self._remote else self.root
+        return IntegrityError.proof(
+            f"corrupt data in step {self.checkpoint_id!r}, file {name!r} (rank {loc.rank}) on "
+            f"{tier}, item {fqn!r}: {problem}. The load failed and the state it was loading into is incomplete; restore "
+            "the file from another tier or load an earlier step."
+        )
+
+
+def by_storage_index(items: list[ReadItem]) -> Iterator[tuple[Any, list[ReadItem]]]:
+    """Consecutive read items of one saved item share one read (resharding reads it k times)."""
+    group: list[ReadItem] = []
+    for item in items:
+        if group and group[0].storage_index is not item.storage_index:
+            yield group[0].storage_index, group
+            group = []
+        group.append(item)
+    if group:
+        yield group[0].storage_index, group
