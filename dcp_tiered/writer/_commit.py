@@ -6,8 +6,6 @@ then handed to the uploads."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from .. import _torch_compat
 from ..backends.local import LocalBackend
 from ..backends.remote import RemoteBackend
@@ -43,10 +41,18 @@ def check_target(tier: LocalTier, step: str, *, overwrite: bool, run_id: str | N
         )
 
 
-def replaceable(tier: LocalTier, save: SaveInfo) -> Any:
-    """What an overwrite may replace: a step of this run, as ``prepare_local_plan`` checked;
-    checked again on what the commit actually displaced."""
-    return lambda old: tier.holds_ours(old, save.step, save.run_id)
+def publish(tier: LocalTier, save: SaveInfo, overwrite: bool) -> None:
+    """This node's temporary directory of the save becomes the step. What an overwrite may
+    replace is a step of this run, as :func:`check_target` checked; checked again on what the
+    commit actually displaced."""
+    commit.publish_step(
+        tier.backend,
+        save.step,
+        save.save_id,
+        save.tmp,
+        overwrite=overwrite,
+        may_replace=lambda old: tier.holds_ours(old, save.step, save.run_id),
+    )
 
 
 def promote(tier: LocalTier, remote: RemoteBackend | None, save: SaveInfo) -> None:
@@ -71,14 +77,7 @@ def coordinate(
     others = other_nodes(save)
 
     def publish_own() -> None:
-        commit.publish_step(
-            backend,
-            save.step,
-            save.save_id,
-            save.tmp,
-            overwrite=overwrite,
-            may_replace=replaceable(tier, save),
-        )
+        publish(tier, save, overwrite)
 
     # The coordinator's node keeps every section and DCP's .metadata (the remote
     # copy is made from it); the other nodes get the index and their own section.
@@ -119,16 +118,9 @@ def follow(
         }
         commit.write_step_files(backend, save.tmp, files, sync=sync)
 
-    def publish() -> None:
+    def publish_own() -> None:
         try:
-            commit.publish_step(
-                backend,
-                save.step,
-                save.save_id,
-                save.tmp,
-                overwrite=overwrite,
-                may_replace=replaceable(tier, save),
-            )
+            publish(tier, save, overwrite)
         finally:
             LocalBackend.unlock(lock)
         promote(tier, remote, save)
@@ -139,4 +131,4 @@ def follow(
 
     # A follower waits at least as long as the coordinator does for all nodes.
     handshake = commit.Handshake(store, save.save_id, timeout_secs, nodes=save.world_size)
-    handshake.follow_in_background(save.node, prepare, publish, abandon)
+    handshake.follow_in_background(save.node, prepare, publish_own, abandon)

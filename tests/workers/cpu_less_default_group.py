@@ -23,8 +23,8 @@ from dcp_tiered import (
     Every,
     SaveFailedError,
     SavePolicy,
-    TieredStorageWriter,
 )
+from dcp_tiered.writer import _datafile
 
 COLLECTIVES = (
     "all_reduce",
@@ -75,8 +75,7 @@ def main() -> None:
     }
     key = f"w{rank}"  # per rank: a tensor both ranks held would be written by rank 0 alone
     state = {key: torch.full((1024,), float(rank))}
-    writer_cls = TieredStorageWriter
-    original = writer_cls._write_file
+    original = _datafile.write_file  # writes each data file, looked up per call
     failed = None
     mgr = CheckpointManager(**tiers)
     try:
@@ -87,13 +86,13 @@ def main() -> None:
                 def broken(*_a, **_k):
                     raise OSError("injected write failure")
 
-                writer_cls._write_file = broken
+                _datafile.write_file = broken
             mgr.save(step, state)
         mgr.close()
     except SaveFailedError as e:
         failed = str(e)
     finally:
-        writer_cls._write_file = original
+        _datafile.write_file = original
     restored = {key: torch.zeros(1024)}
     with CheckpointManager(**tiers) as mgr:
         mgr.restore(restored)
