@@ -18,6 +18,8 @@ from ._vanilla import VanillaSteps
 
 
 class Delivery(VanillaSteps):
+    """Verified bytes to the planner; a vanilla item's extensions undone first (VanillaSteps)."""
+
     def _deliver(
         self,
         item: ReadItem,

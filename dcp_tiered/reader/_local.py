@@ -35,6 +35,9 @@ _IN_PLACE_MIN_BYTES = 64 * 2**10  # above this, three reads cost less than a cop
 
 
 class LocalReads(Delivery, RemoteReads):
+    """The step's bytes from this node's disk, delivered as they are checked (Delivery); an
+    item whose local bytes fail is fetched from the remote instead (RemoteReads)."""
+
     def _valid_locally(self, name: str) -> bool:
         """Whether to read ``name`` from the local tier (present, with the manifest's size);
         False means the remote, and raises when there is none to fall back on."""

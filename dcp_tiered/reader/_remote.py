@@ -18,6 +18,8 @@ logger = logging.getLogger("dcp_tiered.reader")  # the reader's one logger, whic
 
 
 class RemoteReads(ReaderState):
+    """The step's bytes from the remote tier, each item checked as it arrives."""
+
     def _check_remote(self) -> None:
         """The first time this reader needs the remote: a wrong bucket, bad or missing
         credentials or denied access raise PermanentTierError saying what to fix. A store

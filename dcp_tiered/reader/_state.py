@@ -27,6 +27,8 @@ from ..tiers.local import LocalTier
 
 
 class ReaderState:
+    """The state every role of the reader reads, and the names and checks they share."""
+
     # Set by TieredStorageReader.__init__; see there.
     _tier: LocalTier
     _remote: RemoteBackend | None

@@ -22,6 +22,8 @@ logger = logging.getLogger("dcp_tiered.reader")  # the reader's one logger, whic
 
 
 class VanillaSteps(ReaderState):
+    """A vanilla DCP step's metadata and stream extensions."""
+
     def _read_vanilla_metadata(self) -> Metadata:
         where = os.path.join(self.root, *self._dir, layout.DCP_METADATA_NAME)
         logger.warning(

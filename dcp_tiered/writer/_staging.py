@@ -15,6 +15,8 @@ from ..staging import DoubleBufferStager
 
 
 class StagingRole:
+    """DCP's AsyncStager protocol, delegated to the writer's stager."""
+
     _stager: DoubleBufferStager | None  # set by TieredStorageWriter.__init__
 
     _synchronize_after_execute = True

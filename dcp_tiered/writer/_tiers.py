@@ -34,6 +34,8 @@ logger = logging.getLogger("dcp_tiered.writer")  # the writer's one logger, whic
 
 
 class TiersRole:
+    """Recovery, the run, the remote tier outside a save, the uploads, durability."""
+
     # The writer's state this role reads and sets (TieredStorageWriter.__init__ makes it).
     _tier: LocalTier
     _remote: RemoteBackend | None
