@@ -250,7 +250,8 @@ class Framer:
 
     def frame(self, tensor: torch.Tensor) -> Frame | None:
         """``tensor``'s head and tail, or None: write it with torch's writer. ``tensor`` must
-        be contiguous with a storage of exactly its bytes (``writer._as_saveable``)."""
+        be contiguous with a storage of exactly its bytes
+        (:func:`dcp_tiered.item_writer.as_saveable`)."""
         if not _plain(tensor):
             return None
         key = (tensor.dtype, tuple(tensor.shape), tensor.stride())
