@@ -5,6 +5,8 @@ Real tmpfs for the full disk, a real ``file://`` remote."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -19,6 +21,7 @@ from dcp_tiered import (
     SavePolicy,
 )
 from dcp_tiered.policy.cadence import Decision
+from dcp_tiered.writer import _datafile  # writes each data file, looked up per call
 
 FAST = RetryConfig(max_attempts=3, initial_backoff_secs=0.02, max_backoff_secs=0.1)
 
@@ -89,7 +92,7 @@ def test_a_failed_save_is_reported_failed_with_its_reason(tmp_path, tmpfs):
             mgr.save(2, _state(1))
 
 
-def test_memory_snapshots_and_skips_at_the_in_flight_cap_are_reported(tmp_path):
+def test_memory_snapshots_and_skips_at_the_in_flight_cap_are_reported(tmp_path, monkeypatch):
     policy = SavePolicy(memory=Every(steps=1), local=Every(steps=3), remote=None)
     with CheckpointManager(
         memory=tmp_path / "shm", local=tmp_path / "disk", policy=policy, events=None
@@ -108,8 +111,23 @@ def test_memory_snapshots_and_skips_at_the_in_flight_cap_are_reported(tmp_path):
         admission=Admission(max_in_flight=1, when_busy="skip"),
         events=None,
     ) as mgr:
-        mgr.save(0, _state(64))
-        assert mgr.save(1, _state(64)) == Decision()  # the first is still being written
+        # The first save's data write is held until the second has been refused, so it is in
+        # flight then however fast the disk is.
+        writing, release = threading.Event(), threading.Event()
+        write_file = _datafile.write_file
+
+        def held_write(*args, **kwargs):
+            writing.set()
+            assert release.wait(60), "the test never released the held write"
+            return write_file(*args, **kwargs)
+
+        monkeypatch.setattr(_datafile, "write_file", held_write)
+        mgr.save(0, _state(1))
+        assert writing.wait(60)
+        try:
+            assert mgr.save(1, _state(1)) == Decision()  # the first is still being written
+        finally:
+            release.set()
         skipped = mgr.outcome(1)["local"]
         assert skipped.state == "skipped" and "in flight" in (skipped.reason or "")
         assert mgr.wait()[0]["local"].state == "committed"
