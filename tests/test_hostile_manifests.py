@@ -122,17 +122,20 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def _parse_in_a_small_process(root: Path, step: str, load: bool = False) -> dict:
-    """Parse (or load) ``step`` in a process limited to 3 GiB of address space: what it
-    raised, by type name."""
+    """Parse (or load) ``step`` in a process allowed 3 GiB of address space beyond what its
+    imports mapped (a CUDA build of torch maps several GiB at import): what it raised, by type
+    name."""
     code = textwrap.dedent(
         f"""
         import json, resource, sys
-        resource.setrlimit(resource.RLIMIT_AS, (3 * 2**30, 3 * 2**30))
         import torch, torch.distributed.checkpoint as dcp
         from dcp_tiered import TieredStorageReader
         from dcp_tiered.backends.local import LocalBackend
         from dcp_tiered.tiers.local import LocalTier
         from dcp_tiered.errors import causes
+        mapped = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status")
+                      if line.startswith("VmSize:"))
+        resource.setrlimit(resource.RLIMIT_AS, (mapped + 3 * 2**30, mapped + 3 * 2**30))
         out = {{"raised": None}}
         try:
             if {load!r}:
