@@ -507,8 +507,12 @@ class LocalBackend:
 
     def root_lock_held(self, name: str) -> bool:
         """Whether a live process holds a lock on root-level file ``name`` (creates nothing)."""
+        return self._lock_held(self._child(name))
+
+    def _lock_held(self, path: Path) -> bool:
+        """Whether a live process holds a lock on the lock file at ``path`` (creates nothing)."""
         try:
-            fd = self._lock(self._child(name), fcntl.LOCK_EX | fcntl.LOCK_NB, create=False)
+            fd = self._lock(path, fcntl.LOCK_EX | fcntl.LOCK_NB, create=False)
         except FileNotFoundError:
             return False
         except BlockingIOError:
@@ -558,16 +562,7 @@ class LocalBackend:
 
     def is_locked(self, directory: str) -> bool:
         """True if some live process holds ``directory``'s lock."""
-        try:
-            fd = self._lock(
-                self._child(directory, LOCK_FILE), fcntl.LOCK_EX | fcntl.LOCK_NB, create=False
-            )
-        except FileNotFoundError:
-            return False
-        except BlockingIOError:
-            return True
-        os.close(fd)
-        return False
+        return self._lock_held(self._child(directory, LOCK_FILE))
 
     def remove_empty_dir(self, name: str) -> None:
         """Remove directory ``name`` if it is empty (and nothing otherwise)."""
