@@ -13,12 +13,17 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 import torch
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_TENSOR_TYPES = frozenset(_PLAIN_TENSORS)
 _SIMPLE = (int, float, str, bytes, bool, type(None))
+_size = torch.Tensor.size
+_dtype = attrgetter("dtype")
 
 
 class Mismatch(Exception):
@@ -76,6 +81,9 @@ def _pair(
     if kind is dict:
         if type(buf) is not dict or len(buf) != len(obj):
             raise Mismatch
+        flat = _pair_tensor_dict(obj, buf, dsts, srcs)
+        if flat is not None:
+            return flat
         try:
             return {k: _pair(v, buf[k], dsts, srcs, on_value) for k, v in obj.items()}
         except KeyError:
@@ -90,3 +98,59 @@ def _pair(
     if on_value is not None:
         return on_value(buf, obj)
     return obj if kind in _SIMPLE else copy.deepcopy(obj)
+
+
+def _pair_tensor_dict(
+    obj: dict[Any, Any], buf: dict[Any, Any], dsts: list[torch.Tensor], srcs: list[torch.Tensor]
+) -> dict[Any, Any] | None:
+    """A dict of plain tensors only (a module's or an optimizer's flat state, thousands of
+    entries) paired by C-level maps, not a Python call per tensor: the buffers' side is
+    described once (:class:`_Described`), the state's side costs a size and a dtype per
+    tensor. None where ``obj`` holds anything else (the general walk then takes it)."""
+    values = list(obj.values())
+    if not values or not set(map(type, values)) <= _PLAIN_TENSOR_TYPES:
+        return None
+    described = _described(buf)
+    if described.keys != list(obj):
+        return None  # other keys, or the same in another order: the general walk decides
+    if (
+        described.sizes != list(map(_size, values))
+        or described.dtypes != list(map(_dtype, values))
+    ):
+        raise Mismatch
+    dsts += described.tensors
+    srcs += values
+    return dict(zip(described.keys, described.tensors))
+
+
+@dataclass(frozen=True, slots=True)
+class _Described:
+    """A buffers dict of tensors, as :func:`_pair_tensor_dict` compares a state with it."""
+
+    of: dict[Any, Any]
+    keys: list[Any]
+    tensors: list[torch.Tensor]
+    sizes: list[torch.Size]
+    dtypes: list[torch.dtype]
+
+
+# id of a buffers dict -> its description. Buffers are made once and reused every save
+# (staging, the memory tier), so this holds one entry per dict of them; a dict that went away
+# and whose id came back is told apart by ``of``.
+_DESCRIPTIONS: dict[int, _Described] = {}
+_MAX_DESCRIPTIONS = 4096
+
+
+def _described(buf: dict[Any, Any]) -> _Described:
+    found = _DESCRIPTIONS.get(id(buf))
+    if found is not None and found.of is buf and len(found.keys) == len(buf):
+        return found
+    tensors = list(buf.values())
+    if set(map(type, tensors)) != {torch.Tensor}:
+        raise Mismatch
+    if len(_DESCRIPTIONS) >= _MAX_DESCRIPTIONS:
+        _DESCRIPTIONS.clear()
+    found = _DESCRIPTIONS[id(buf)] = _Described(
+        buf, list(buf), tensors, list(map(_size, tensors)), list(map(_dtype, tensors))
+    )
+    return found

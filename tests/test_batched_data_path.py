@@ -158,6 +158,34 @@ def test_batch_copy_copies_all_or_nothing():
         assert not buf["a"].any()  # nothing copied
 
 
+def test_a_dict_of_tensors_is_checked_as_closely_as_the_general_walk():
+    """The flat-dict fast path (a module's state) refuses what the general walk refuses,
+    on the first pairing and on the later ones that reuse the buffers' description."""
+    names = [f"layer{i}.w" for i in range(50)]
+    src = {n: torch.full((i + 1,), float(i)) for i, n in enumerate(names)}
+    buf = {n: torch.zeros(i + 1) for i, n in enumerate(names)}
+    for _ in range(2):  # the second call uses the cached description of ``buf``
+        out = batch_copy.copy_into(src, buf)
+        assert list(out) == names and all(out[n] is buf[n] for n in names)
+        assert all(torch.equal(buf[n], src[n]) for n in names)
+    shapes = dict(src, **{"layer3.w": torch.ones(1, 4)})  # same numel, another shape
+    dtypes = dict(src, **{"layer7.w": torch.ones(8, dtype=torch.float64)})
+    renamed = {("x" + n if n == "layer9.w" else n): t for n, t in src.items()}
+    value = dict(src, **{"layer2.w": 3})  # a tensor became a value (general walk)
+    for bad in (shapes, dtypes, renamed, value):
+        for t in buf.values():
+            t.zero_()
+        with pytest.raises(batch_copy.Mismatch):
+            batch_copy.copy_into(bad, buf)
+        assert not any(t.any() for t in buf.values())  # nothing copied
+    reordered = dict(reversed(list(src.items())))  # the general walk pairs it by key
+    out = batch_copy.copy_into(reordered, buf)
+    assert all(out[n] is buf[n] and torch.equal(buf[n], src[n]) for n in names)
+    other = {n: torch.zeros(i + 2) for i, n in enumerate(names)}  # new buffers, new shapes
+    with pytest.raises(batch_copy.Mismatch):
+        batch_copy.copy_into(src, other)
+
+
 def test_an_unchanged_structure_reuses_the_local_plan(tmp_path, monkeypatch):
     made = []
     real = default_planner.create_default_local_save_plan

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import re
 import os
 import subprocess
 import sys
@@ -377,7 +378,7 @@ HEADERS = {
     "negative shape": _first_region(shape=[-2, -4]),
     "negative offset": _first_region(offset=-64),
     "1e999": lambda path: path.write_bytes(
-        path.read_bytes().replace(b'"data_size": ', b'"data_size": 1e999, "x": ')
+        re.sub(rb'"data_size": ?', b'"data_size": 1e999, "x": ', path.read_bytes(), count=1)
     ),
     "200k-deep JSON": lambda path: path.write_bytes(DEEP),
 }

@@ -175,6 +175,25 @@ def first_refused(state: Any, trusted: Iterable[type] = ()) -> str | None:
     return None
 
 
+def encode_regions(regions: list[Region]) -> str:
+    """The header's tensor list, canonical JSON, for chunk-checksummed (version 2) headers.
+    A layout is fixed for as long as the state's structure is, so the memory tier encodes it
+    once and passes it to :func:`encode_header` every save: at 20,000 tensors encoding it is
+    80 ms, most of what a snapshot costs beyond its copy."""
+    return _canonical([_region_entry(r, "") for r in regions])
+
+
+def _region_entry(r: Region, checksum: str) -> dict[str, Any]:
+    return {
+        "key": r.key,
+        "dtype": r.dtype,
+        "shape": r.shape,
+        "offset": r.offset,
+        "nbytes": r.nbytes,
+        "checksum": checksum,
+    }
+
+
 def encode_header(
     *,
     step: str,
@@ -188,11 +207,18 @@ def encode_header(
     world_size: int | None = None,
     chunk_bytes: int = 0,
     chunk_checksums: list[str] | None = None,
+    encoded_regions: str | None = None,
 ) -> bytes:
     """``checksums``: one per region (version 1), or empty with ``chunk_checksums`` of
-    ``chunk_bytes`` each over the slot's first ``data_size`` bytes."""
+    ``chunk_bytes`` each over the slot's first ``data_size`` bytes. ``encoded_regions``:
+    ``encode_regions(regions)``, made once (version 2 only).
+
+    The header is the body's canonical JSON (the form its checksum covers) with the checksum
+    added, built from parts so that the tensor list can be the one encoded already."""
     if chunk_checksums is None and len(checksums) != len(regions):
         raise ValueError("a checksum per region, or chunk checksums")
+    if encoded_regions is not None and chunk_checksums is None:
+        raise ValueError("encoded regions are for chunk-checksummed headers")
     body: dict[str, Any] = {
         "format": FORMAT,
         "version": VERSION if chunk_checksums is not None else 1,
@@ -200,17 +226,6 @@ def encode_header(
         "rank": rank,
         "committed_at_ns": committed_at_ns,
         "data_size": data_size,
-        "tensors": [
-            {
-                "key": r.key,
-                "dtype": r.dtype,
-                "shape": r.shape,
-                "offset": r.offset,
-                "nbytes": r.nbytes,
-                "checksum": c,
-            }
-            for r, c in zip(regions, checksums or [""] * len(regions))
-        ],
         "objects": base64.b64encode(objects).decode(),
     }
     if run_id is not None:  # whose snapshot: a restore takes only its own run's
@@ -220,8 +235,14 @@ def encode_header(
     if chunk_checksums is not None:
         body["chunk_bytes"] = chunk_bytes
         body["chunk_checksums"] = list(chunk_checksums)
-    body["header_checksum"] = _checksum(body)
-    return json.dumps(body).encode()
+    if encoded_regions is None:
+        entries = zip(regions, checksums or [""] * len(regions))
+        encoded_regions = _canonical([_region_entry(r, c) for r, c in entries])
+    parts = {k: _canonical(v) for k, v in body.items()}
+    parts["tensors"] = encoded_regions
+    canonical = "{" + ",".join(f"{_canonical(k)}:{parts[k]}" for k in sorted(parts)) + "}"
+    checksum = integrity.format_checksum(integrity.checksum(canonical.encode()))
+    return f'{canonical[:-1]},"header_checksum":{_canonical(checksum)}}}'.encode()
 
 
 @dataclass(frozen=True)
@@ -308,9 +329,12 @@ def _check_region(r: Region, where: str) -> None:
         )
 
 
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
 def _checksum(body: dict[str, Any]) -> str:
-    canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-    return integrity.format_checksum(integrity.checksum(canonical))
+    return integrity.format_checksum(integrity.checksum(_canonical(body).encode()))
 
 
 def region_checksums(buffer: torch.Tensor, regions: list[Region]) -> list[str]:

@@ -80,6 +80,8 @@ class MemoryTier:
         # slot -> (structure of the state, (regions, size, buffer, a view per tensor))
         self._buffers: dict[int, tuple[Any, tuple[list[fmt.Region], int, torch.Tensor, Any]]] = {}
         self._plans: dict[int, memory_copy.CopyPlan | None] = {}  # slot -> how its copy runs
+        # slot -> (its regions, their header encoding), made by the first commit of a layout
+        self._encoded: dict[int, tuple[list[fmt.Region], str]] = {}
         self._pool = ThreadPoolExecutor(
             1, thread_name_prefix="dcp-tiered-memory", initializer=lower_this_thread
         )
@@ -199,11 +201,18 @@ class MemoryTier:
             world_size=self.world_size,
             chunk_bytes=fmt.CHUNK_BYTES,
             chunk_checksums=[c.result() for c in chunks],  # done: queued before this task
+            encoded_regions=self._encoded_regions(slot, regions),
         )
         write_done = time.perf_counter()
         self.backend.replace_root_file(_header(slot), header)
         logger.debug("memory tier: %s committed in slot %d of %s", step, slot, self.backend.root)
         return {"write_s": write_done - started, "commit_s": time.perf_counter() - write_done}
+
+    def _encoded_regions(self, slot: int, regions: list[fmt.Region]) -> str:
+        cached = self._encoded.get(slot)
+        if cached is None or cached[0] is not regions:
+            cached = self._encoded[slot] = (regions, fmt.encode_regions(regions))
+        return cached[1]
 
     # ------------------------------------------------------------ peer replication
 
