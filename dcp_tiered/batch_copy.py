@@ -113,10 +113,7 @@ def _pair_tensor_dict(
     described = _described(buf)
     if described.keys != list(obj):
         return None  # other keys, or the same in another order: the general walk decides
-    if (
-        described.sizes != list(map(_size, values))
-        or described.dtypes != list(map(_dtype, values))
-    ):
+    if described.sizes != list(map(_size, values)) or described.dtypes != list(map(_dtype, values)):
         raise Mismatch
     dsts += described.tensors
     srcs += values
