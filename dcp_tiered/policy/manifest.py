@@ -254,12 +254,51 @@ def _encode_file(name: str, rows: list[tuple[int, int, ItemLocation]]) -> dict[s
 # ---------------------------------------------------------------- parse
 
 
-@_gc.paused_during  # one object per chunk of every tensor: see _gc
-def parse(data: bytes, *, where: str) -> Manifest:
-    """Parse and validate a manifest (a version-2 index, or a version-1 document). A
-    version-2 manifest comes back without sections: merge them with :func:`parse_section`."""
+@dataclass(frozen=True)
+class ManifestHead:
+    """What listing a step needs of its manifest: whose save of which step, and when."""
+
+    step: str
+    save_id: str
+    run_id: str | None
+    committed_at_ns: int
+    world_size: int
+    promote: bool
+
+
+@_gc.paused_during  # the index is still one object per chunk to the JSON decoder
+def parse_head(data: bytes, *, where: str) -> ManifestHead:
+    """A manifest's head, checked as :func:`parse` checks it (seal, format, version, the head's
+    own fields), without decoding its index: listing a root of steps of 20,000 tensors each
+    must not cost a full parse per step. The index is decoded, and refused if malformed, by
+    whatever reads the step's data (a load, ``verify``, a promotion)."""
     if not manifest_codec.is_sealed(data):
-        return manifest_v1.parse(data, where=where)
+        return _head_of(manifest_v1.parse(data, where=where))
+    body = _sealed_body(data, where)
+    try:
+        world_size = body["world_size"]
+        if type(world_size) is not int or not 0 < world_size <= _MAX_RANKS:
+            raise ManifestError(f"world size {world_size!r} is out of range")
+        return ManifestHead(
+            step=str(body["step"]),
+            save_id=str(body["save_id"]),
+            run_id=_run_id(body.get("run_id")),
+            committed_at_ns=int(body["committed_at_ns"]),
+            world_size=world_size,
+            promote=bool(body.get("promote", True)),
+        )
+    except ManifestError as e:
+        raise ManifestError(f"{where}: {e}; {_HINT}") from e
+    except (KeyError, TypeError, ValueError, OverflowError) as e:
+        raise ManifestError(f"{where}: malformed manifest ({e!r}); {_HINT}") from e
+
+
+def _head_of(m: Manifest) -> ManifestHead:
+    return ManifestHead(m.step, m.save_id, m.run_id, m.committed_at_ns, m.world_size, m.promote)
+
+
+def _sealed_body(data: bytes, where: str) -> dict[str, Any]:
+    """The JSON object of a sealed (version-2) index, its seal, format and version checked."""
     if not manifest_codec.unseal(data):
         raise ManifestError(f"{where}: manifest checksum mismatch (file was modified); {_HINT}")
     body = _load(data, where)
@@ -270,6 +309,16 @@ def parse(data: bytes, *, where: str) -> Manifest:
             f"{where}: manifest version {body.get('version')!r} is not supported by this "
             f"dcp_tiered (reads versions 1 and {VERSION}); upgrade dcp_tiered"
         )
+    return body
+
+
+@_gc.paused_during  # one object per chunk of every tensor: see _gc
+def parse(data: bytes, *, where: str) -> Manifest:
+    """Parse and validate a manifest (a version-2 index, or a version-1 document). A
+    version-2 manifest comes back without sections: merge them with :func:`parse_section`."""
+    if not manifest_codec.is_sealed(data):
+        return manifest_v1.parse(data, where=where)
+    body = _sealed_body(data, where)
     try:
         return _decode_index(body)
     except ManifestError as e:

@@ -19,7 +19,7 @@ from ..policy import layout
 from ..policy.identity import Owner, RunRecord
 from ..policy.manifest import Manifest
 from . import remote as remote_tier
-from .local import LocalTier
+from .local import LocalTier, StepInfo
 from .remote import Durability
 
 logger = logging.getLogger(__name__)
@@ -47,12 +47,7 @@ def list_steps(
 ) -> list[StepLocation]:
     """Committed steps on both tiers, oldest first. An unreadable remote raises
     TierUnavailableError with ``strict``; otherwise it is logged and left out."""
-    found: dict[str, StepLocation] = {
-        s.name: StepLocation(
-            s.name, s.committed_at_ns, True, False, s.verified_format, s.run_id, s.save_id
-        )
-        for s in tier.steps()
-    }
+    found = {s.name: _located(s) for s in tier.steps()}
     listed: list[tuple[str, int, str | None]] = []
     if remote is not None:
         try:
@@ -64,6 +59,13 @@ def list_steps(
     for name, committed_at, run_id in listed:
         _add_remote(found, name, committed_at, run_id)
     return sorted(found.values(), key=lambda s: s.committed_at_ns)
+
+
+def _located(s: StepInfo) -> StepLocation:
+    """A local step as a location: on the local tier only (the remote is added after)."""
+    return StepLocation(
+        s.name, s.committed_at_ns, True, False, s.verified_format, s.run_id, s.save_id
+    )
 
 
 def _add_remote(
@@ -155,7 +157,12 @@ def resolve(
         )
     if not latest:
         layout.validate_step_name(checkpoint_id)
-    found = {s.name: s for s in list_steps(tier, None)}
+    if latest:
+        found = {s.name: s for s in list_steps(tier, None)}
+    else:  # the one step asked for: a root of many steps is not listed to find it
+        assert isinstance(checkpoint_id, str)
+        info = tier.info(checkpoint_id)
+        found = {} if info is None else {info.name: _located(info)}
     if remote is not None:
         try:
             if latest:

@@ -59,38 +59,36 @@ class LocalTier:
 
     def steps(self) -> list[StepInfo]:
         """Committed steps: final-named directories holding a manifest (or DCP .metadata)."""
-        found = []
-        for name in self.backend.list_names():
-            if not layout.is_step_name(name) or not self.backend.is_dir(name):
-                continue
-            if self.backend.is_link(name):  # never followed: it may lead out of the root
-                logger.warning(
-                    "ignoring %s/%s: a symbolic link, not a step of ours", self.root, name
-                )
-                continue
-            try:
-                if self.backend.exists(name, layout.MANIFEST_NAME):
-                    found.append(self._describe(name))
-                elif self.backend.exists(name, layout.DCP_METADATA_NAME):
-                    mtime = self.backend.mtime(name, layout.DCP_METADATA_NAME)
-                    found.append(StepInfo(name, int(mtime * 1e9), False))
-            except FileNotFoundError:
-                pass  # deleted while we looked
-        return found
+        found = (self.info(name) for name in self.backend.list_names())
+        return [s for s in found if s is not None]
+
+    def info(self, step: str) -> StepInfo | None:
+        """The committed step ``step`` as :meth:`steps` lists it; None if there is none. One
+        step's manifest head is read, not every step's."""
+        if not layout.is_step_name(step) or not self.backend.is_dir(step):
+            return None
+        if self.backend.is_link(step):  # never followed: it may lead out of the root
+            logger.warning("ignoring %s/%s: a symbolic link, not a step of ours", self.root, step)
+            return None
+        try:
+            if self.backend.exists(step, layout.MANIFEST_NAME):
+                return self._describe(step)
+            if self.backend.exists(step, layout.DCP_METADATA_NAME):
+                mtime = self.backend.mtime(step, layout.DCP_METADATA_NAME)
+                return StepInfo(step, int(mtime * 1e9), False)
+        except FileNotFoundError:
+            pass  # deleted while we looked
+        return None
 
     def _describe(self, name: str) -> StepInfo:
         try:
-            m = self.read_manifest(name, nodes=())
+            m = self.read_head(name)
         except FileNotFoundError:
             raise
         except (ManifestError, OSError) as e:
             logger.warning("step %s in %s has an unreadable manifest: %s", name, self.root, e)
             return StepInfo(name, -1, True)
         return StepInfo(name, m.committed_at_ns, True, m.run_id, m.save_id, m.step == name)
-
-    def info(self, step: str) -> StepInfo | None:
-        """The committed step ``step`` as :meth:`steps` lists it; None if there is none."""
-        return next((s for s in self.steps() if s.name == step), None)
 
     def record(self) -> RunRecord | None:
         """The run this root records (see :mod:`dcp_tiered.policy.identity`)."""
@@ -204,6 +202,13 @@ class LocalTier:
             m = manifest.parse_section(m, node, self._read_meta(step, name), where=where)
         return m
 
+    def read_head(self, step: str) -> manifest.ManifestHead:
+        """Whose save of which step ``step`` holds, and when it was committed: its manifest's
+        head, without decoding the index (see :func:`manifest.parse_head`)."""
+        return manifest.parse_head(
+            self._read_meta(step, layout.MANIFEST_NAME), where=self._where(step)
+        )
+
     def _where(self, step: str, name: str = layout.MANIFEST_NAME) -> str:
         return os.path.join(self.root, step, name)
 
@@ -235,7 +240,7 @@ class LocalTier:
         ``step`` that is run ``run_id``'s."""
         record = self.record()
         try:
-            m = self.read_manifest(directory, nodes=())
+            m = self.read_head(directory)
         except (ManifestError, OSError):
             return False
         return (
@@ -252,7 +257,7 @@ class LocalTier:
         if not self.has_step(step) or self.backend.is_link(step):
             return None
         self.require_ours(step, run_id)
-        save_id = self.read_manifest(step, nodes=()).save_id
+        save_id = self.read_head(step).save_id
         name = layout.quarantine_dir_name(step, save_id)
         self.backend.rename(step, name)
         logger.warning(
@@ -283,7 +288,7 @@ class LocalTier:
         name = layout.quarantine_dir_name(step, save_id)
         if not self.backend.is_dir(name) or self.backend.is_link(name):
             raise CheckpointNotFoundError(f"no quarantined save {save_id} of {step} in {self.root}")
-        m = self.read_manifest(name, nodes=())
+        m = self.read_head(name)
         record = self.record()
         if (
             m.step != step
@@ -371,7 +376,7 @@ class LocalTier:
         if self.backend.exists(layout.tmp_dir_name(step, save_id)):
             return True
         try:
-            return self.has_step(step) and self.read_manifest(step).save_id == save_id
+            return self.has_step(step) and self.read_head(step).save_id == save_id
         except (ManifestError, OSError):
             return False
 

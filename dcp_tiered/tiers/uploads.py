@@ -231,7 +231,7 @@ class Uploader:
 
     def _wants_promotion(self, step: str) -> bool:
         try:
-            return self.tier.read_manifest(step).promote
+            return self.tier.read_head(step).promote
         except (ManifestError, OSError):
             return True  # the promotion reports what is wrong with it
 

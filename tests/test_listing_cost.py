@@ -1,0 +1,70 @@
+"""Listing and resolving steps read manifest heads, not whole indexes: a restore of one step of
+a root with many decodes one index (its own), and a listing decodes none."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from dcp_tiered import TieredStorageReader, TieredStorageWriter
+from dcp_tiered.backends.local import LocalBackend
+from dcp_tiered.policy import manifest
+from dcp_tiered.tiers.local import LocalTier
+
+
+def _state(v: float) -> dict:
+    return {f"w{i}": torch.full((4,), v + i) for i in range(20)}
+
+
+def _counting(monkeypatch) -> dict[str, int]:
+    calls = {"parse": 0, "head": 0}
+    parse, head = manifest.parse, manifest.parse_head
+
+    def counted_parse(*a, **k):
+        calls["parse"] += 1
+        return parse(*a, **k)
+
+    def counted_head(*a, **k):
+        calls["head"] += 1
+        return head(*a, **k)
+
+    monkeypatch.setattr(manifest, "parse", counted_parse)
+    monkeypatch.setattr(manifest, "parse_head", counted_head)
+    return calls
+
+
+def test_a_named_restore_reads_one_index_and_no_other_steps_manifest(tmp_path, monkeypatch):
+    with TieredStorageWriter(tmp_path, sync_files=False) as writer:
+        for k in range(6):
+            dcp.save(_state(k), checkpoint_id=f"step-{k}", storage_writer=writer, no_dist=True)
+    calls = _counting(monkeypatch)
+    target = _state(-1.0)
+    dcp.load(
+        target, checkpoint_id="step-2", storage_reader=TieredStorageReader(tmp_path), no_dist=True
+    )
+    assert all(torch.equal(target[n], t) for n, t in _state(2).items())
+    assert calls == {"parse": 1, "head": 1}, calls  # step-2's own, nothing of the other five
+
+    calls.update(parse=0, head=0)
+    target = _state(-1.0)
+    dcp.load(
+        target, checkpoint_id="latest", storage_reader=TieredStorageReader(tmp_path), no_dist=True
+    )
+    assert all(torch.equal(target[n], t) for n, t in _state(5).items())
+    assert calls["parse"] == 1 and calls["head"] == 6, calls  # 'latest' lists heads only
+
+
+def test_a_listing_decodes_no_index(tmp_path, monkeypatch):
+    with TieredStorageWriter(tmp_path, sync_files=False) as writer:
+        for k in range(3):
+            dcp.save(_state(k), checkpoint_id=f"step-{k}", storage_writer=writer, no_dist=True)
+    calls = _counting(monkeypatch)
+    tier = LocalTier(LocalBackend(tmp_path))
+    listed = tier.steps()
+    assert [s.name for s in sorted(listed, key=lambda s: s.committed_at_ns)] == [
+        "step-0",
+        "step-1",
+        "step-2",
+    ]
+    assert all(s.verified_format and s.as_saved and s.committed_at_ns > 0 for s in listed)
+    assert calls == {"parse": 0, "head": 3}, calls
