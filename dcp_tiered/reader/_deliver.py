@@ -36,8 +36,9 @@ class Delivery(VanillaSteps):
         tensor = self._raw_view(item.storage_index, data)
         if tensor is None:
             tensor = self._loaded_tensor(item.storage_index, data)
-        for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
-            tensor = tensor.narrow(dim, start, length)
+        if any(item.storage_offsets) or list(item.lengths) != list(tensor.size()):
+            for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+                tensor = tensor.narrow(dim, start, length)
         if target is None:
             target = planner.resolve_tensor(item).detach()
         if target.size() != tensor.size():
@@ -65,13 +66,18 @@ class Delivery(VanillaSteps):
         reader_checks.check_raw_storage(
             data, loc.raw_offset, count * dtype.itemsize, self._what(index)
         )
-        with warnings.catch_warnings():  # bytes from a remote are read-only; we only read them
-            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        if isinstance(data, memoryview) and not data.readonly:  # a local block of ours
             raw = torch.frombuffer(data, dtype=torch.uint8, count=count * dtype.itemsize,
                                    offset=loc.raw_offset)  # fmt: skip
+        else:
+            with warnings.catch_warnings():  # remote bytes are read-only; we only read them
+                warnings.filterwarnings("ignore", message="The given buffer is not writable")
+                raw = torch.frombuffer(data, dtype=torch.uint8, count=count * dtype.itemsize,
+                                       offset=loc.raw_offset)  # fmt: skip
         if raw.data_ptr() % min(dtype.itemsize, 16):
             # Items lie back to back in the file, so a tensor's bytes need not be aligned for
-            # its dtype; some kernels (complex128 copies) crash on such a view. Copy them.
+            # its dtype; some kernels (complex128 copies) crash on such a view. Copy them
+            # (as bytes: even cloning a misaligned complex view crashes).
             raw = raw.clone()
         return raw.view(dtype).view(sizes)
 
