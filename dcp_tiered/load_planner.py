@@ -45,6 +45,9 @@ class TieredLoadPlanner(DefaultLoadPlanner):
     whole-tensor reads directly and explains size mismatches (see the module)."""
 
     _kept: LoadPlan | None = None  # this rank's whole reads, while an empty plan travels
+    # fqn -> the target of a whole read that is a contiguous CPU tensor of the saved dtype:
+    # the reader may copy the stored bytes straight into it (see whole_target)
+    _raw_targets: dict[str, torch.Tensor] | None = None
 
     def __init__(self, *args: Any, reader: Any = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -54,7 +57,7 @@ class TieredLoadPlanner(DefaultLoadPlanner):
         with _gc.paused():  # one object per item, none in cycles: see _gc
             items = self._whole_items()
         if items is None:
-            self._kept = None
+            self._kept = self._raw_targets = None
             try:
                 return super().create_local_plan()
             except ValueError as e:
@@ -79,6 +82,7 @@ class TieredLoadPlanner(DefaultLoadPlanner):
             return None
         saved = self.metadata.state_dict_metadata
         items = []
+        self._raw_targets = raw = {}
         for fqn, obj in self.state_dict.items():
             md = saved.get(fqn)
             if isinstance(md, BytesStorageMetadata) and not isinstance(obj, torch.Tensor):
@@ -98,7 +102,22 @@ class TieredLoadPlanner(DefaultLoadPlanner):
             offsets = md.chunks[0].offsets
             index = MetadataIndex(fqn, offsets, 0)  # where it goes and where it comes from
             items.append(ReadItem(LoadItemType.TENSOR, index, offsets, index, offsets, md.size))
+            if (
+                obj.dtype == md.properties.dtype  # else copy_ converts, as DCP does
+                and obj.device.type == "cpu"
+                and obj.is_contiguous()
+            ):
+                raw[fqn] = obj.detach()
         return items
+
+    def whole_target(self, item: ReadItem) -> torch.Tensor | None:
+        """The target of whole read ``item`` when the stored bytes may be copied into its
+        memory as they are: a contiguous CPU tensor of the saved dtype and size (the reader
+        still checks the stored bytes against the manifest). None: resolve it as DCP does."""
+        targets = self._raw_targets
+        if targets is None or item.type != LoadItemType.TENSOR:
+            return None
+        return targets.get(item.dest_index.fqn)
 
     def _explained(self) -> DcpTieredError | None:
         for fqn, obj in self.state_dict.items():

@@ -34,6 +34,13 @@ _LOCAL_GAP_BYTES = 64 * 2**10  # read across a gap this small rather than issue 
 _IN_PLACE_MIN_BYTES = 64 * 2**10  # above this, three reads cost less than a copy
 
 
+def _address(block: memoryview) -> int:
+    """The address of a read block's first byte (a view of one of our bytearrays)."""
+    if not len(block):
+        return 0
+    return ctypes.addressof(ctypes.c_char.from_buffer(block))
+
+
 class LocalReads(Delivery, RemoteReads):
     """The step's bytes from this node's disk, delivered as they are checked (Delivery); an
     item whose local bytes fail is fetched from the remote instead (RemoteReads)."""
@@ -112,6 +119,9 @@ class LocalReads(Delivery, RemoteReads):
                         break
                 return filled
 
+            # whole reads into plain CPU targets: stored bytes copied straight in (a planner
+            # that does not vouch for its targets gets every item through _deliver)
+            whole_target = getattr(planner, "whole_target", None) if not self._descriptors else None
             self._resolve_direct(reads[0], planner)
             pending = pool.submit(read, 0)
             for n, r in enumerate(reads):
@@ -132,13 +142,42 @@ class LocalReads(Delivery, RemoteReads):
                     self._deliver(group[0], parts[0], planner, r.target)
                     continue
                 block = parts[0] if parts else memoryview(b"")
+                base = _address(block) if whole_target is not None else 0
                 for index, group in r.groups:
-                    lo = self._locations[index].offset - r.start
-                    (data,) = self._verified(
-                        r.name, index, [block[lo : lo + self._locations[index].length]]
-                    )
+                    loc = self._locations[index]
+                    lo = loc.offset - r.start
+                    (data,) = self._verified(r.name, index, [block[lo : lo + loc.length]])
                     for item in group:
-                        self._deliver(item, data, planner, r.target)
+                        target = None if whole_target is None else whole_target(item)
+                        if (
+                            target is not None
+                            and loc.raw_offset is not None  # None: an empty tensor
+                            and data.obj is block.obj  # not bytes fetched from the remote
+                        ):
+                            self._copy_stored(index, loc, data, base + lo, target)
+                            planner.commit_tensor(item, target)
+                        else:
+                            self._deliver(item, data, planner, r.target)
+
+    def _copy_stored(
+        self, index: MetadataIndex, loc: ItemLocation, data: memoryview, at: int, target: Any
+    ) -> None:
+        """Copy a whole item's stored tensor bytes (``data``, verified, at address ``at``)
+        into ``target``, which the planner vouches is a contiguous CPU tensor of the saved
+        dtype and size: one memmove, no tensor views, no alignment to mind. The bytes are
+        checked to be the archive's storage of exactly that many bytes first."""
+        nbytes = target.nbytes
+        raw = loc.raw_offset
+        assert raw is not None  # the caller's check
+        if raw + nbytes > len(data):
+            raise IntegrityError(
+                f"{self._what(index)}: the manifest places {nbytes} bytes past the end of the "
+                f"item's {len(data)} bytes; the manifest does not match the data. Restore the "
+                "step from another tier."
+            )
+        reader_checks.check_raw_storage(data, raw, nbytes, self._what(index))
+        if nbytes:
+            ctypes.memmove(target.data_ptr(), at + raw, nbytes)
 
     def _verified(
         self, name: str, index: MetadataIndex, parts: list[memoryview]

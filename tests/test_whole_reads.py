@@ -1,0 +1,99 @@
+"""Whole reads into plain CPU targets: the stored bytes are copied straight into the target's
+memory (no per-item tensor views), bit-exact for every dtype and any alignment of the item in
+its file; a target of another dtype, a non-contiguous one, or a planner that does not vouch
+for its targets gets DCP's own conversion and copy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner
+
+from dcp_tiered import TieredLoadPlanner, TieredStorageReader, TieredStorageWriter
+from dcp_tiered.reader import _local
+
+
+def _state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    out = {}
+    # odd sizes first, so later items start at every alignment in the file
+    for i, dtype in enumerate(
+        [torch.int8, torch.bfloat16, torch.float16, torch.float32, torch.int64, torch.complex128]
+    ):
+        for n in (1, 3, 7, 0, 33):
+            out[f"t{i}.{n}"] = (torch.randn(n, 2, generator=g) * 50).to(dtype)
+    out["bool"] = torch.rand(17, generator=g) > 0.5
+    out["scalar"] = torch.tensor(7.25)
+    return out
+
+
+@pytest.fixture
+def saved(tmp_path):
+    with TieredStorageWriter(tmp_path, sync_files=False) as writer:
+        dcp.save(_state(), checkpoint_id="step-1", storage_writer=writer, no_dist=True)
+    return tmp_path
+
+
+def _copies(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    original = _local.LocalReads._copy_stored
+
+    def counted(self, index, loc, data, at, target):
+        calls.append(target.nbytes)
+        return original(self, index, loc, data, at, target)
+
+    monkeypatch.setattr(_local.LocalReads, "_copy_stored", counted)
+    return calls
+
+
+def _load(root, target, planner) -> None:
+    dcp.load(
+        target,
+        checkpoint_id="step-1",
+        storage_reader=TieredStorageReader(root),
+        planner=planner,
+        no_dist=True,
+    )
+
+
+def test_every_dtype_and_alignment_is_copied_straight_in_bit_exact(saved, monkeypatch):
+    copies = _copies(monkeypatch)
+    target = {k: torch.zeros_like(v) for k, v in _state().items()}
+    _load(saved, target, TieredLoadPlanner())
+    for k, v in _state().items():
+        assert torch.equal(
+            target[k].reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)
+        ), k
+    empty = sum(1 for v in target.values() if not v.numel())  # no bytes: read as archives
+    assert len(copies) == len(target) - empty  # every other item took the straight copy
+
+
+def test_other_dtypes_and_layouts_are_converted_as_dcp_converts(saved, monkeypatch):
+    copies = _copies(monkeypatch)
+    state = _state()
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    target["t3.33"] = torch.zeros(33, 2, dtype=torch.float64)  # saved as float32
+    target["t4.7"] = torch.zeros(2, 7, dtype=torch.int64).t()  # not contiguous
+    _load(saved, target, TieredLoadPlanner())
+    assert target["t3.33"].dtype == torch.float64
+    assert torch.equal(target["t3.33"], state["t3.33"].double())
+    assert torch.equal(target["t4.7"], state["t4.7"])
+    empty = sum(1 for v in target.values() if not v.numel())
+    assert len(copies) == len(target) - 2 - empty  # those two went through DCP's copy_
+
+    vanilla = {k: torch.zeros_like(v) for k, v in state.items()}
+    copies.clear()
+    _load(saved, vanilla, DefaultLoadPlanner())  # vouches for nothing: every item delivered
+    assert all(torch.equal(vanilla[k], v) for k, v in state.items())
+    assert copies == []
+
+
+def test_a_flipped_byte_is_caught_before_it_reaches_the_target(saved, monkeypatch):
+    data = next(p for p in (saved / "step-1").iterdir() if p.name.endswith(".distcp"))
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x40
+    data.write_bytes(bytes(raw))
+    target = {k: torch.zeros_like(v) for k, v in _state().items()}
+    with pytest.raises(dcp.api.CheckpointException, match="IntegrityError|corrupt"):
+        _load(saved, target, TieredLoadPlanner())
