@@ -1,9 +1,10 @@
 """Training-loop throughput with each checkpointer against the same loop without one.
 
 The loop of ``bench_manager.py`` (a CPU model, AdamW, a step of about --step-secs). Each
-checkpointer saves as its users would: ours and DLRover to host memory every step and to disk
-every 10; torch-checkpointing (no memory tier) and DCP (``async_save`` + ``FileSystemWriter``)
-to disk every 10 steps, asynchronously. The time includes waiting, at the end, for the last save.
+checkpointer saves as its users would, and ours at each peer's cadence: ours and DLRover to
+host memory every step and to disk every 10; ``ours-disk`` (no memory tier), torch-checkpointing
+(which has none) and DCP (``async_save`` + ``FileSystemWriter``) to disk every 10 steps,
+asynchronously. The time includes waiting, at the end, for the last save.
 
 Each loop with a checkpointer is paired with a loop without one run just before it, and its
 figure is the median over the rounds of (its steps/s / its pair's), with the spread (min–max):
@@ -56,12 +57,17 @@ def loop(name: str, train: Train, steps: int, every: int, work: Path, peers: dic
     shm = Path(tempfile.mkdtemp(prefix="dcp-tiered-train-", dir="/dev/shm"))
     lock = nullcontext()
     save, finish = (lambda i: None), (lambda: None)
-    if name == "ours":
+    if name in ("ours", "ours-disk"):
+        memory = name == "ours"  # ours-disk: the disk cadence of DCP and torch-checkpointing
         mgr = CheckpointManager(
-            memory=shm,
+            memory=shm if memory else None,
             local=work / "ours",
             events=None,
-            policy=SavePolicy(memory=Every(steps=1), local=Every(steps=every), remote=None),
+            policy=SavePolicy(
+                memory=Every(steps=1) if memory else None,
+                local=Every(steps=every),
+                remote=None,
+            ),
         )
         save, finish = (lambda i: mgr.save(i, train.state())), mgr.close
     elif name == "dlrover":
@@ -135,7 +141,7 @@ def main() -> None:
     torch.set_num_threads(1)
     init_single_rank()
     found = available()
-    names = ["none", "ours", "dcp"] + [
+    names = ["none", "ours", "ours-disk", "dcp"] + [
         n for n in ("dlrover", "torch-checkpointing") if found.get(n)
     ]
     peers = {}  # one instance of each for the whole run (they keep processes)

@@ -119,5 +119,8 @@ def test_peer_benchmarks_run_without_the_peers(tmp_path):
     if not result["machine"]["peers"]["s3torchconnector"]:
         assert rows["S3 restore vs s3torchconnector"]["2k"]["text"] == "not installed"
     assert result["s3"]["2k"]["samples"]["s3_ours_restore"][0] > 0
-    assert result["training"]["vs_none"]["ours"] > 0
+    assert (
+        result["training"]["vs_none"]["ours"] > 0 and result["training"]["vs_none"]["ours-disk"] > 0
+    )
+    assert result["training"]["verdicts"]["dcp"] in (True, False)  # ours-disk against DCP
     assert not list(tmp_path.glob("dcp-tiered-peers-*"))  # the work directory is removed
