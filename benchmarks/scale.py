@@ -8,7 +8,7 @@ and step, FSDP2 dim-0 sharding or FSDP2 + TP 8, 8 ranks per node):
     rank 0       DefaultSavePlanner.create_global_plan -> TieredStorageWriter.prepare_global_plan
     every rank   DefaultSavePlanner.finish_plan; WriteResults built as _write_file builds them
                  (same file split, names and ItemLocations; no bytes are written)
-    rank 0       manifest.build, _vanilla_metadata, commit.write_step_files, Handshake.coordinate
+    rank 0       describe (manifest.build, vanilla_metadata), commit.write_step_files, Handshake.coordinate
     one rank     manifest.parse, DefaultLoadPlanner's local plan, reader.prepare_local_plan
 
 and the same layouts through vanilla DCP (DefaultSavePlanner + FileSystemWriter), with and
@@ -74,7 +74,6 @@ from dcp_tiered import (
     TieredSavePlanner,
     TieredStorageReader,
     TieredStorageWriter,
-    _gc,
     _torch_compat,
 )
 from dcp_tiered._version import __version__
@@ -82,7 +81,9 @@ from dcp_tiered.errors import ConfigError
 from dcp_tiered.item_writer import split_by_size
 from dcp_tiered.policy import integrity, layout, manifest
 from dcp_tiered.tiers import commit
-from dcp_tiered.writer import _planned_bytes, _vanilla_metadata
+from dcp_tiered.writer import _planned_bytes
+from dcp_tiered.writer._describe import describe
+from dcp_tiered.writer._plan import SaveInfo
 
 MiB, GiB = 2**20, 2**30
 RANKS_PER_NODE = 8
@@ -596,25 +597,12 @@ def run_ours(
             results.append(write_results(final, rank, thread_count, framing, planner, True))
         out["results_gathered_bytes"] = _pickled_all(results) if not trace else None
         lay, save = global_plans[0].storage_data, coord._facts
-        node_of = lay.node_of
         # finish(): what it computes, then the files it writes and the node handshake.
         started = time.perf_counter()
+        timings: dict[str, float] = {}
+        built, metadata_bytes = describe(SaveInfo(lay, save), metadata, results, timings)
+        build_s, pickle_s = timings["manifest_build_s"], timings["metadata_pickle_s"]
         locations = {wr.index: wr.storage_data for rs in results for wr in rs}
-        with _gc.paused():  # as finish() does
-            built = manifest.build(
-                step=save.step,
-                save_id=save.save_id,
-                world_size=lay.world_size,
-                nodes=[[r for r, n in enumerate(node_of) if n == k] for k in sorted(set(node_of))],
-                committed_at_ns=time.time_ns(),
-                metadata=metadata,
-                locations=locations,
-                versions={"dcp_tiered": __version__, "torch": torch.__version__},
-                promote=save.promote,
-            )
-            build_s = time.perf_counter() - started
-            metadata_bytes = _vanilla_metadata(metadata, locations, save.step)
-        pickle_s = time.perf_counter() - started - build_s
         tmp = work / "node0" / layout.tmp_dir_name(save.step, save.save_id)
         tmp.mkdir(parents=True, exist_ok=True)
         files = {layout.DCP_METADATA_NAME: metadata_bytes, **built.files_for(None)}

@@ -45,7 +45,6 @@ from ..staging import DoubleBufferStager
 from ..tiers import ownership, uploads
 from ..tiers.local import LocalTier
 from . import _commit, _datafile, _describe, _plan
-from ._describe import vanilla_metadata as _vanilla_metadata  # noqa: F401 (benchmarks/scale.py)
 from ._plan import RankInfo, SaveFacts, SaveInfo
 from ._plan import planned_bytes as _planned_bytes  # noqa: F401 (benchmarks/scale.py)
 from ._staging import StagingRole
