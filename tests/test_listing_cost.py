@@ -9,6 +9,7 @@ import torch.distributed.checkpoint as dcp
 from dcp_tiered import TieredStorageReader, TieredStorageWriter
 from dcp_tiered.backends.local import LocalBackend
 from dcp_tiered.policy import manifest
+from dcp_tiered.tiers import local as local_tier
 from dcp_tiered.tiers.local import LocalTier
 
 
@@ -34,6 +35,7 @@ def _counting(monkeypatch) -> dict[str, int]:
 
 
 def test_a_named_restore_reads_one_index_and_no_other_steps_manifest(tmp_path, monkeypatch):
+    monkeypatch.setattr(local_tier, "_SETTLED_NS", -(10**12))  # fresh files may be cached too
     with TieredStorageWriter(tmp_path, sync_files=False) as writer:
         for k in range(6):
             dcp.save(_state(k), checkpoint_id=f"step-{k}", storage_writer=writer, no_dist=True)
@@ -51,10 +53,12 @@ def test_a_named_restore_reads_one_index_and_no_other_steps_manifest(tmp_path, m
         target, checkpoint_id="latest", storage_reader=TieredStorageReader(tmp_path), no_dist=True
     )
     assert all(torch.equal(target[n], t) for n, t in _state(5).items())
-    assert calls["parse"] == 1 and calls["head"] == 6, calls  # 'latest' lists heads only
+    # 'latest' lists heads only, and step-2's is known already (same file version)
+    assert calls["parse"] == 1 and calls["head"] == 5, calls
 
 
 def test_a_listing_decodes_no_index(tmp_path, monkeypatch):
+    monkeypatch.setattr(local_tier, "_SETTLED_NS", -(10**12))  # fresh files may be cached too
     with TieredStorageWriter(tmp_path, sync_files=False) as writer:
         for k in range(3):
             dcp.save(_state(k), checkpoint_id=f"step-{k}", storage_writer=writer, no_dist=True)
@@ -68,3 +72,22 @@ def test_a_listing_decodes_no_index(tmp_path, monkeypatch):
     ]
     assert all(s.verified_format and s.as_saved and s.committed_at_ns > 0 for s in listed)
     assert calls == {"parse": 0, "head": 3}, calls
+    assert tier.steps() == listed and calls["head"] == 3  # listed again: a stat per step
+
+
+def test_a_manifest_rewritten_in_place_is_read_again(tmp_path):
+    """The head cache holds only files left alone for a while (their version then changes
+    with any rewrite): a manifest tampered with in place right after it was read, in the same
+    tick of the file clock, is read again, and so is the restored original."""
+    with TieredStorageWriter(tmp_path, sync_files=False) as writer:
+        dcp.save(_state(1), checkpoint_id="step-1", storage_writer=writer, no_dist=True)
+    tier = LocalTier(LocalBackend(tmp_path))
+    first = tier.info("step-1")
+    assert first is not None and first.verified_format and first.committed_at_ns > 0
+    path = tmp_path / "step-1" / "manifest.json"
+    data = path.read_bytes()
+    path.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # in place: the seal no longer holds
+    broken = tier.info("step-1")
+    assert broken is not None and broken.committed_at_ns == -1  # unreadable, as listed before
+    path.write_bytes(data)
+    assert tier.info("step-1") == first

@@ -17,7 +17,7 @@ import stat
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple
 
 import torch
 
@@ -154,6 +154,22 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class FileVersion(NamedTuple):
+    """Which bytes a path holds: a file written aside and renamed into place (as every record
+    of ours is) gets a new inode and change time, and one rewritten in place a new change
+    time (which no unprivileged writer sets back)."""
+
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+
+def _version(st: os.stat_result) -> FileVersion:
+    return FileVersion(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 class LocalBackend:
@@ -407,6 +423,34 @@ class LocalBackend:
                     str(self._child(*names)),
                 )
             return f.read()
+
+    def read_file_version(
+        self, *names: str, limit: int | None = None
+    ) -> tuple[bytes, FileVersion | None]:
+        """:meth:`read_file`, with the version of the file those bytes are (None if it
+        changed while it was read): for caching what is parsed from a file that is never
+        rewritten in place, as :meth:`version` will tell."""
+        with self.open_read(*names) as f:
+            before = _version(os.fstat(f.fileno()))
+            if limit is not None and before.size > limit:
+                raise OSError(
+                    errno.EFBIG,
+                    f"{before.size} bytes, more than the {limit} such a file of ours ever holds; "
+                    "not read",
+                    str(self._child(*names)),
+                )
+            data = f.read()
+            after = _version(os.fstat(f.fileno()))
+        return data, (before if before == after else None)
+
+    def version(self, *names: str) -> FileVersion | None:
+        """The version of regular file ``names`` (see :class:`FileVersion`); None if there is
+        no regular file there."""
+        try:
+            st = os.lstat(self._child(*names))
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        return _version(st) if stat.S_ISREG(st.st_mode) else None
 
     def open_read(self, *names: str) -> BinaryIO:
         """Open a plain file of ours for reading. Links are never followed (they could lead

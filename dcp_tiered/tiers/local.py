@@ -10,7 +10,7 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ..backends.local import LocalBackend
+from ..backends.local import FileVersion, LocalBackend
 from ..errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -45,6 +45,13 @@ class StepInfo:
         if record is None:
             return Owner.UNOWNED if self.run_id is None else Owner.FOREIGN
         return record.owner(self.run_id, self.name, self.save_id)
+
+
+# (manifest path, its file version) -> its head: see LocalTier.read_head. Bounded (a root
+# holds a few steps; a process may look at many roots).
+_HEADS: dict[tuple[str, FileVersion], manifest.ManifestHead] = {}
+_MAX_HEADS = 4096
+_SETTLED_NS = 2 * 10**9  # a file unchanged this long may be cached by its version
 
 
 class LocalTier:
@@ -204,17 +211,32 @@ class LocalTier:
 
     def read_head(self, step: str) -> manifest.ManifestHead:
         """Whose save of which step ``step`` holds, and when it was committed: its manifest's
-        head, without decoding the index (see :func:`manifest.parse_head`)."""
-        return manifest.parse_head(
-            self._read_meta(step, layout.MANIFEST_NAME), where=self._where(step)
-        )
+        head, without decoding the index (see :func:`manifest.parse_head`). A manifest is
+        written once and renamed into place, so its head is kept per file version: listing
+        a root again (each save's housekeeping) costs a stat per step, not a parse."""
+        where = self._where(step)
+        version = self.backend.version(step, layout.MANIFEST_NAME)
+        if version is not None and (found := _HEADS.get((where, version))) is not None:
+            return found
+        data, version = self._read_meta_version(step, layout.MANIFEST_NAME)
+        head = manifest.parse_head(data, where=where)
+        # Only a file left alone for a while: file times tick in jiffies, so a file rewritten
+        # in place twice within one could keep its version (git's "racy" index entries)
+        if version is not None and time.time_ns() - version.ctime_ns > _SETTLED_NS:
+            if len(_HEADS) >= _MAX_HEADS:
+                _HEADS.clear()
+            _HEADS[(where, version)] = head
+        return head
 
     def _where(self, step: str, name: str = layout.MANIFEST_NAME) -> str:
         return os.path.join(self.root, step, name)
 
     def _read_meta(self, step: str, name: str) -> bytes:
+        return self._read_meta_version(step, name)[0]
+
+    def _read_meta_version(self, step: str, name: str) -> tuple[bytes, FileVersion | None]:
         try:
-            return self.backend.read_file(step, name, limit=records.MAX_MANIFEST_BYTES)
+            return self.backend.read_file_version(step, name, limit=records.MAX_MANIFEST_BYTES)
         except FileNotFoundError:
             raise
         except OSError as e:  # a link, FIFO or device where the manifest should be
