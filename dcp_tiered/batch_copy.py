@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
-from operator import attrgetter
+from operator import attrgetter, methodcaller
 from typing import Any
 
 import torch
@@ -22,7 +22,7 @@ import torch
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _PLAIN_TENSOR_TYPES = frozenset(_PLAIN_TENSORS)
 _SIMPLE = (int, float, str, bytes, bool, type(None))
-_size = torch.Tensor.size
+_size = methodcaller("size")
 _dtype = attrgetter("dtype")
 
 
