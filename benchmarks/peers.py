@@ -52,7 +52,7 @@ LOCAL_ROWS = [
 ]
 S3_ROWS = [
     ("S3 time to durable vs s3torchconnector", "s3_ours_durable", "s3_s3t_durable", 0.9),
-    ("S3 restore vs s3torchconnector", "s3_ours_restore", "s3_s3t_restore", 0.9),
+    ("S3 restore vs s3torchconnector", "s3_ours_restore", "s3_s3t_restore", 0.8),
 ]
 PEER_OF = {
     "dcp_restore": "DCP",
