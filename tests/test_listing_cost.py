@@ -34,11 +34,16 @@ def _counting(monkeypatch) -> dict[str, int]:
     return calls
 
 
-def test_a_named_restore_reads_one_index_and_no_other_steps_manifest(tmp_path, monkeypatch):
-    monkeypatch.setattr(local_tier, "_SETTLED_NS", -(10**12))  # fresh files may be cached too
-    with TieredStorageWriter(tmp_path, sync_files=False) as writer:
-        for k in range(6):
+def _saved(root, count: int, monkeypatch) -> None:
+    """Steps step-0 .. step-<count-1> in ``root``, their heads cacheable although fresh."""
+    monkeypatch.setattr(local_tier, "_SETTLED_NS", -(10**12))
+    with TieredStorageWriter(root, sync_files=False) as writer:
+        for k in range(count):
             dcp.save(_state(k), checkpoint_id=f"step-{k}", storage_writer=writer, no_dist=True)
+
+
+def test_a_named_restore_reads_one_index_and_no_other_steps_manifest(tmp_path, monkeypatch):
+    _saved(tmp_path, 6, monkeypatch)
     calls = _counting(monkeypatch)
     target = _state(-1.0)
     dcp.load(
@@ -58,10 +63,7 @@ def test_a_named_restore_reads_one_index_and_no_other_steps_manifest(tmp_path, m
 
 
 def test_a_listing_decodes_no_index(tmp_path, monkeypatch):
-    monkeypatch.setattr(local_tier, "_SETTLED_NS", -(10**12))  # fresh files may be cached too
-    with TieredStorageWriter(tmp_path, sync_files=False) as writer:
-        for k in range(3):
-            dcp.save(_state(k), checkpoint_id=f"step-{k}", storage_writer=writer, no_dist=True)
+    _saved(tmp_path, 3, monkeypatch)
     calls = _counting(monkeypatch)
     tier = LocalTier(LocalBackend(tmp_path))
     listed = tier.steps()
