@@ -105,6 +105,10 @@ class TieredLoadPlanner(DefaultLoadPlanner):
             if (
                 obj.dtype == md.properties.dtype  # else copy_ converts, as DCP does
                 and obj.device.type == "cpu"
+                and obj.layout == torch.strided
+                and not obj.is_quantized
+                and not obj.is_conj()  # bits that make its memory differ from its value
+                and not obj.is_neg()
                 and obj.is_contiguous()
             ):
                 raw[fqn] = obj.detach()

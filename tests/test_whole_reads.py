@@ -22,7 +22,10 @@ def _state() -> dict[str, torch.Tensor]:
         [torch.int8, torch.bfloat16, torch.float16, torch.float32, torch.int64, torch.complex128]
     ):
         for n in (1, 3, 7, 0, 33):
-            out[f"t{i}.{n}"] = (torch.randn(n, 2, generator=g) * 50).to(dtype)
+            value = (torch.randn(n, 2, generator=g) * 50).to(dtype)
+            if dtype.is_complex:  # a nonzero imaginary part: a conjugate view would show it
+                value = value + 1j * torch.randn(n, 2, generator=g, dtype=torch.float64)
+            out[f"t{i}.{n}"] = value
     out["bool"] = torch.rand(17, generator=g) > 0.5
     out["scalar"] = torch.tensor(7.25)
     return out
@@ -75,12 +78,15 @@ def test_other_dtypes_and_layouts_are_converted_as_dcp_converts(saved, monkeypat
     target = {k: torch.zeros_like(v) for k, v in state.items()}
     target["t3.33"] = torch.zeros(33, 2, dtype=torch.float64)  # saved as float32
     target["t4.7"] = torch.zeros(2, 7, dtype=torch.int64).t()  # not contiguous
+    conj = torch.zeros(7, 2, dtype=torch.complex128).conj()  # its memory holds the conjugate
+    target["t5.7"] = conj
     _load(saved, target, TieredLoadPlanner())
     assert target["t3.33"].dtype == torch.float64
     assert torch.equal(target["t3.33"], state["t3.33"].double())
     assert torch.equal(target["t4.7"], state["t4.7"])
+    assert torch.equal(conj, state["t5.7"])  # its value, not its memory, is the saved one
     empty = sum(1 for v in target.values() if not v.numel())
-    assert len(copies) == len(target) - 2 - empty  # those two went through DCP's copy_
+    assert len(copies) == len(target) - 3 - empty  # those three went through DCP's copy_
 
     vanilla = {k: torch.zeros_like(v) for k, v in state.items()}
     copies.clear()
