@@ -36,24 +36,32 @@ def copy_into(
     *,
     non_blocking: bool = False,
     on_value: Callable[[Any, Any], Any] | None = None,
+    descriptions: Descriptions | None = None,
 ) -> Any:
     """Copy every tensor of ``state`` into the tensor at the same place of ``buffers`` (same
     shape and dtype) in one batched copy; returns ``state``'s structure holding the buffers'
     tensors. A non-tensor value is deep-copied (immutable ones kept), or, with ``on_value``,
     replaced by ``on_value(buffers' leaf there, value)``. Raises Mismatch, having copied
-    nothing, where ``state`` does not fit."""
-    out, dsts, srcs = pair(state, buffers, on_value=on_value)
+    nothing, where ``state`` does not fit. ``descriptions``: kept by the owner of ``buffers``
+    for as long as it reuses them (:func:`new_descriptions`), so that later copies into them
+    skip describing them again."""
+    out, dsts, srcs = pair(state, buffers, on_value=on_value, descriptions=descriptions)
     copy_all(dsts, srcs, non_blocking=non_blocking)
     return out
 
 
 def pair(
-    state: Any, buffers: Any, *, on_value: Callable[[Any, Any], Any] | None = None
+    state: Any,
+    buffers: Any,
+    *,
+    on_value: Callable[[Any, Any], Any] | None = None,
+    descriptions: Descriptions | None = None,
 ) -> tuple[Any, list[torch.Tensor], list[torch.Tensor]]:
     """What :func:`copy_into` copies, without copying: (result, destinations, sources)."""
     dsts: list[torch.Tensor] = []
     srcs: list[torch.Tensor] = []
-    return _pair(state, buffers, dsts, srcs, on_value), dsts, srcs
+    known = {} if descriptions is None else descriptions
+    return _pair(state, buffers, dsts, srcs, on_value, known), dsts, srcs
 
 
 def copy_all(
@@ -70,6 +78,7 @@ def _pair(
     dsts: list[torch.Tensor],
     srcs: list[torch.Tensor],
     on_value: Callable[[Any, Any], Any] | None,
+    known: Descriptions,
 ) -> Any:
     kind = type(obj)
     if kind in _PLAIN_TENSORS:
@@ -81,17 +90,17 @@ def _pair(
     if kind is dict:
         if type(buf) is not dict or len(buf) != len(obj):
             raise Mismatch
-        flat = _pair_tensor_dict(obj, buf, dsts, srcs)
+        flat = _pair_tensor_dict(obj, buf, dsts, srcs, known)
         if flat is not None:
             return flat
         try:
-            return {k: _pair(v, buf[k], dsts, srcs, on_value) for k, v in obj.items()}
+            return {k: _pair(v, buf[k], dsts, srcs, on_value, known) for k, v in obj.items()}
         except KeyError:
             raise Mismatch from None
     if kind is list or kind is tuple:
         if type(buf) not in (list, tuple) or len(buf) != len(obj):
             raise Mismatch
-        items = [_pair(v, b, dsts, srcs, on_value) for v, b in zip(obj, buf)]
+        items = [_pair(v, b, dsts, srcs, on_value, known) for v, b in zip(obj, buf)]
         return items if kind is list else tuple(items)
     if isinstance(obj, (torch.Tensor, dict, list, tuple)) or isinstance(buf, torch.Tensor):
         raise Mismatch  # a subclass (the general path), or a tensor that became a value
@@ -101,7 +110,11 @@ def _pair(
 
 
 def _pair_tensor_dict(
-    obj: dict[Any, Any], buf: dict[Any, Any], dsts: list[torch.Tensor], srcs: list[torch.Tensor]
+    obj: dict[Any, Any],
+    buf: dict[Any, Any],
+    dsts: list[torch.Tensor],
+    srcs: list[torch.Tensor],
+    known: Descriptions,
 ) -> dict[Any, Any] | None:
     """A dict of plain tensors only (a module's or an optimizer's flat state, thousands of
     entries) paired by C-level maps, not a Python call per tensor: the buffers' side is
@@ -110,7 +123,7 @@ def _pair_tensor_dict(
     values = list(obj.values())
     if not values or not set(map(type, values)) <= _PLAIN_TENSOR_TYPES:
         return None
-    described = _described(buf)
+    described = _described(buf, known)
     if described.keys != list(obj):
         return None  # other keys, or the same in another order: the general walk decides
     if described.sizes != list(map(_size, values)) or described.dtypes != list(map(_dtype, values)):
@@ -131,23 +144,24 @@ class _Described:
     dtypes: list[torch.dtype]
 
 
-# id of a buffers dict -> its description. Buffers are made once and reused every save
-# (staging, the memory tier), so this holds one entry per dict of them; a dict that went away
-# and whose id came back is told apart by ``of``.
-_DESCRIPTIONS: dict[int, _Described] = {}
-_MAX_DESCRIPTIONS = 4096
+# id of a buffers dict -> its description (holding the dict, so the id stays its own)
+Descriptions = dict[int, _Described]
 
 
-def _described(buf: dict[Any, Any]) -> _Described:
-    found = _DESCRIPTIONS.get(id(buf))
+def _described(buf: dict[Any, Any], known: Descriptions) -> _Described:
+    found = known.get(id(buf))
     if found is not None and found.of is buf and len(found.keys) == len(buf):
         return found
     tensors = list(buf.values())
     if set(map(type, tensors)) != {torch.Tensor}:
         raise Mismatch
-    if len(_DESCRIPTIONS) >= _MAX_DESCRIPTIONS:
-        _DESCRIPTIONS.clear()
-    found = _DESCRIPTIONS[id(buf)] = _Described(
+    found = known[id(buf)] = _Described(
         buf, list(buf), tensors, list(map(_size, tensors)), list(map(_dtype, tensors))
     )
     return found
+
+
+def new_descriptions() -> Descriptions:
+    """A cache of buffer descriptions for :func:`copy_into` and :func:`pair`, for the owner
+    of the buffers to keep beside them (and drop with them: it holds them)."""
+    return {}

@@ -80,13 +80,18 @@ class _Slot:
     seq: int = 0
     threads: list[threading.Thread] = field(default_factory=list)
     batched: bool = False  # the buffers' structure is one batch_copy copies into
+    # batch_copy's descriptions of these buffers: replaced with them, so they hold no old ones
+    described: batch_copy.Descriptions = field(default_factory=batch_copy.new_descriptions)
 
 
-def _copy_batched(state_dict: dict[str, Any], buffers: Any, cuda: bool) -> Any:
-    """``state_dict`` copied into ``buffers`` in one batched copy, or None (nothing copied)
-    where it does not fit them or holds distributed tensors (DCP's helpers copy those)."""
+def _copy_batched(state_dict: dict[str, Any], slot: _Slot, cuda: bool) -> Any:
+    """``state_dict`` copied into the slot's buffers in one batched copy, or None (nothing
+    copied) where it does not fit them or holds distributed tensors (DCP's helpers copy
+    those)."""
     try:
-        return batch_copy.copy_into(state_dict, buffers, non_blocking=cuda)
+        return batch_copy.copy_into(
+            state_dict, slot.buffers, non_blocking=cuda, descriptions=slot.described
+        )
     except batch_copy.Mismatch:
         return None
 
@@ -142,7 +147,7 @@ class DoubleBufferStager:
         cuda = torch.cuda.is_available()
         staged = None
         if slot.buffers is not None and slot.batched:  # the same structure as last time?
-            staged = _copy_batched(state_dict, slot.buffers, cuda)
+            staged = _copy_batched(state_dict, slot, cuda)
         if staged is None:
             signature = _signature(state_dict)
             if slot.buffers is None or signature != slot.signature:
@@ -151,7 +156,8 @@ class DoubleBufferStager:
                 )
                 slot.signature = signature
                 slot.nbytes = state_bytes(state_dict)
-            staged = _copy_batched(state_dict, slot.buffers, cuda)
+                slot.described = batch_copy.new_descriptions()
+            staged = _copy_batched(state_dict, slot, cuda)
             slot.batched = staged is not None
         if staged is None:
             assert slot.buffers is not None  # allocated above
@@ -191,6 +197,7 @@ class DoubleBufferStager:
                     "not be reused for it"
                 )
                 slot.buffers, slot.signature = None, None
+                slot.described = batch_copy.new_descriptions()
 
     # ------------------------------------------------------------ ordering
 

@@ -164,8 +164,9 @@ def test_a_dict_of_tensors_is_checked_as_closely_as_the_general_walk():
     names = [f"layer{i}.w" for i in range(50)]
     src = {n: torch.full((i + 1,), float(i)) for i, n in enumerate(names)}
     buf = {n: torch.zeros(i + 1) for i, n in enumerate(names)}
+    known = batch_copy.new_descriptions()
     for _ in range(2):  # the second call uses the cached description of ``buf``
-        out = batch_copy.copy_into(src, buf)
+        out = batch_copy.copy_into(src, buf, descriptions=known)
         assert list(out) == names and all(out[n] is buf[n] for n in names)
         assert all(torch.equal(buf[n], src[n]) for n in names)
     shapes = dict(src, **{"layer3.w": torch.ones(1, 4)})  # same numel, another shape
@@ -175,15 +176,17 @@ def test_a_dict_of_tensors_is_checked_as_closely_as_the_general_walk():
     for bad in (shapes, dtypes, renamed, value):
         for t in buf.values():
             t.zero_()
-        with pytest.raises(batch_copy.Mismatch):
-            batch_copy.copy_into(bad, buf)
-        assert not any(t.any() for t in buf.values())  # nothing copied
+        for cache in (known, None):  # with the description kept, and made anew
+            with pytest.raises(batch_copy.Mismatch):
+                batch_copy.copy_into(bad, buf, descriptions=cache)
+            assert not any(t.any() for t in buf.values())  # nothing copied
     reordered = dict(reversed(list(src.items())))  # the general walk pairs it by key
-    out = batch_copy.copy_into(reordered, buf)
+    out = batch_copy.copy_into(reordered, buf, descriptions=known)
     assert all(out[n] is buf[n] and torch.equal(buf[n], src[n]) for n in names)
     other = {n: torch.zeros(i + 2) for i, n in enumerate(names)}  # new buffers, new shapes
     with pytest.raises(batch_copy.Mismatch):
-        batch_copy.copy_into(src, other)
+        batch_copy.copy_into(src, other, descriptions=known)
+    assert set(known) == {id(buf), id(other)}  # each dict described once, by its owner's cache
 
 
 def test_an_unchanged_structure_reuses_the_local_plan(tmp_path, monkeypatch):
@@ -248,3 +251,20 @@ def test_the_load_planner_makes_dcps_read_items_without_its_search(tmp_path, mon
     assert torch.equal(target["w"], src["w"]) and target["o"]["step"] == 3
     with pytest.raises(ValueError, match="Size mismatch"):  # DCP's own check, as before
         plan(TieredLoadPlanner(), {"w": torch.zeros(5, 3)})
+
+
+def test_a_batched_copy_keeps_no_buffers_alive():
+    """Descriptions live with their owner: buffers dropped by it (a writer closed, a new
+    structure staged) are freed, whatever batch_copy saw of them."""
+    import gc
+    import weakref
+
+    src = {f"w{i}": torch.ones(4) for i in range(10)}
+    buf = {f"w{i}": torch.zeros(4) for i in range(10)}
+    gone = weakref.ref(buf["w3"])
+    known = batch_copy.new_descriptions()
+    batch_copy.copy_into(src, buf, descriptions=known)
+    batch_copy.copy_into(src, buf)
+    del buf, known
+    gc.collect()
+    assert gone() is None

@@ -142,7 +142,9 @@ class MemoryTier:
         if plan is None:
             return None
         try:
-            _, dsts, srcs = batch_copy.pair(state, plan.tree, on_value=objects.__setitem__)
+            _, dsts, srcs = batch_copy.pair(
+                state, plan.tree, on_value=objects.__setitem__, descriptions=plan.described
+            )
         except batch_copy.Mismatch:
             objects.clear()
             return None

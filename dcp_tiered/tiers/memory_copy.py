@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,6 +26,8 @@ class CopyPlan:
 
     tree: Any  # the state's structure, its slot views at the tensors, keys at the values
     batches: list[tuple[int, int, int]]  # (first, end) tensors, chunks complete after them
+    # batch_copy's descriptions of the tree's dicts of views (dropped with the plan)
+    described: batch_copy.Descriptions = field(default_factory=batch_copy.new_descriptions)
 
 
 def plan(
