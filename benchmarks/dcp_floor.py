@@ -31,10 +31,10 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.futures import Future
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
@@ -225,17 +225,16 @@ def main() -> None:
     print(f"{states.NAMES[a.state]}, {nbytes / 2**20:.0f} MiB, medians of {a.runs} (seconds):")
     for k, v in med.items():
         print(f"  {k:16s} {v:8.4f}")
+    r = {k: v / med["dd"] for k, v in med.items()}
+    c = {k: v / med["cold_read"] for k, v in med.items()}
     print(
-        "  DCP save floor / dd        %.2f   (ours / dd %.2f)"
-        % (med["dcp_save_floor"] / med["dd"], med["ours_commit"] / med["dd"])
+        f"  DCP save floor / dd          {r['dcp_save_floor']:.2f}   (ours / dd {r['ours_commit']:.2f})"
     )
     print(
-        "  DCP load floor / cold read %.2f   (ours / cold read %.2f)"
-        % (med["dcp_load_floor"] / med["cold_read"], med["ours_restore"] / med["cold_read"])
+        f"  DCP load floor / cold read   {c['dcp_load_floor']:.2f}   (ours {c['ours_restore']:.2f})"
     )
     print(
-        "  ours, no storage / dd       %.2f   / cold read %.2f"
-        % (med["planners_save"] / med["dd"], med["planners_load"] / med["cold_read"])
+        f"  our planners, no storage     {r['planners_save']:.2f} x dd, {c['planners_load']:.2f} x cold read"
     )
     if a.json:
         Path(a.json).write_text(json.dumps({"state": a.state, "samples": samples}))
