@@ -53,6 +53,10 @@ class TieredLoadPlanner(DefaultLoadPlanner):
         super().__init__(*args, **kwargs)
         self._reader = reader
 
+    def set_up_planner(self, *args: Any, **kwargs: Any) -> None:
+        with _gc.paused():  # DCP flattens the state: objects per item, none in cycles
+            super().set_up_planner(*args, **kwargs)
+
     def create_local_plan(self) -> LoadPlan:
         with _gc.paused():  # one object per item, none in cycles: see _gc
             items = self._whole_items()

@@ -7,7 +7,8 @@ plan caching with ``enable_plan_caching=True``) with two changes on the coordina
 - the global plan's check is :func:`dcp_tiered.policy.chunk_grid.plan_errors`: one pass per
   tensor for grid-sharded tensors (FSDP, TP, both), where DCP's compares N²/2 chunk pairs for
   every tensor whose longest dimension is not the sharded one;
-- the global planning runs with cyclic garbage collection paused (:mod:`dcp_tiered._gc`);
+- the global planning runs with cyclic garbage collection paused (:mod:`dcp_tiered._gc`), as
+  does the flattening of the state on every rank (``TieredLoadPlanner`` pauses it too);
 
 and one on every rank: a save of the same structure as the last one (the same keys, shapes,
 dtypes and nesting, plain tensors and values only) reuses the last local plan instead of
@@ -71,6 +72,10 @@ class TieredSavePlanner(DefaultSavePlanner):
         super().__init__(*args, **kwargs)
         if cache_key is not None:
             self._cached_plans_key = f"{type(self).__name__}:{cache_key}"
+
+    def set_up_planner(self, *args: Any, **kwargs: Any) -> None:
+        with _gc.paused():  # DCP flattens the state: objects per item, none in cycles
+            super().set_up_planner(*args, **kwargs)
 
     def create_local_plan(self) -> SavePlan:
         shape = _structure(self.state_dict, self.is_coordinator)

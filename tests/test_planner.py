@@ -148,3 +148,37 @@ def test_a_grid_is_recognised_in_any_order_and_a_missing_or_doubled_cell_is_not(
     if len(cells) > 1:
         assert not tiles_as_grid(size, cells[1:])
         assert not tiles_as_grid(size, [*cells[1:], cells[-1]])
+
+
+def test_both_planners_flatten_the_state_with_the_collector_paused(monkeypatch, tmp_path):
+    """DCP's flattening makes objects per item while the load's manifest (or the save's
+    plans) are alive: a full collection there walks them all (a quarter of a 20,000-tensor
+    restore's CPU). Both planners run it paused, and leave the collector as they found it."""
+    import gc
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import default_planner
+
+    from dcp_tiered import TieredLoadPlanner, TieredStorageReader, TieredStorageWriter
+
+    seen = []
+    original = default_planner.flatten_state_dict
+
+    def flatten(state):
+        seen.append(gc.isenabled())
+        return original(state)
+
+    monkeypatch.setattr(default_planner, "flatten_state_dict", flatten)
+    state = {"model": {f"w{i}": torch.full((4,), float(i)) for i in range(8)}}
+    with TieredStorageWriter(tmp_path) as writer:
+        dcp.save(state, checkpoint_id="step-1", storage_writer=writer, planner=TieredSavePlanner())
+    target = {"model": {f"w{i}": torch.zeros(4) for i in range(8)}}
+    dcp.load(
+        target,
+        checkpoint_id="step-1",
+        storage_reader=TieredStorageReader(tmp_path),
+        planner=TieredLoadPlanner(),
+    )
+    assert seen == [False, False]  # the save's flattening, then the load's
+    assert gc.isenabled()
+    assert torch.equal(target["model"]["w7"], state["model"]["w7"])
