@@ -159,7 +159,7 @@ class TieredStorageReader(LocalReads, StorageReader):
 
     def _locate(self, items: list[ReadItem]) -> None:
         """Merge the manifest sections that locate ``items`` (this node's own directory first,
-        then the remote's), and note each tensor chunk's shape for in-place reads."""
+        then the remote's)."""
         m = self._manifest
         if m is None:  # a vanilla step: every location is known already
             _canonical(items, self._locations)
@@ -169,13 +169,7 @@ class TieredStorageReader(LocalReads, StorageReader):
             m = self._merge_section(m, node)
         self._manifest = m
         self._locations.update(m.locations)
-        indices = _canonical(items, self._locations)
-        sdm = m.metadata.state_dict_metadata
-        for index in indices:
-            md = sdm.get(index.fqn)
-            if isinstance(md, TensorStorageMetadata) and index not in self._chunks:
-                chunk = md.chunks[manifest.chunk_ordinal(m.metadata, index)]
-                self._chunks[index] = (chunk.sizes, md.properties.dtype)
+        _canonical(items, self._locations)
 
     def _merge_section(self, m: manifest.Manifest, node: int) -> manifest.Manifest:
         assert self._step is not None

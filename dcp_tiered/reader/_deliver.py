@@ -53,9 +53,10 @@ class Delivery(VanillaSteps):
         """The stored chunk as a view of its verified raw bytes (no torch.load, no copy), when
         the manifest says where they are. The shape and dtype come from the manifest too."""
         loc = self._locations[index]
-        if loc.raw_offset is None or index not in self._chunks:
+        chunk = self._chunk(index)
+        if loc.raw_offset is None or chunk is None:
             return None
-        sizes, dtype = self._chunks[index]
+        sizes, dtype = chunk
         count = math.prod(sizes)
         if loc.raw_offset + count * dtype.itemsize > len(data):
             raise IntegrityError(
@@ -90,8 +91,9 @@ class Delivery(VanillaSteps):
                 f"{self._what(index)}: its stored bytes do not load as a tensor "
                 f"({type(e).__name__}: {str(e)[:200]}); restore the step from another tier"
             ) from e
-        if index in self._chunks:
-            sizes, dtype = self._chunks[index]
+        chunk = self._chunk(index)
+        if chunk is not None:
+            sizes, dtype = chunk
             return reader_checks.check_loaded_tensor(tensor, sizes, dtype, self._what(index))
         return tensor
 

@@ -228,10 +228,14 @@ class LocalReads(Delivery, RemoteReads):
     def _may_read_in_place(self, index: MetadataIndex, group: list[ReadItem]) -> bool:
         """Whether the saved item is a large tensor wanted whole (its target not yet known)."""
         loc = self._locations[index]
-        if loc.raw_offset is None or index not in self._chunks or len(group) != 1:
+        # the item's bytes hold the tensor's: a shorter item holds no large tensor
+        if loc.raw_offset is None or loc.length < _IN_PLACE_MIN_BYTES or len(group) != 1:
+            return False
+        chunk = self._chunk(index)
+        if chunk is None:
             return False
         item = group[0]
-        sizes, dtype = self._chunks[index]
+        sizes, dtype = chunk
         return (
             item.type == LoadItemType.TENSOR
             and not any(item.storage_offsets)
@@ -246,7 +250,9 @@ class LocalReads(Delivery, RemoteReads):
             return
         index, (item,) = r.groups[0]
         loc = self._locations[index]
-        sizes, dtype = self._chunks[index]
+        chunk = self._chunk(index)
+        assert chunk is not None  # in_place: _may_read_in_place found it
+        sizes, dtype = chunk
         target = planner.resolve_tensor(item).detach()
         r.target = target
         r.direct = (
