@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .. import batch_copy
+from .. import _torch_compat, batch_copy
 from .._priority import lower_this_thread
 from ..backends.local import LocalBackend
 from ..errors import CheckpointNotFoundError, IntegrityError, ManifestError
@@ -117,8 +117,11 @@ class MemoryTier:
                     tensors.append((path, leaf))
                 else:
                     objects[fmt.key(path)] = leaf
-            sig = tuple((path, t.dtype, t.shape) for path, t in tensors)
-            regions, size, buffer, views = self._buffer(slot, sig, lambda: fmt.layout(tensors))
+            on_gpu = any(t.is_cuda for _, t in tensors)
+            sig = (on_gpu, tuple((path, t.dtype, t.shape) for path, t in tensors))
+            regions, size, buffer, views = self._buffer(
+                slot, sig, lambda: fmt.layout(tensors), pin=on_gpu
+            )
             self._plans[slot] = memory_copy.plan(state, regions, views, buffer)
             dsts, srcs = views, [t for _, t in tensors]
         else:
@@ -168,16 +171,25 @@ class MemoryTier:
             return slot
 
     def _buffer(
-        self, slot: int, sig: Any, make_layout: Callable[[], tuple[list[fmt.Region], int]]
+        self,
+        slot: int,
+        sig: Any,
+        make_layout: Callable[[], tuple[list[fmt.Region], int]],
+        *,
+        pin: bool = False,
     ) -> tuple[list[fmt.Region], int, torch.Tensor, list[torch.Tensor]]:
         """The slot's layout, buffer and one view per tensor, made once per state structure
-        (``sig``): a snapshot every step then costs one copy per tensor and nothing else."""
+        (``sig``): a snapshot every step then costs one copy per tensor and nothing else.
+        ``pin``: a state on the GPU, whose copies need the mapping page-locked to run at the
+        bus's speed (measured on an H200: 1 GiB in 0.7-1.4 s into the plain mapping)."""
         cached = self._buffers.get(slot)
         if cached is None or cached[0] != sig:
             self._buffers.pop(slot, None)  # drop the old mapping before making the new one
             self._plans.pop(slot, None)  # its views are the old mapping's
             regions, size = make_layout()
             buffer = self.backend.map_file(_data(slot), size)
+            if pin:
+                _torch_compat.pin_host_memory(buffer)
             self._buffers[slot] = (sig, (regions, size, buffer, fmt.views(buffer, regions)))
         return self._buffers[slot][1]
 
