@@ -27,7 +27,9 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
+    STATE_DICT_TYPE,
     BytesStorageMetadata,
+    Metadata,
     MetadataIndex,
     TensorStorageMetadata,
 )
@@ -53,9 +55,14 @@ class TieredLoadPlanner(DefaultLoadPlanner):
         super().__init__(*args, **kwargs)
         self._reader = reader
 
-    def set_up_planner(self, *args: Any, **kwargs: Any) -> None:
+    def set_up_planner(
+        self,
+        state_dict: STATE_DICT_TYPE,
+        metadata: Metadata | None = None,
+        is_coordinator: bool = False,
+    ) -> None:
         with _gc.paused():  # DCP flattens the state: objects per item, none in cycles
-            super().set_up_planner(*args, **kwargs)
+            super().set_up_planner(state_dict, metadata, is_coordinator)
 
     def create_local_plan(self) -> LoadPlan:
         with _gc.paused():  # one object per item, none in cycles: see _gc

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.default_planner import (
     DefaultSavePlanner,
     create_default_global_save_plan,
 )
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan
 
 from . import _gc, _torch_compat
@@ -73,9 +73,15 @@ class TieredSavePlanner(DefaultSavePlanner):
         if cache_key is not None:
             self._cached_plans_key = f"{type(self).__name__}:{cache_key}"
 
-    def set_up_planner(self, *args: Any, **kwargs: Any) -> None:
+    # DCP passes storage_meta only to a signature that names it (else positionally without)
+    def set_up_planner(
+        self,
+        state_dict: STATE_DICT_TYPE,
+        storage_meta: StorageMeta | None = None,
+        is_coordinator: bool = False,
+    ) -> None:
         with _gc.paused():  # DCP flattens the state: objects per item, none in cycles
-            super().set_up_planner(*args, **kwargs)
+            super().set_up_planner(state_dict, storage_meta, is_coordinator)
 
     def create_local_plan(self) -> SavePlan:
         shape = _structure(self.state_dict, self.is_coordinator)

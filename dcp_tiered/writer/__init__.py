@@ -122,6 +122,7 @@ class TieredStorageWriter(StagingRole, TiersRole, StorageWriter):
         self.local_only_steps: set[str] = set()
         self._timings: dict[str, dict[str, float]] = {}
         self._save_ids: dict[str, str] = {}  # step -> id of this writer's last save of it
+        self._kept_metadata = _describe.KeptMetadata()  # the last .metadata, for the next
         self._step: str | None = None
         self._free_bytes = 0  # free on this rank's root when it planned this save
         self._facts: SaveFacts | None = None  # the coordinator's, from prepare_global_plan
@@ -160,6 +161,7 @@ class TieredStorageWriter(StagingRole, TiersRole, StorageWriter):
         state["_leading"] = None
         state["_uploader"] = None
         state["_watch"] = None
+        state["_kept_metadata"] = _describe.KeptMetadata()  # megabytes; one save's use
         return state
 
     def _watch_collective(self, phase: str | None) -> None:
@@ -390,7 +392,9 @@ class TieredStorageWriter(StagingRole, TiersRole, StorageWriter):
         started = time.perf_counter()
         save, (_, lock) = self._save, self._leading
         self._save = None
-        built, metadata_bytes = _describe.describe(save, metadata, results)
+        built, metadata_bytes = _describe.describe(
+            save, metadata, results, kept=self._kept_metadata
+        )
         try:
             _commit.coordinate(
                 self._tier,
