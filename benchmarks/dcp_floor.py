@@ -189,24 +189,17 @@ def main() -> None:
             timed("planners_save", planners_save)
             timed("ours_commit", lambda run=run: ours_save(f"s{run}"))
             timed("dd", dd)
-            timed(
-                "dcp_load_floor",
-                lambda: dcp.load(
-                    target,
-                    storage_reader=NullReader(NullWriter.metadata),
-                    planner=DefaultLoadPlanner(),
-                    process_group=pg,
-                ),
-            )
-            timed(
-                "planners_load",
-                lambda: dcp.load(
-                    target,
-                    storage_reader=NullReader(NullWriter.metadata),
-                    planner=TieredLoadPlanner(),
-                    process_group=pg,
-                ),
-            )
+            for name, planner in (
+                ("dcp_load_floor", DefaultLoadPlanner),
+                ("planners_load", TieredLoadPlanner),
+            ):
+                null = NullReader(NullWriter.metadata)
+                timed(
+                    name,
+                    lambda null=null, planner=planner: dcp.load(
+                        target, storage_reader=null, planner=planner(), process_group=pg
+                    ),
+                )
             drop_cache(step_dir)
             timed("cold_read", lambda: read_files(files))
             drop_cache(step_dir)
