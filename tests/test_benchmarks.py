@@ -124,3 +124,21 @@ def test_peer_benchmarks_run_without_the_peers(tmp_path):
     )
     assert result["training"]["verdicts"]["dcp"] in (True, False)  # ours-disk against DCP
     assert not list(tmp_path.glob("dcp-tiered-peers-*"))  # the work directory is removed
+
+
+def test_dcp_floor_runs_and_writes_every_figure(tmp_path):
+    """benchmarks/dcp_floor.py: DCP's own share beside ours, one quick run."""
+    out = tmp_path / "floor.json"
+    subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "dcp_floor.py"), "--state", "2k", "--quick"]
+        + ["--runs", "1", "--json", str(out)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    samples = json.loads(out.read_text())["samples"]
+    figures = {"dcp_save_floor", "planners_save", "ours_commit", "dd", "dcp_load_floor"}
+    figures |= {"planners_load", "cold_read", "ours_restore"}
+    assert set(samples) == figures
+    assert all(len(v) == 1 and v[0] > 0 for v in samples.values())
