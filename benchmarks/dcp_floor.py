@@ -130,6 +130,8 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json", help="write the samples here")
+    # on the disk the figures are about (not a tmpfs /tmp): benchmarks/results is ignored by git
+    p.add_argument("--dir", default=str(HERE / "results"), help="where to write the steps")
     a = p.parse_args()
     logging.getLogger("dcp_tiered").setLevel(logging.WARNING)
     torch.set_num_threads(1)
@@ -147,7 +149,8 @@ def main() -> None:
         fn()
         samples.setdefault(name, []).append(time.perf_counter() - t)
 
-    with tempfile.TemporaryDirectory(prefix="dcp-floor-", dir=str(HERE.parent)) as tmp:
+    Path(a.dir).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="dcp-floor-", dir=a.dir) as tmp:
         work = Path(tmp)
         writer = TieredStorageWriter(work / "ours")
         save_planner = DefaultSavePlanner(enable_plan_caching=True)

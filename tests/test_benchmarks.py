@@ -131,7 +131,7 @@ def test_dcp_floor_runs_and_writes_every_figure(tmp_path):
     out = tmp_path / "floor.json"
     subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "dcp_floor.py"), "--state", "2k", "--quick"]
-        + ["--runs", "1", "--json", str(out)],
+        + ["--runs", "1", "--json", str(out), "--dir", str(tmp_path)],
         check=True,
         capture_output=True,
         timeout=300,
