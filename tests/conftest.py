@@ -276,8 +276,11 @@ class S3:
     def __init__(self, endpoint: str, bucket: str, key: str, secret: str) -> None:
         self.endpoint, self.bucket, self.key, self.secret = endpoint, bucket, key, secret
 
-    def options(self, endpoint: str | None = None, read_timeout: float = 10) -> dict:
-        return s3fs_options(endpoint or self.endpoint, self.key, self.secret, read_timeout)
+    def options(
+        self, endpoint: str | None = None, read_timeout: float = 10, retries: int = 2
+    ) -> dict:
+        """``retries``: see :func:`tests.s3server.s3fs_options`."""
+        return s3fs_options(endpoint or self.endpoint, self.key, self.secret, read_timeout, retries)
 
     def url(self) -> str:
         return f"s3://{self.bucket}/{uuid.uuid4().hex[:10]}"
