@@ -207,6 +207,54 @@ def run_ranks():
     return torchrun
 
 
+def run_hf(
+    out: Path, nproc: int, phase: str, *args: str, env: dict | None = None, check: bool = True
+) -> subprocess.CompletedProcess:
+    """tests/workers/hf_resume.py (HF Trainer, a tiny GPT-2) in ``out``: on ``nproc`` torchrun
+    ranks, or for 1 a plain process (Trainer without torch.distributed)."""
+    argv = ["--out", str(out), "--phase", phase, *args]
+    if nproc > 1:
+        return torchrun(
+            "hf_resume.py",
+            nproc,
+            *argv,
+            timeout=240,
+            check=check,
+            env={"DS_ACCELERATOR": "cpu", **(env or {})},
+        )
+    proc = subprocess.run(
+        [sys.executable, str(WORKERS / "hf_resume.py"), *argv],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        check=False,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"hf_resume.py {' '.join(argv)} failed:\n{proc.stderr[-4000:]}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def hf_full(tmp_path_factory):
+    """``hf_full(nproc, mode="async", zero=None)``: the directory of the uninterrupted HF run
+    (hf_resume.py's phase full: 8 steps, saving every 2) with those settings, run once in the
+    session (full.json, params-full.pt, run-full/): the reference the resume tests compare with.
+    Tests only read it."""
+    done: dict[tuple, Path] = {}
+
+    def get(nproc: int, mode: str = "async", zero: int | None = None) -> Path:
+        key = (nproc, mode, zero)
+        if key not in done:
+            out = tmp_path_factory.mktemp(f"hf-full-{nproc}-{mode}-{zero}")
+            run_hf(out, nproc, "full", "--mode", mode, *(["--zero", str(zero)] if zero else []))
+            done[key] = out
+        return done[key]
+
+    return get
+
+
 class Tmpfs:
     """Mounts real tmpfs filesystems under a test's tmp_path: a small disk that fills up (bytes,
     or inodes with ``inodes``), which ``remount`` makes read-only and back; skips where the
