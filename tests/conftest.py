@@ -198,6 +198,17 @@ def visible(root: Path) -> list[str]:
     )
 
 
+def skip_without_megatron() -> None:
+    """Skip the module where megatron-core is not installed. Not pytest.importorskip: importing
+    megatron.core takes seconds, and only the workers use it (the test process never does)."""
+    import importlib.util
+
+    if importlib.util.find_spec("megatron") is None or (
+        importlib.util.find_spec("megatron.core") is None
+    ):
+        pytest.skip("megatron-core is not installed", allow_module_level=True)
+
+
 def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
 

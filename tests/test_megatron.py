@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, read_json, run_example, torchrun, visible
+from tests.conftest import REPO, read_json, run_example, skip_without_megatron, torchrun, visible
 
-pytest.importorskip("megatron.core")
+skip_without_megatron()
 pytestmark = [pytest.mark.multirank, pytest.mark.framework]
 
 
