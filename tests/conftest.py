@@ -2,14 +2,20 @@ from __future__ import annotations
 
 import json
 import os
+import select
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 WORKERS = REPO / "tests" / "workers"
+_SESSION_ENV = dict(os.environ)  # before any test changes it: the launch server's environment
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
@@ -21,6 +27,117 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
             f"{slow} slow tests (soaks, full matrices) deselected by -m "
             f"{config.option.markexpr!r}: run them with `scripts/test -m slow` (-k to pick some)"
         )
+
+
+class _ForkedTorchrun:
+    """Launches through tests/torchrun_server.py: torchrun's agent (``torch.distributed.run.main``)
+    forked from one process that imported it, instead of a ``python -m torch.distributed.run``
+    that imports it again (about 1.5 s of every launch on 2 cores). The agent's arguments,
+    environment, working directory and workers are those of the plain command; its output is
+    captured, its exit status returned, and a launch past its timeout is killed with its workers
+    (its process group). DCP_TIERED_TEST_PLAIN_TORCHRUN=1 launches plain torchrun processes."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.server: subprocess.Popen | None = None
+        self.plain = os.environ.get("DCP_TIERED_TEST_PLAIN_TORCHRUN") == "1"
+        self.buffer = b""
+
+    def _start(self) -> subprocess.Popen:
+        if self.server is None or self.server.poll() is not None:
+            self.buffer = b""
+            self.server = subprocess.Popen(
+                [sys.executable, str(REPO / "tests" / "torchrun_server.py")],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                env=_SESSION_ENV,
+                cwd=REPO,
+                bufsize=0,
+            )
+        return self.server
+
+    def _answer(self, server: subprocess.Popen, deadline: float) -> dict | None:
+        """The server's next line, or None once ``deadline`` (time.monotonic) has passed."""
+        assert server.stdout is not None
+        while b"\n" not in self.buffer:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([server.stdout], [], [], left)[0]:
+                return None
+            chunk = os.read(server.stdout.fileno(), 4096)
+            if not chunk:
+                raise RuntimeError(f"the torchrun server exited ({server.wait()})")
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return json.loads(line)
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.kill()
+            self.server.wait()
+            self.server = None
+
+    def run(self, cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+        """``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
+        cwd=REPO)``; a ``python -m torch.distributed.run`` of this interpreter goes through the
+        server (unless another launch is using it: then a plain process)."""
+        forked = cmd[0] == sys.executable and cmd[1:3] == ["-m", "torch.distributed.run"]
+        if forked and not self.plain and self.lock.acquire(blocking=False):
+            try:
+                return self._forked(cmd, env, timeout)
+            finally:
+                self.lock.release()
+        return subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO, check=False
+        )
+
+    def _forked(self, cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+        with tempfile.TemporaryDirectory(prefix="dcp-tiered-torchrun-") as tmp:
+            out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+            request = {"args": cmd[3:], "env": env, "cwd": str(REPO)}
+            request.update(stdout=str(out), stderr=str(err))
+            server = self._start()
+            assert server.stdin is not None
+            deadline = time.monotonic() + timeout
+            pid = None
+            try:
+                server.stdin.write((json.dumps(request) + "\n").encode())
+                pid = (self._answer(server, time.monotonic() + 120) or {}).get("pid")
+                if pid is None:
+                    raise RuntimeError("the torchrun server did not start the launch")
+                done = self._answer(server, deadline)
+            except BaseException:  # interrupted (a test timeout): nothing of it stays behind
+                if pid is not None:
+                    self._stop_launch(server, pid)
+                self.stop()
+                raise
+            if done is None:
+                self._stop_launch(server, pid)
+                self.stop()
+                raise subprocess.TimeoutExpired(
+                    cmd, timeout, _read(out).encode(), _read(err).encode()
+                )
+            return subprocess.CompletedProcess(cmd, done["returncode"], _read(out), _read(err))
+
+    def _stop_launch(self, server: subprocess.Popen, pid: int) -> None:
+        """SIGTERM to the agent, which stops its workers (they run in sessions of their own),
+        then SIGKILL to what is left of its group."""
+        for sig, grace in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 0.0)):
+            try:
+                os.killpg(pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                if self._answer(server, time.monotonic() + grace) is not None:
+                    return
+            except RuntimeError:
+                return
+
+
+def _read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+_LAUNCHER = _ForkedTorchrun()
 
 
 def torchrun(
@@ -44,9 +161,7 @@ def torchrun(
         *args,
     ]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO
-    )
+    proc = _LAUNCHER.run(cmd, full_env, timeout)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"{script} {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
@@ -64,15 +179,9 @@ def run_example(
         if ranks is None
         else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
     )
-    proc = subprocess.run(
-        [sys.executable, *launcher, str(REPO / "examples" / script), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=REPO,
-        check=False,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-    )
+    cmd = [sys.executable, *launcher, str(REPO / "examples" / script), *args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = _LAUNCHER.run(cmd, full_env, timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc.stdout
 
@@ -89,6 +198,17 @@ def visible(root: Path) -> list[str]:
     )
 
 
+def skip_without_megatron() -> None:
+    """Skip the module where megatron-core is not installed. Not pytest.importorskip: importing
+    megatron.core takes seconds, and only the workers use it (the test process never does)."""
+    import importlib.util
+
+    if importlib.util.find_spec("megatron") is None or (
+        importlib.util.find_spec("megatron.core") is None
+    ):
+        pytest.skip("megatron-core is not installed", allow_module_level=True)
+
+
 def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
 
@@ -96,6 +216,54 @@ def read_json(path: Path) -> dict:
 @pytest.fixture
 def run_ranks():
     return torchrun
+
+
+def run_hf(
+    out: Path, nproc: int, phase: str, *args: str, env: dict | None = None, check: bool = True
+) -> subprocess.CompletedProcess:
+    """tests/workers/hf_resume.py (HF Trainer, a tiny GPT-2) in ``out``: on ``nproc`` torchrun
+    ranks, or for 1 a plain process (Trainer without torch.distributed)."""
+    argv = ["--out", str(out), "--phase", phase, *args]
+    if nproc > 1:
+        return torchrun(
+            "hf_resume.py",
+            nproc,
+            *argv,
+            timeout=240,
+            check=check,
+            env={"DS_ACCELERATOR": "cpu", **(env or {})},
+        )
+    proc = subprocess.run(
+        [sys.executable, str(WORKERS / "hf_resume.py"), *argv],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        check=False,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"hf_resume.py {' '.join(argv)} failed:\n{proc.stderr[-4000:]}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def hf_full(tmp_path_factory):
+    """``hf_full(nproc, mode="async", zero=None)``: the directory of the uninterrupted HF run
+    (hf_resume.py's phase full: 8 steps, saving every 2) with those settings, run once in the
+    session (full.json, params-full.pt, run-full/): the reference the resume tests compare with.
+    Tests only read it."""
+    done: dict[tuple, Path] = {}
+
+    def get(nproc: int, mode: str = "async", zero: int | None = None) -> Path:
+        key = (nproc, mode, zero)
+        if key not in done:
+            out = tmp_path_factory.mktemp(f"hf-full-{nproc}-{mode}-{zero}")
+            run_hf(out, nproc, "full", "--mode", mode, *(["--zero", str(zero)] if zero else []))
+            done[key] = out
+        return done[key]
+
+    return get
 
 
 class Tmpfs:
@@ -167,8 +335,11 @@ class S3:
     def __init__(self, endpoint: str, bucket: str, key: str, secret: str) -> None:
         self.endpoint, self.bucket, self.key, self.secret = endpoint, bucket, key, secret
 
-    def options(self, endpoint: str | None = None, read_timeout: float = 10) -> dict:
-        return s3fs_options(endpoint or self.endpoint, self.key, self.secret, read_timeout)
+    def options(
+        self, endpoint: str | None = None, read_timeout: float = 10, retries: int = 2
+    ) -> dict:
+        """``retries``: see :func:`tests.s3server.s3fs_options`."""
+        return s3fs_options(endpoint or self.endpoint, self.key, self.secret, read_timeout, retries)
 
     def url(self) -> str:
         return f"s3://{self.bucket}/{uuid.uuid4().hex[:10]}"

@@ -46,8 +46,14 @@ def start_moto(env: dict | None = None) -> tuple[subprocess.Popen, str]:
 
 
 def s3fs_options(
-    endpoint: str, key: str = "testing", secret: str = "testing", read_timeout: float = 10
+    endpoint: str,
+    key: str = "testing",
+    secret: str = "testing",
+    read_timeout: float = 10,
+    retries: int = 2,
 ) -> dict:
+    """``retries``: botocore's own retries of a request (0 where the store fails by design:
+    the library's RetryConfig then decides alone how often an operation is tried)."""
     return {
         "key": key,
         "secret": secret,
@@ -56,6 +62,6 @@ def s3fs_options(
             "s3": {"addressing_style": "path"},
             "connect_timeout": 5,
             "read_timeout": read_timeout,
-            "retries": {"max_attempts": 2},
+            "retries": {"max_attempts": retries},
         },
     }

@@ -95,7 +95,11 @@ def test_status_finds_the_remote_a_writer_recorded_and_says_when_it_cannot_be_re
     data = json.loads(ok.stdout)
     assert data["remote"] == url and data["unreadable"] == {}
     assert [(s["step"], s["durability"]) for s in data["steps"]] == [("step-1", "durable-remote")]
-    gone = {**aws, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}"}  # nobody listens
+    gone = {  # nobody listens; botocore tries each request once (the CLI's own retry remains)
+        **aws,
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}",
+        "AWS_MAX_ATTEMPTS": "1",
+    }
     started = time.monotonic()
     bad = _cli("status", str(root), "--json", env=gone)
     assert bad.returncode == 3, bad.stderr

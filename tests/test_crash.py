@@ -18,29 +18,32 @@ from tests.conftest import torchrun, visible
 
 pytestmark = pytest.mark.multirank
 
+# Every kill point once in the default suite, the victims (rank 0, the coordinator; rank 1; every
+# rank) spread over them; `scripts/test -m slow -k test_crash` adds the other victims.
 BEFORE_COMMIT = [
-    ("stage", "0"),
     ("stage", "1"),
-    ("stage", "all"),
-    ("local-plan", "1"),
+    pytest.param("stage", "0", marks=pytest.mark.slow),
+    pytest.param("stage", "all", marks=pytest.mark.slow),
     ("local-plan", "all"),
+    pytest.param("local-plan", "1", marks=pytest.mark.slow),
     ("global-plan", "0"),
     ("write-first-byte", "0"),
-    ("write-first-byte", "1"),
-    ("write-first-byte", "all"),
-    ("write-middle", "0"),
-    ("write-middle", "1"),
+    pytest.param("write-first-byte", "1", marks=pytest.mark.slow),
+    pytest.param("write-first-byte", "all", marks=pytest.mark.slow),
     ("write-middle", "all"),
-    ("fsync-data", "0"),
+    pytest.param("write-middle", "0", marks=pytest.mark.slow),
+    pytest.param("write-middle", "1", marks=pytest.mark.slow),
     ("fsync-data", "1"),
-    ("after-write-data", "1"),
+    pytest.param("fsync-data", "0", marks=pytest.mark.slow),
     ("after-write-data", "all"),
+    pytest.param("after-write-data", "1", marks=pytest.mark.slow),
     ("before-manifest", "0"),
     ("between-manifest-and-metadata", "0"),
     ("before-rename", "0"),
 ]
 AFTER_COMMIT = [("after-rename", "0")]
-RANDOM_SEEDS = [1, 2, 3, 4]
+# Random moments: two in the default suite; the soak below runs 300.
+RANDOM_SEEDS = [1, 2, *(pytest.param(seed, marks=pytest.mark.slow) for seed in (3, 4))]
 
 
 def _load_latest(root) -> tuple[str, dict]:

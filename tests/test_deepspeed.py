@@ -52,11 +52,29 @@ def check(results: list[dict], stage: int) -> None:
         assert any(f.endswith("optim_states.pt") for f in files)
 
 
+@pytest.fixture(scope="module")
+def round_trips(tmp_path_factory):
+    """``round_trips(stage, bf16, mode)``: the directory of that round trip (ckpt/ and what each
+    rank recorded), run once in this module: test_round_trip_is_bit_exact checks it, and
+    DeepSpeed's tools read the tiered checkpoint it left. Tests only read it."""
+    done: dict[tuple, Path] = {}
+
+    def get(stage: int, bf16: bool, mode: str) -> Path:
+        if (stage, bf16, mode) not in done:
+            out = tmp_path_factory.mktemp(f"ds-{stage}-{bf16}-{mode}")
+            roundtrip(out, stage, bf16, mode)
+            done[stage, bf16, mode] = out
+        return done[stage, bf16, mode]
+
+    return get
+
+
 @pytest.mark.parametrize("stage,bf16,mode", SMOKE)
-def test_round_trip_is_bit_exact(tmp_path, stage, bf16, mode):
+def test_round_trip_is_bit_exact(round_trips, stage, bf16, mode):
     # ZeRO-3 + async is also the deadlock regression: DCP's collectives run on their own gloo
     # group while ZeRO-3 all-gathers parameters on the training group (the timeout bounds it).
-    check(roundtrip(tmp_path, stage, bf16, mode), stage)
+    out = round_trips(stage, bf16, mode)
+    check([json.loads((out / f"result-{r}.json").read_text()) for r in range(2)], stage)
 
 
 @pytest.mark.slow
@@ -182,9 +200,8 @@ def test_converter_full_matrix(tmp_path, stage, bf16):
     convert_native(tmp_path, stage, bf16)
 
 
-def test_deepspeed_tools_on_a_tiered_checkpoint(tmp_path):
-    roundtrip(tmp_path, 2, False, "sync")
-    ckpt = tmp_path / "ckpt"
+def test_deepspeed_tools_on_a_tiered_checkpoint(tmp_path, round_trips):
+    ckpt = round_trips(2, False, "sync") / "ckpt"  # a SMOKE round trip's checkpoint
     z2f = subprocess.run(
         [sys.executable, str(ckpt / "zero_to_fp32.py"), str(ckpt), str(tmp_path / "fp32")],
         capture_output=True,

@@ -5,49 +5,35 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import REPO, run_example, torchrun
+from tests.conftest import read_json, run_example, run_hf
 
 pytestmark = pytest.mark.framework
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-WORKER = "hf_resume.py"
-
 
 def run(
     tmp_path: Path, nproc: int, phase: str, *args: str, env: dict | None = None, fails: bool = False
 ) -> dict:
     """Runs the worker; returns what rank 0 recorded (with ``fails``: what train() raised)."""
-    argv = ["--out", str(tmp_path), "--phase", phase, *args]
-    if nproc > 1:
-        proc = torchrun(
-            WORKER,
-            nproc,
-            *argv,
-            timeout=240,
-            check=not fails,
-            env={"DS_ACCELERATOR": "cpu", **(env or {})},
-        )
-    else:  # a plain process: Trainer without torch.distributed
-        proc = subprocess.run(
-            [sys.executable, str(REPO / "tests" / "workers" / WORKER), *argv],
-            capture_output=True,
-            text=True,
-            timeout=240,
-            cwd=REPO,
-            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-            check=False,
-        )
+    proc = run_hf(tmp_path, nproc, phase, *args, env=env, check=False)
     assert (proc.returncode != 0) == fails, proc.stderr[-4000:]
     return json.loads((tmp_path / f"{phase}{'-end-0' if fails else ''}.json").read_text())
+
+
+def full(hf_full, tmp_path: Path, nproc: int, mode: str = "async", zero: int | None = None) -> dict:
+    """The uninterrupted run with these settings (the session's ``hf_full``): its params go to
+    ``tmp_path`` as this test's own; returns what rank 0 recorded."""
+    ref = hf_full(nproc, mode, zero)
+    shutil.copy(ref / "params-full.pt", tmp_path / "params-full.pt")
+    return read_json(ref / "full.json")
 
 
 def same_params(tmp_path: Path, a: str, b: str) -> list[str]:
@@ -58,10 +44,10 @@ def same_params(tmp_path: Path, a: str, b: str) -> list[str]:
 
 
 @pytest.mark.parametrize("nproc,mode", [(1, "async"), (2, "async"), (1, "sync")])
-def test_resume_from_step_4_of_8_is_bit_identical(tmp_path, nproc, mode, nccl_like):
-    full = run(tmp_path, nproc, "full", "--mode", mode)
-    assert full["left"] == ["checkpoint-6", "checkpoint-8"]  # save_total_limit=2
-    assert {"manifest.json", ".metadata", "trainer_state.json"} <= set(full["files"])
+def test_resume_from_step_4_of_8_is_bit_identical(tmp_path, nproc, mode, nccl_like, hf_full):
+    done = full(hf_full, tmp_path, nproc, mode)
+    assert done["left"] == ["checkpoint-6", "checkpoint-8"]  # save_total_limit=2
+    assert {"manifest.json", ".metadata", "trainer_state.json"} <= set(done["files"])
     stopped = run(tmp_path, nproc, "stop", "--mode", mode)
     assert stopped["step"] == 4 and stopped["left"] == ["checkpoint-2", "checkpoint-4"]
     assert same_params(tmp_path, "full", "stop")  # really stopped early
@@ -72,7 +58,7 @@ def test_resume_from_step_4_of_8_is_bit_identical(tmp_path, nproc, mode, nccl_li
     assert same_params(tmp_path, "full", "resume") == []
 
 
-def test_under_deepspeed_a_fresh_node_resumes_from_s3_alone(tmp_path, s3):
+def test_under_deepspeed_a_fresh_node_resumes_from_s3_alone(tmp_path, s3, hf_full):
     """HF + DeepSpeed: Trainer's own layout, the DeepSpeed step committed by dcp_tiered inside
     it, Trainer's files (trainer_state.json, each rank's RNG state) carried inside the step.
     train() returns once the steps are durable on S3; with the output directory gone (a fresh
@@ -80,8 +66,8 @@ def test_under_deepspeed_a_fresh_node_resumes_from_s3_alone(tmp_path, s3):
     passing over a directory a crashed save left."""
     pytest.importorskip("deepspeed")
     remote = ["--remote", s3.url(), "--storage-options", json.dumps(s3.options())]
-    full = run(tmp_path, 2, "full", "--zero", "2")
-    assert full["left"] == ["checkpoint-6", "checkpoint-8"]  # save_total_limit=2, ours
+    done = full(hf_full, tmp_path, 2, zero=2)
+    assert done["left"] == ["checkpoint-6", "checkpoint-8"]  # save_total_limit=2, ours
     stopped = run(tmp_path, 2, "stop", "--zero", "2", *remote)
     assert {
         "trainer_state.json",
@@ -92,8 +78,6 @@ def test_under_deepspeed_a_fresh_node_resumes_from_s3_alone(tmp_path, s3):
     } <= set(stopped["files"])
     step = tmp_path / "run" / "checkpoint-4" / "global_step4"
     assert {"manifest.json", "mp_rank_00_model_states.pt"} <= set(os.listdir(step))
-    import shutil
-
     shutil.rmtree(tmp_path / "run")  # the node is gone; only S3 holds the run
     # ...and the new node crashed once mid-save: Trainer's files of checkpoint-6 are there, its
     # step is not. Trainer's own pick would be checkpoint-6; the newest committed step is 4.
@@ -126,12 +110,10 @@ def test_rotation_never_deletes_a_step_that_is_not_durable(tmp_path, nproc, zero
     assert left == ["checkpoint-2", "checkpoint-4", "checkpoint-6", "checkpoint-8"]
 
 
-def test_resume_on_a_fresh_node_from_s3(tmp_path, s3):
+def test_resume_on_a_fresh_node_from_s3(tmp_path, s3, hf_full):
     remote = ["--remote", s3.url(), "--storage-options", json.dumps(s3.options())]
-    run(tmp_path, 1, "full")
+    full(hf_full, tmp_path, 1)
     run(tmp_path, 1, "stop", *remote)  # waits until its steps are durable on S3
-    import shutil
-
     shutil.rmtree(tmp_path / "run")  # the node is gone; only S3 holds the run
     resumed = run(tmp_path, 1, "resume", *remote)
     assert resumed["step"] == 8

@@ -203,7 +203,7 @@ def test_a_fresh_node_restores_from_the_remote_alone_through_the_manager(
 
 
 @pytest.mark.parametrize("zero", [None, 2], ids=["hf", "hf-deepspeed"])
-def test_a_crash_mid_save_leaves_nothing_to_resume_from_and_is_swept(tmp_path, zero):
+def test_a_crash_mid_save_leaves_nothing_to_resume_from_and_is_swept(tmp_path, zero, hf_full):
     """Process 0 is SIGKILLed while it writes checkpoint-4's data. Nothing under Trainer's names
     passes for a checkpoint: plain HF has no checkpoint-4 at all; under DeepSpeed, Trainer has
     already written its own files into checkpoint-4, which is marked pending. The restart sweeps
@@ -226,7 +226,7 @@ def test_a_crash_mid_save_leaves_nothing_to_resume_from_and_is_swept(tmp_path, z
             check=check,
         )
 
-    run("full")
+    reference = hf_full(2, "async", zero)  # the uninterrupted run, as test_hf's
     assert run("kill", check=False).returncode != 0
     left = tmp_path / "run"
     if zero is None:
@@ -245,7 +245,7 @@ def test_a_crash_mid_save_leaves_nothing_to_resume_from_and_is_swept(tmp_path, z
         if p.name.endswith((".dcp-tiered-tmp", ".dcp-tiered-pending.json", ".dcp-tiered-old"))
     ]
     assert leftovers == []  # swept
-    full = torch.load(tmp_path / "params-full.pt", weights_only=True)
+    full = torch.load(reference / "params-full.pt", weights_only=True)
     assert mismatches(full, torch.load(tmp_path / "params-resume.pt", weights_only=True)) == []
 
 

@@ -228,7 +228,7 @@ def test_restore_never_starts_from_scratch_when_the_remote_cannot_be_read(
     bucket = s3.bucket if broken == "unreachable" else "no-such-bucket-dcp-tiered"
     remote = RemoteConfig(
         url=f"s3://{bucket}/run",
-        storage_options=s3.options(endpoint),
+        storage_options=s3.options(endpoint, retries=0),  # RetryConfig's 2 attempts alone
         retry=RetryConfig(max_attempts=2, initial_backoff_secs=0.05),
     )
     tiers = {"memory": tmp_path / "shm", "local": tmp_path / "disk", "remote": remote}

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, WORKERS
+from tests.conftest import REPO, WORKERS, skip_without_megatron
 from tests.s3server import free_port
 
-pytest.importorskip("megatron.core")
+skip_without_megatron()
 pytestmark = [pytest.mark.multirank, pytest.mark.framework]
 NODES, ITERS, PAUSE = 2, 10, 7
 

@@ -286,7 +286,7 @@ def test_unreachable_remote_still_restores_the_local_copy(tmp_path, s3, caplog):
     dead = RemoteConfig(
         url=f"s3://{s3.bucket}/run",
         retry=RetryConfig(max_attempts=2),
-        storage_options=s3.options("http://127.0.0.1:9"),
+        storage_options=s3.options("http://127.0.0.1:9", retries=0),
     )  # nothing listens
     got, reader = load(root, dead)
     assert equal(got, state(1)) and "unavailable" in caplog.text
@@ -302,7 +302,7 @@ def test_unreachable_remote_and_nothing_local_is_not_called_an_empty_run(tmp_pat
     dead = RemoteConfig(
         url=f"s3://{s3.bucket}/run",
         retry=RetryConfig(max_attempts=2),
-        storage_options=s3.options("http://127.0.0.1:9"),
+        storage_options=s3.options("http://127.0.0.1:9", retries=0),
     )  # nothing listens
     with pytest.raises(CheckpointException) as e:
         load(tmp_path / "fresh", dead)
