@@ -22,7 +22,6 @@ from fsspec.asyn import sync
 from .. import _retry
 from ..config import RemoteConfig, RetryConfig
 from ..errors import ConfigError, IntegrityError, PermanentTierError, TransientTierError
-from ..policy import layout
 from . import s3_checksums
 
 logger = logging.getLogger(__name__)
@@ -458,6 +457,8 @@ class RemoteBackend:
     def glob(self, pattern: str) -> list[str]:
         """Relative keys matching ``pattern`` (fsspec glob, relative to the root), as the store
         holds them now."""
+        # All of it: s3fs drops only the path and its parents, and glob reads the prefixes'
+        # own cached listings, so a long-lived reader would miss keys written since.
         self.fs.invalidate_cache()
         try:
             found = self._call("list", "", lambda: self.fs.glob(f"{self.base}/{pattern}"))
@@ -465,28 +466,19 @@ class RemoteBackend:
             return []
         return sorted(p[len(self.base) + 1 :] for p in found)
 
-    def committed_steps(self) -> list[str]:
-        """Steps whose commit marker exists, as the store holds them now."""
-        # All of it: s3fs drops only the path and its parents, and glob reads the step prefixes'
-        # own cached listings, so a long-lived reader would miss steps committed since.
-        self.fs.invalidate_cache()
-        pattern = f"{self.base}/*/{layout.REMOTE_MARKER}"
+    def require_bucket(self) -> None:
+        """PermanentTierError if the bucket of an S3 URL does not exist: s3fs lists a missing
+        bucket as empty, and an empty listing must tell a typo from a new run."""
+        if self.protocol not in ("s3", "s3a"):
+            return
+        bucket = self.base.partition("/")[0]
         try:
-            found = self._call("list", "", lambda: self.fs.glob(pattern))
-        except FileNotFoundError:
-            return []
-        if not found and self.protocol in ("s3", "s3a"):
-            # s3fs lists a missing bucket as empty: tell a typo from a new run.
-            bucket = self.base.partition("/")[0]
-            try:
-                self._call("head bucket", "", lambda: self.fs.call_s3("head_bucket", Bucket=bucket))
-            except FileNotFoundError as e:
-                raise PermanentTierError(
-                    f"bucket {bucket!r} of {self.config.url} does not exist (NoSuchBucket); "
-                    f"{_PERMANENT_HINTS['NoSuchBucket']}"
-                ) from e
-        steps = [p[len(self.base) + 1 :].split("/")[0] for p in found]
-        return sorted(s for s in steps if layout.is_step_name(s))
+            self._call("head bucket", "", lambda: self.fs.call_s3("head_bucket", Bucket=bucket))
+        except FileNotFoundError as e:
+            raise PermanentTierError(
+                f"bucket {bucket!r} of {self.config.url} does not exist (NoSuchBucket); "
+                f"{_PERMANENT_HINTS['NoSuchBucket']}"
+            ) from e
 
 
 def remote_backend(

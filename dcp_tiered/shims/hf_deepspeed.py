@@ -40,6 +40,7 @@ from ..policy.retention import RetentionPolicy, StepState, evictions
 from ..tiers import ownership
 from ..tiers.housekeeping import awaiting_remote
 from ..tiers.local import LocalTier
+from ..tiers.remote import RemoteTier
 from . import deepspeed as ds_shim
 
 logger = logging.getLogger(__name__)
@@ -231,7 +232,7 @@ def _newest(
     try:
         on_remote = [
             int(m.group(1))
-            for n in (backend.committed_steps() if backend else [])
+            for n in (RemoteTier(backend).steps() if backend else [])
             if (m := _TAG.match(n))
         ]
     except DcpTieredError as e:

@@ -25,6 +25,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from .._daemon_pool import DaemonPool
@@ -36,9 +37,7 @@ from ..policy.identity import Owner
 from ..policy.manifest import Manifest
 from . import ownership
 from .local import LocalTier
-from .orphans import remove_orphan_saves
-from .remote import advance_latest, read_marker, remove_save
-from .remote import chunk_bytes as _chunk_bytes
+from .remote import RemoteTier, chunk_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +70,7 @@ def claim_body(keys: layout.RemoteKeys, node: int, run_id: str) -> bytes:
             "step": keys.step,
             "save_id": keys.save_id,
             "node": node,
-            "prefix_strategy": keys.prefix_strategy,
-            "hash_prefixes": keys.hash_prefixes,
+            **keys.strategy.record(),
             "created_at_ns": time.time_ns(),
         }
     ).encode()
@@ -99,6 +97,7 @@ class Promotion:
         remote_run: Any = None,
     ) -> None:
         self.tier, self.remote, self.step, self._pool = tier, remote, step, files_pool
+        self.target = RemoteTier(remote)
         # ``remote_run(run_id)``: the prefix recorded as that run's (once per process)
         self._remote_run = remote_run or (
             lambda run_id: ownership.record_remote(remote, run_id, tier.root)
@@ -107,7 +106,7 @@ class Promotion:
     def run(self) -> None:
         m = self.tier.read_manifest(self.step)
         run_id = self._run_of(m)
-        marker = read_marker(self.remote, self.step)
+        marker = self.target.marker(self.step)
         backend, area = self.tier.backend, layout.upload_area_name(self.step, m.save_id)
         if marker is not None:
             if marker.get("save_id") == m.save_id:  # already durable
@@ -123,7 +122,7 @@ class Promotion:
                 "under a new step name."
             )
         self._remote_run(run_id)
-        keys = self.keys(m)
+        keys = self.target.keys(self.step, m.save_id)
         present = set(backend.list_files(self.step)) & set(m.files)
         node = node_of_local_files(m, present)
         mine = sorted(n for n in present if int(m.files[n]["rank"]) in m.nodes[node])
@@ -131,7 +130,7 @@ class Promotion:
             self.remote.put_bytes(keys.claim(node), claim_body(keys, node, run_id))
         # What an earlier attempt already uploaded: each file's own check (no listing of the
         # whole save, whose pages grow with every node's objects).
-        jobs = {n: self._pool.submit(self._upload, m, n, keys.file(n), True) for n in mine}
+        jobs = {n: self._pool.submit(self._upload, m, n, keys, True) for n in mine}
         tags = {n: fut.result() for n, fut in jobs.items()}
         record = {
             "save_id": m.save_id,
@@ -163,36 +162,15 @@ class Promotion:
             )
         return record.run_id
 
-    def keys(self, m: Manifest) -> layout.RemoteKeys:
-        cfg = self.remote.config
-        return layout.RemoteKeys(self.step, m.save_id, cfg.prefix_strategy, cfg.hash_prefixes)
-
-    def _upload(self, m: Manifest, name: str, key: str, trust_records: bool) -> str | None:
+    def _upload(
+        self, m: Manifest, name: str, keys: layout.RemoteKeys, trust_records: bool
+    ) -> str | None:
         """Make sure the store holds ``name`` as the manifest says; the tag of the object it
         verified."""
         size, checksum = int(m.files[name]["size"]), str(m.files[name]["checksum"])
-        backend, area = self.tier.backend, layout.upload_area_name(self.step, m.save_id)
-        # An upload started before the commit (by any rank of this node) holds this lock.
-        lock = backend.lock_exclusive(area, f"{name}.lock") if backend.is_dir(area) else None
-        try:
-            if trust_records and lock is not None and backend.exists(area, f"{name}.done"):
-                trusted, tag = trusted_tag(backend.read_file(area, f"{name}.done"))
-                if trusted:  # this process verified it; the commit's listing checks it again
-                    return tag
-            stored, tag = verify_object(self.remote, key, size)
-            if stored == checksum:
-                logger.debug("skip %s: already uploaded", key)
-                return tag
-            # Holding the lock, no upload of this key from this node is in flight: any
-            # incomplete multipart upload of it is a leftover of an interrupted attempt.
-            self.remote.abort_multipart_uploads(key, only={key})
-            tag = upload_verified(self.tier, self.remote, (self.step,), name, key, checksum)
-            if lock is not None:  # an early upload of it still queued skips it
-                backend.write_file(area, f"{name}.done", done_record(tag), sync=False)
-            return tag
-        finally:
-            if lock is not None:
-                backend.unlock(lock)
+        return upload_locked(
+            self.tier, self.remote, keys, name, checksum, trust_records=trust_records, size=size
+        )
 
     def _commit(
         self, m: Manifest, keys: layout.RemoteKeys, run_id: str, tags: dict[str, str | None]
@@ -211,30 +189,11 @@ class Promotion:
             self.remote.put_bytes(keys.section(node), backend.read_file(self.step, name))
         self.remote.put_bytes(keys.metadata, backend.read_file(self.step, layout.DCP_METADATA_NAME))
         self.remote.put_bytes(keys.manifest, backend.read_file(self.step, layout.MANIFEST_NAME))
-        cfg = self.remote.config
         marker = layout.marker_body(
-            self.step, m.save_id, m.committed_at_ns, cfg.prefix_strategy, cfg.hash_prefixes, run_id
+            self.step, m.save_id, m.committed_at_ns, self.target.strategy, run_id
         )
-        advance_latest(self.remote, self.step, marker)
-        if not self.remote.create_exclusive(
-            f"{self.step}/{layout.REMOTE_MARKER}", json.dumps(marker).encode()
-        ):
-            existing = read_marker(self.remote, self.step) or {}
-            if existing.get("save_id") != m.save_id:
-                # Another save won the marker: ours is an orphan, and nobody else removes it.
-                remove_save(
-                    self.remote,
-                    keys,
-                    reason=f"save {m.save_id} of step {self.step} "
-                    f"lost its commit to save {existing.get('save_id')}",
-                )
-                raise UploadFailedError(
-                    f"step {self.step!r} was committed on {self.remote.config.url} by another "
-                    f"save ({existing.get('save_id')}) while this one ({m.save_id}) uploaded: two "
-                    "jobs save into this prefix. The other copy was left untouched and this "
-                    "one's objects were removed; give each job its own remote prefix."
-                )
-        remove_orphan_saves(self.remote, self.step, run_id, keep={m.save_id})
+        self.target.commit(keys, marker)
+        self.target.remove_orphan_saves(self.step, run_id, keep={m.save_id})
         logger.info("durable-remote step=%s url=%s", self.step, self.remote.config.url)
 
     def _await_nodes(self, m: Manifest, keys: layout.RemoteKeys) -> None:
@@ -269,7 +228,7 @@ class Promotion:
                 "%s is not on the store as verified: uploading it again",
                 self.remote.url(keys.file(name)),
             )
-            expected[name] = self._upload(m, name, keys.file(name), False)
+            expected[name] = self._upload(m, name, keys, False)
         if mine:
             missing = unconfirmed(self.remote, keys, m, expected)
         if missing:
@@ -322,6 +281,65 @@ def unconfirmed(
         ):
             missing.append(name)
     return missing
+
+
+def upload_locked(
+    tier: LocalTier,
+    remote: RemoteBackend,
+    keys: layout.RemoteKeys,
+    name: str,
+    checksum: str,
+    *,
+    early: bool = False,
+    trust_records: bool = True,
+    size: int = 0,
+    may_start: Callable[[], bool] = lambda: True,
+) -> str | None:
+    """Upload data file ``name`` of save ``keys`` once per node, whoever comes first: the early
+    upload (``early``, as the file is written, before the local commit) or the promotion. Both
+    hold the file's lock in the save's upload area, and the one that uploads leaves a
+    ``<file>.done`` record (with the tag the store gave the bytes it verified) for the other.
+
+    Early: any record means the promotion got there first (the area is this save's, made by
+    live processes); ``may_start()`` is asked under the lock (the remote step is free); the file
+    is read from the save's temporary directory, or the step if it was committed meanwhile.
+    Promotion (of ``size`` bytes): a record counts only if this process wrote it
+    (``trust_records``); else the store is asked first (a resumed promotion after a restart),
+    and a leftover multipart upload of the key is aborted before it is uploaded again.
+    Returns the stored object's tag (None where not known, or not uploaded early)."""
+    backend, step = tier.backend, keys.step
+    area, key = layout.upload_area_name(step, str(keys.save_id)), keys.file(name)
+    if early:  # before the lock: a promotion starting now waits on it
+        backend.make_dir(area)
+    lock = backend.lock_exclusive(area, f"{name}.lock") if backend.is_dir(area) else None
+    try:
+        if lock is not None and (early or trust_records) and backend.exists(area, f"{name}.done"):
+            if early:
+                return None
+            trusted, tag = trusted_tag(backend.read_file(area, f"{name}.done"))
+            if trusted:  # this process verified it; the commit's listing checks it again
+                return tag
+        if early:
+            if not may_start():
+                return None
+            tmp = layout.tmp_dir_name(step, str(keys.save_id))
+            source = (tmp,) if backend.exists(tmp, name) else (step,)  # committed meanwhile
+        else:
+            stored, tag = verify_object(remote, key, size)
+            if stored == checksum:
+                logger.debug("skip %s: already uploaded", key)
+                return tag
+            # Holding the lock, no upload of this key from this node is in flight: any
+            # incomplete multipart upload of it is a leftover of an interrupted attempt.
+            remote.abort_multipart_uploads(key, only={key})
+            source = (step,)
+        tag = upload_verified(tier, remote, source, name, key, checksum)
+        if lock is not None:  # an upload of it still queued skips it
+            backend.write_file(area, f"{name}.done", done_record(tag), sync=False)
+        return tag
+    finally:
+        if lock is not None:
+            backend.unlock(lock)
 
 
 def upload_verified(
@@ -412,7 +430,7 @@ def verify_object(
         return integrity.checksum(chunk, acc[0]), length
 
     try:
-        (crc, length), tag = remote.fold_object(key, _chunk_bytes(remote), fold, (0, 0))
+        (crc, length), tag = remote.fold_object(key, chunk_bytes(remote), fold, (0, 0))
     except (FileNotFoundError, _OtherObject):
         return None, None
     except IntegrityError as e:  # the store's own checksum of it disagrees with its bytes
