@@ -20,8 +20,9 @@ from dcp_tiered.backends.remote import RemoteBackend
 from dcp_tiered.policy import identity, layout
 from dcp_tiered.policy.prefixes import PrefixStrategy
 from dcp_tiered.tiers import uploads
+from dcp_tiered.tiers.file_upload import upload_verified
 from dcp_tiered.tiers.local import LocalTier
-from dcp_tiered.tiers.promotion import Promotion, upload_verified
+from dcp_tiered.tiers.promotion import Promotion
 from dcp_tiered.tiers.remote import RemoteTier
 from tests.conftest import proxied_requests
 from tests.test_remote_tier import FAST_RETRY, equal, load, save, state

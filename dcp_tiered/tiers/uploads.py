@@ -27,8 +27,9 @@ from ..errors import ForeignRunError, ManifestError, UploadFailedError
 from ..policy import layout
 from ..policy.identity import Owner
 from . import ownership
+from .file_upload import upload_locked
 from .local import LocalTier
-from .promotion import CLAIMED, Promotion, claim_body, upload_locked
+from .promotion import CLAIMED, Promotion, claim_body
 from .remote import Durability, RemoteTier, durability
 
 logger = logging.getLogger(__name__)
