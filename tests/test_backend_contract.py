@@ -60,3 +60,32 @@ def test_no_key_reaches_outside_the_root(backend, key):
         backend.read(key)
     with pytest.raises(ConfigError):
         backend.atomic_write(key, b"x")
+
+
+def test_deleting_a_remote_step_whose_name_starts_like_the_hashed_prefix_removes_its_save(
+    tmp_path,
+):
+    """A step named ``dataset-1`` is not the hashed ``data/`` prefix: deleting it removes its
+    save's objects too (they were left behind while prefixes were told apart by their first
+    four letters), and still nothing a save of ours does not write."""
+    import json
+    import time
+
+    from dcp_tiered.policy import layout
+    from dcp_tiered.policy.prefixes import PrefixStrategy
+    from dcp_tiered.tiers.remote import RemoteTier
+
+    remote = RemoteBackend(RemoteConfig(url=f"file://{tmp_path / 'remote'}"))
+    marker = layout.marker_body("dataset-1", "0a1b", time.time_ns(), PrefixStrategy(), "run-a")
+    keys = layout.keys_of_marker("dataset-1", marker)
+    ours = [keys.file("__0_0.distcp"), keys.manifest, keys.metadata, keys.node_record(0)]
+    for key in ours:
+        remote.write(key, b"x")
+    remote.write("dataset-1/0a1b/notes.txt", b"someone else's")
+    remote.create_exclusive(f"dataset-1/{layout.REMOTE_MARKER}", json.dumps(marker).encode())
+    assert RemoteTier(remote).steps() == ["dataset-1"]
+
+    RemoteTier(remote).delete("dataset-1", reason="test: delete", run_id="run-a")
+    assert RemoteTier(remote).steps() == []
+    assert not any(remote.exists(key) for key in ours)
+    assert remote.read("dataset-1/0a1b/notes.txt") == b"someone else's"
