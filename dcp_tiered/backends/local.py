@@ -282,8 +282,7 @@ class LocalBackend(LocalReads, LocalLocks, Backend):
         return self.read_file(*_names(key))
 
     def write(self, key: str, data: bytes) -> None:
-        *where, name = _names(key)
-        path = self._child(*where, name)
+        path = self._child(*_names(key))
         with self._writing("write", path), open(path, "wb") as f:
             f.write(data)
             f.flush()

@@ -1,6 +1,6 @@
 """The CLI's commands that change a tier: ``pull``, ``rm``, ``prune``. Each goes through the
 tiers' own functions (hydration's atomic commit, ``LocalTier.delete_step``,
-``delete_remote_step``, the retention pass the manager runs), so it keeps their guarantees;
+``RemoteTier.delete``, the retention pass the manager runs), so it keeps their guarantees;
 every delete is logged by the backend (the CLI shows those logs on stderr) and listed in the
 output."""
 
