@@ -394,7 +394,7 @@ def s3_model(
     shared_resolve: bool = False,
 ) -> dict[str, Any]:
     """S3 requests of one save and one restore, by kind, derived from the code (see
-    docs/scale.md "S3 requests"): writer.upload_early/tiers.uploads, tiers.remote.Promotion,
+    docs/scale.md "S3 requests"): writer.upload_early/tiers.uploads, tiers.promotion.Promotion,
     reader.TieredStorageReader and tiers.catalog; tests/test_s3_requests.py counts them on
     the wire for a small save. Assumes every early upload succeeds (so promotion trusts its
     ``.done`` records and sends nothing per file), the coordinator's first poll finds every

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ConfigError
+from .policy.prefixes import NAMES as _PREFIX_STRATEGIES
+from .policy.prefixes import PrefixStrategy
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,7 +97,7 @@ class RemoteConfig:
             )
         if self.max_concurrency < 1:
             raise ConfigError("max_concurrency must be >= 1")
-        if self.prefix_strategy not in ("none", "hash"):
+        if self.prefix_strategy not in _PREFIX_STRATEGIES:
             raise ConfigError(
                 f"prefix_strategy must be 'none' or 'hash', not {self.prefix_strategy!r}"
             )
@@ -104,3 +106,9 @@ class RemoteConfig:
                 f"hash_prefixes must be between 1 and 4096, got {self.hash_prefixes!r}; size it "
                 "as nodes x per-node bandwidth / part_size_bytes / 3500 (S3's PUT rate per prefix)"
             )
+
+    @property
+    def strategy(self) -> PrefixStrategy:
+        """``prefix_strategy`` and ``hash_prefixes`` as the object that computes the keys of
+        the saves this config writes."""
+        return PrefixStrategy.named(self.prefix_strategy, int(self.hash_prefixes))

@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 from dcp_tiered import TieredStorageWriter
 from dcp_tiered.backends.remote import remote_backend
 from dcp_tiered.cli import main
-from dcp_tiered.tiers import remote as remote_tier
+from dcp_tiered.tiers.remote import RemoteTier
 from tests.conftest import torchrun
 from tests.test_cli_ops import _json, remote  # noqa: F401  (the fixture: file:// and S3)
 
@@ -247,7 +247,7 @@ def test_verify_remote_checks_sizes_and_checksums(tmp_path, remote, capsys):  # 
     assert code == 0 and data["steps"][0]["checked"]["read"] == data["steps"][0]["files"]
 
     backend = remote_backend(remote[0], remote[1])
-    keys = remote_tier.keys_of_step(backend, "step-1")
+    keys = RemoteTier(backend).keys_of("step-1")
     data_file = _largest_data_file(root / "step-1")
     raw = bytearray(backend.get_bytes(keys.file(data_file.name)))
     raw[len(raw) // 2] ^= 0xFF

@@ -15,8 +15,8 @@ from dcp_tiered.backends.local import LocalBackend
 from dcp_tiered.backends.remote import remote_backend
 from dcp_tiered.cli import main
 from dcp_tiered.policy import layout
-from dcp_tiered.tiers import remote as remote_tier
 from dcp_tiered.tiers.local import LocalTier
+from dcp_tiered.tiers.remote import RemoteTier
 from tests.s3server import free_port
 
 STATE = {
@@ -81,8 +81,8 @@ def test_pull_copies_a_remote_step_verified_and_refuses_a_corrupt_one(tmp_path, 
     )
 
     backend = remote_backend(remote[0], remote[1])
-    keys = remote_tier.keys_of_step(backend, "step-1")
-    files = remote_tier.read_manifest(backend, keys).files
+    keys = RemoteTier(backend).keys_of("step-1")
+    files = RemoteTier(backend).read_manifest(keys).files
     data_file = next(n for n in sorted(files) if n.endswith(".distcp"))
     raw = bytearray(backend.get_bytes(keys.file(data_file)))
     raw[-5] ^= 0xFF
@@ -105,10 +105,10 @@ def test_rm_refuses_the_only_durable_copy_without_force(tmp_path, remote, capsys
     code, data = _json(capsys, "rm", str(root), "step-1", "--remote")
     assert code == 2 and "only durable copy" in data["errors"][0]["message"]
     backend = remote_backend(remote[0], remote[1])
-    assert remote_tier.keys_of_step(backend, "step-1") is not None  # nothing was deleted
+    assert RemoteTier(backend).keys_of("step-1") is not None  # nothing was deleted
     with caplog.at_level(logging.INFO, logger="dcp_tiered"):
         code, data = _json(capsys, "rm", str(root), "step-1", "--remote", "--force")
-    assert code == 0 and remote_tier.keys_of_step(backend, "step-1") is None
+    assert code == 0 and RemoteTier(backend).keys_of("step-1") is None
     assert backend.sizes("step-1/") == {}  # the save's objects went too
     assert any(
         "deleting" in r.getMessage() or "remov" in r.getMessage().lower() for r in caplog.records
@@ -167,9 +167,7 @@ def test_prune_never_deletes_a_step_the_remote_does_not_hold(tmp_path, remote, c
         _save(root, f"step-{n}", remote)
     backend = remote_backend(remote[0], remote[1])
     run_id = LocalTier(LocalBackend(root)).record().run_id
-    remote_tier.delete_remote_step(
-        backend, "step-1", reason="test: the remote lost it", run_id=run_id
-    )
+    RemoteTier(backend).delete("step-1", reason="test: the remote lost it", run_id=run_id)
     code, data = _json(capsys, "prune", str(root), "--keep-latest", "1")
     assert code == 0 and data["deleted"] == ["step-2"] and data["kept_not_durable"] == ["step-1"]
     assert (root / "step-1").is_dir() and not (root / "step-2").exists()

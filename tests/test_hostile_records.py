@@ -33,12 +33,13 @@ from dcp_tiered import (
     TieredStorageWriter,
 )
 from dcp_tiered.backends.local import LocalBackend
-from dcp_tiered.cli import main
 from dcp_tiered.backends.remote import RemoteBackend
+from dcp_tiered.cli import main
 from dcp_tiered.policy import layout, records
+from dcp_tiered.policy.prefixes import PrefixStrategy
 from dcp_tiered.tiers import catalog
-from dcp_tiered.tiers import remote as remote_tier
 from dcp_tiered.tiers.local import LocalTier
+from dcp_tiered.tiers.remote import RemoteTier
 
 FAST = RetryConfig(max_attempts=3, initial_backoff_secs=0.02, max_backoff_secs=0.1)
 STEPS = ["epoch-3", "epoch-4", "epoch-5"]  # names and numbers the examples do not use
@@ -348,13 +349,13 @@ def test_read_marker_keeps_its_contract(tmp_path):
     remote = RemoteConfig(url=f"file://{tmp_path / 'remote'}", retry=FAST)
     _save_steps(tmp_path / "root", remote, ["ckpt-1"])
     store = RemoteBackend(remote)
-    marker = remote_tier.read_marker(store, "ckpt-1")
+    marker = RemoteTier(store).marker("ckpt-1")
     assert marker is not None and layout.is_save_id(marker["save_id"])
-    assert remote_tier.read_marker(store, "ckpt-2") is None
+    assert RemoteTier(store).marker("ckpt-2") is None
     for bad in (DEEP, b"[]", b"{", b'{"save_id": "0a", "committed_at_ns": 1e999}', b"\xff"):
         store.put_bytes(f"ckpt-1/{layout.REMOTE_MARKER}", bad)
         with pytest.raises(ManifestError, match="ckpt-1/_COMMITTED.json"):
-            remote_tier.read_marker(store, "ckpt-1")
+            RemoteTier(store).marker("ckpt-1")
     assert issubclass(ManifestError, DcpTieredError)
 
 
@@ -379,7 +380,7 @@ def test_node_and_quarantine_records_are_checked_field_by_field():
             records.node_record(json.dumps(bad).encode(), where="n")
     with pytest.raises(ManifestError, match="not of 0a1c"):
         records.node_record(json.dumps(good).encode(), where="n", save_id_="0a1c")
-    marker = layout.marker_body("ckpt-1", "0a1b", 5, "none")
+    marker = layout.marker_body("ckpt-1", "0a1b", 5, PrefixStrategy())
     record = {**marker, "quarantined_at_ns": 9, "reason": "restore fell back"}
     assert records.quarantine_record(json.dumps(record).encode(), step="ckpt-1", where="q")
     for bad in (

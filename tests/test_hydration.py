@@ -17,7 +17,7 @@ from dcp_tiered import RemoteConfig, RetryConfig, TieredStorageReader, TieredSto
 from dcp_tiered.backends.local import LocalBackend
 from dcp_tiered.backends.remote import RemoteBackend
 from dcp_tiered.tiers.local import LocalTier
-from dcp_tiered.tiers.remote import adopt_remote_step
+from dcp_tiered.tiers.pull import adopt_remote_step
 from tests.conftest import visible
 
 FAST_RETRY = RetryConfig(max_attempts=4, initial_backoff_secs=0.05, max_backoff_secs=0.2)
@@ -120,14 +120,14 @@ _KILLED_MID_HYDRATION = """
 import json, os, signal, sys
 import torch, torch.distributed.checkpoint as dcp
 from dcp_tiered import RemoteConfig, TieredStorageReader
-from dcp_tiered.tiers import remote as remote_tier
-real = remote_tier._download
+from dcp_tiered.tiers import pull
+real = pull._download
 
 def download_then_die(*args, **kwargs):  # SIGKILL once the first data file is written
     real(*args, **kwargs)
     os.kill(os.getpid(), signal.SIGKILL)
 
-remote_tier._download = download_then_die
+pull._download = download_then_die
 root, url, options, n = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
 sd = {"a": torch.zeros(n), "b": torch.zeros(n)}
 reader = TieredStorageReader(root, remote=RemoteConfig(url=url, storage_options=options),

@@ -129,7 +129,10 @@ def test_the_checker_resolves_imports_and_would_catch_a_violation():
         "backends.local",
         "errors",
     }
-    assert {"policy.integrity", "errors", "policy.layout"} <= imports_of(
+    assert {"policy.integrity", "backends._local_fs"} <= imports_of(
+        PACKAGE / "backends" / "_local_reads.py"
+    )
+    assert {"backends.base", "backends._local_reads", "policy.layout"} <= imports_of(
         PACKAGE / "backends" / "local.py"
     )
     assert "backends" in FORBIDDEN[_layer("policy.layout")]
@@ -149,11 +152,12 @@ def test_the_newer_shims_sit_on_the_lifecycle_and_the_public_modules():
     assert imports_of(PACKAGE / "shims" / "torchtitan_ft.py") == {"shims.torchtitan"}
 
 
-# The private modules of the writer and reader packages (writer/_plan.py ...): the package's own.
+# The private modules of the writer, reader and backends packages (writer/_plan.py,
+# backends/_local_reads.py ...): the package's own.
 PRIVATE = {
     m
     for m in MODULES
-    if m.split(".")[0] in ("writer", "reader") and m.split(".")[-1][:1] == "_"
+    if m.split(".")[0] in ("writer", "reader", "backends") and m.split(".")[-1][:1] == "_"
     if not m.endswith(".__init__")
 }
 
@@ -249,3 +253,69 @@ def test_the_cycle_checker_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"a"}}) == [["a"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+# ------------------------------------------------------------ the remote tier and the backends
+
+STORE_CLIENTS = {"fsspec", "s3fs", "botocore", "aiobotocore", "boto3"}
+
+
+def third_party_imports(path: Path) -> set[str]:
+    """Top-level names of the modules outside the package that ``path`` imports."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+    return found - {"dcp_tiered"}
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_only_the_backends_talk_to_a_store_client(module):
+    """fsspec, s3fs and botocore stay behind backends/: errors are translated there once,
+    and a tier speaks keys."""
+    clients = sorted(third_party_imports(MODULES[module]) & STORE_CLIENTS)
+    assert module.split(".")[0] == "backends" or clients == [], f"{module} imports {clients}"
+
+
+def test_the_store_client_checker_sees_the_remote_backend():
+    assert {"fsspec"} <= third_party_imports(PACKAGE / "backends" / "remote.py")
+    assert not third_party_imports(PACKAGE / "tiers" / "remote.py") & STORE_CLIENTS
+
+
+def test_the_backend_contract_depends_on_nothing_of_the_package():
+    """``backends/base.py`` is the contract both backends implement: it names no backend, no
+    tier and no policy."""
+    assert imports_of(PACKAGE / "backends" / "base.py") == set()
+    for backend in ("local.py", "remote.py"):
+        assert "backends.base" in imports_of(PACKAGE / "backends" / backend), backend
+
+
+def test_the_remote_tier_sits_below_its_promotion_and_its_pull():
+    """``tiers.remote`` is what a committed remote step is (with its orphan sweep). How a step
+    gets there (promotion, the upload queue) and how one is copied to the local tier (pull,
+    which commits there) build on it; it imports neither, and never commits locally."""
+    below = imports_of(PACKAGE / "tiers" / "remote.py") | imports_of(
+        PACKAGE / "tiers" / "orphans.py"
+    )
+    assert below & {"tiers.promotion", "tiers.uploads", "tiers.pull", "tiers.commit"} == set()
+    assert "tiers.remote" in imports_of(PACKAGE / "tiers" / "promotion.py")
+    assert {"tiers.remote", "tiers.commit"} <= imports_of(PACKAGE / "tiers" / "pull.py")
+    assert "tiers.promotion" not in imports_of(PACKAGE / "tiers" / "pull.py")
+
+
+def test_the_prefix_strategy_is_spelled_as_a_string_only_at_the_edges():
+    """``"hash"``/``"none"`` are what users and records spell; inside, a PrefixStrategy
+    computes the keys. Only the config (the user's option) and policy/prefixes.py (the
+    records) may compare the strings."""
+    allowed = {"config", "policy.prefixes"}
+    for module, path in MODULES.items():
+        if module in allowed:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                names = [
+                    c.value for c in [node.left, *node.comparators] if isinstance(c, ast.Constant)
+                ]
+                assert "hash" not in names, f"{module}:{node.lineno} compares 'hash'"

@@ -233,8 +233,9 @@ def test_version_1_manifests_still_parse():
 
 def test_remote_keys_keep_each_save_apart_and_refuse_hostile_markers():
     from dcp_tiered.policy.layout import RemoteKeys, keys_of_marker, save_id_of_key
+    from dcp_tiered.policy.prefixes import PrefixStrategy
 
-    new = RemoteKeys("step-1", "0a1b2c3d4e5f", "hash")
+    new = RemoteKeys("step-1", "0a1b2c3d4e5f", PrefixStrategy.named("hash"))
     assert new.manifest == "step-1/0a1b2c3d4e5f/manifest.json"
     assert new.file("__0_0.distcp").startswith("data/") and "/step-1/0a1b2c3d4e5f/" in new.file(
         "__0_0.distcp"

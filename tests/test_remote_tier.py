@@ -23,7 +23,7 @@ from dcp_tiered import (
     UploadFailedError,
 )
 from dcp_tiered.backends.remote import RemoteBackend
-from dcp_tiered.tiers.remote import Durability
+from dcp_tiered.tiers.remote import Durability, RemoteTier
 from tests.conftest import REPO, injected_faults
 
 FAST_RETRY = RetryConfig(max_attempts=12, initial_backoff_secs=0.05, max_backoff_secs=0.5)
@@ -168,7 +168,7 @@ def test_twenty_percent_faults_every_step_durable_and_never_partial(tmp_path, s3
     def observer() -> None:  # every step that looks committed must be whole, at every moment
         listing = RemoteBackend(direct)
         while not stop.is_set():
-            for step in listing.committed_steps():
+            for step in RemoteTier(listing).steps():
                 try:
                     got, _ = load(tmp_path / "obs-empty", direct, step, mib=12)
                     observed.add(step)
@@ -240,7 +240,7 @@ print("NOT KILLED")
     assert proc.returncode == -9, proc.stdout + proc.stderr
     cfg = RemoteConfig(url=url, storage_options=s3.options(), retry=FAST_RETRY)
     writer = TieredStorageWriter(tmp_path / "other", remote=cfg)
-    assert writer._remote.committed_steps() == []  # not visible before it is whole
+    assert RemoteTier(writer._remote).steps() == []  # not visible before it is whole
     fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3.options())
     bucket, prefix = url.removeprefix("s3://").split("/", 1)
 
@@ -262,7 +262,7 @@ def test_remote_writer_and_reader_pickle(tmp_path, s3):
 
     cfg = RemoteConfig(url=s3.url(), storage_options=s3.options())
     w = TieredStorageWriter(tmp_path, remote=cfg)
-    w._remote.committed_steps()  # creates a client, which must not travel
+    RemoteTier(w._remote).steps()  # creates a client, which must not travel
     clone = pickle.loads(pickle.dumps(w))
     assert clone._remote._fs is None and clone._remote.config == cfg
     assert isinstance(

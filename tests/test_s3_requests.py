@@ -18,11 +18,12 @@ from dcp_tiered import RemoteConfig
 from dcp_tiered.backends.local import LocalBackend
 from dcp_tiered.backends.remote import RemoteBackend
 from dcp_tiered.policy import identity, layout
-from dcp_tiered.tiers import remote as remote_tier
+from dcp_tiered.policy.prefixes import PrefixStrategy
 from dcp_tiered.tiers import uploads
+from dcp_tiered.tiers.file_upload import upload_verified
 from dcp_tiered.tiers.local import LocalTier
-from dcp_tiered.tiers.orphans import remove_orphan_saves
-from dcp_tiered.tiers.promotion import Promotion, upload_verified
+from dcp_tiered.tiers.promotion import Promotion
+from dcp_tiered.tiers.remote import RemoteTier
 from tests.conftest import proxied_requests
 from tests.test_remote_tier import FAST_RETRY, equal, load, save, state
 
@@ -70,8 +71,8 @@ def test_a_root_without_pointer_or_with_a_stale_one_still_restores_the_newest(
     save_steps(tmp_path, cfg, ["step-1", "step-2"])
     backend = RemoteBackend(config(s3, url=cfg.url))
     # Stale: the pointer's step is quarantined (its marker moved aside): step-1 is latest.
-    run_id = remote_tier.read_marker(backend, "step-2")["run_id"]
-    remote_tier.quarantine_remote_step(backend, "step-2", reason="test", run_id=run_id)
+    run_id = RemoteTier(backend).marker("step-2")["run_id"]
+    RemoteTier(backend).quarantine("step-2", reason="test", run_id=run_id)
     got, reader = load(tmp_path / "fresh1", cfg)
     assert reader.checkpoint_id == "step-1" and equal(got, state(1))
     # Missing, as in a root written before the pointer existed: listed once, still found.
@@ -93,23 +94,23 @@ def test_the_latest_pointer_only_moves_forward_when_saves_race(s3):
     steps = [f"step-{n}" for n in (3, 11, 7, 20, 2, 19, 5, 13)]
     markers = {}
     for i, step in enumerate(steps):
-        markers[step] = layout.marker_body(step, f"{i + 1:x}" * 4, time.time_ns(), "none")
+        markers[step] = layout.marker_body(step, f"{i + 1:x}" * 4, time.time_ns(), PrefixStrategy())
         backend.put_bytes(f"{step}/{layout.REMOTE_MARKER}", json.dumps(markers[step]).encode())
     barrier = threading.Barrier(len(steps))
 
     def commit(step: str) -> None:
         barrier.wait()
-        remote_tier.advance_latest(backend, step, markers[step])
+        RemoteTier(backend).advance_latest(step, markers[step])
 
     threads = [threading.Thread(target=commit, args=(s,)) for s in steps]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    body, _ = remote_tier.read_latest(backend)
+    body, _ = RemoteTier(backend).read_latest()
     assert body["step"] == "step-20" and body["marker"] == markers["step-20"]
-    remote_tier.advance_latest(backend, "step-4", markers["step-5"] | {"step": "step-4"})
-    assert remote_tier.read_latest(backend)[0]["step"] == "step-20"  # never backwards
+    RemoteTier(backend).advance_latest("step-4", markers["step-5"] | {"step": "step-4"})
+    assert RemoteTier(backend).read_latest()[0]["step"] == "step-20"  # never backwards
 
 
 def test_a_save_never_lists_its_own_objects(tmp_path, s3, fault_proxy):
@@ -158,7 +159,7 @@ def test_the_coordinator_polls_node_records_with_one_listing_per_round(tmp_path,
     m = dataclasses.replace(m, nodes=[*m.nodes, [97], [98], [99]])  # three other nodes
     backend = RemoteBackend(cfg)
     promotion = Promotion(tier, backend, "step-1", None)  # type: ignore[arg-type]
-    keys = promotion.keys(m)
+    keys = RemoteTier(backend).keys("step-1", m.save_id)
     tags = {  # node 0 uploads its own files first, as its promotion does
         name: upload_verified(tier, backend, ("step-1",), name, keys.file(name), info["checksum"])
         for name, info in m.files.items()
@@ -181,7 +182,7 @@ def test_the_coordinator_polls_node_records_with_one_listing_per_round(tmp_path,
     reads = [k for kind, k in reqs if kind in ("GET", "HEAD") and "/_nodes/" in k]
     prefix = cfg.url.split("/", 3)[3]
     assert sorted(reads) == sorted(f"{prefix}/{keys.node_record(n)}" for n in (1, 2, 3))
-    assert remote_tier.read_marker(backend, "step-1")["save_id"] == m.save_id
+    assert RemoteTier(backend).marker("step-1")["save_id"] == m.save_id
 
 
 def test_hash_prefixes_are_configurable_and_recorded_for_readers(tmp_path, s3):
@@ -213,7 +214,7 @@ def test_hash_prefixes_are_configurable_and_recorded_for_readers(tmp_path, s3):
     foreign = ["data/2f/step-1/abcdee/__0_0.distcp", "step-1/abcdee/_nodes/node-0.json"]
     for key in foreign:
         fs.pipe_file(f"{base}/{key}", b"x")
-    remove_orphan_saves(RemoteBackend(other), "step-1", marker["run_id"], keep=set())
+    RemoteTier(RemoteBackend(other)).remove_orphan_saves("step-1", marker["run_id"], keep=set())
     left = {k[len(base) + 1 :] for k in fs.find(base)}
     assert not left & set(orphans) and set(foreign) <= left
     got, _ = load(tmp_path / "fresh2", other)

@@ -1,6 +1,7 @@
-"""The local backend's one atomic small-file write (``LocalBackend._put_small_file``), through
+"""The local backend's one atomic small-file write (``LocalBackend._atomic_write``), through
 every way in: ``replace_root_file``, ``create_root_file``, ``write_atomically`` (a file in a
-step's directory) and ``backends.local.replace_file`` (the frameworks' trackers and stubs).
+step's directory), the contract's ``atomic_write`` and ``backends.local.replace_file`` (the
+frameworks' trackers and stubs).
 Each leaves the old content or the new, never a temporary file, also when the write fails."""
 
 from __future__ import annotations

@@ -7,12 +7,9 @@ or PermanentTierError (not retried; the message says what to fix).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import functools
 import logging
 import os
-import threading
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -21,122 +18,24 @@ from fsspec.asyn import sync
 
 from .. import _retry
 from ..config import RemoteConfig, RetryConfig
-from ..errors import ConfigError, IntegrityError, PermanentTierError, TransientTierError
-from ..policy import layout
+from ..errors import ConfigError, PermanentTierError, TransientTierError
 from . import s3_checksums
+from ._remote_files import LOCAL_PROTOCOLS, mtime_of, split_url, tag_of, write_whole
+from .base import Backend
+from .remote_errors import PERMANENT_HINTS, translate
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-_TRANSIENT_CODES = {
-    "SlowDown",
-    "Throttling",
-    "ThrottlingException",
-    "RequestLimitExceeded",
-    "InternalError",
-    "ServiceUnavailable",
-    "RequestTimeout",
-    "RequestTimeTooSkewed",
-    "OperationAborted",
-    "InternalServerError",
-    "BadGateway",
-    "GatewayTimeout",
-    "500",
-    "502",
-    "503",
-    "504",
-    # A body that fails the CRC32C sent with it (a store that checks: s3_checksums) was
-    # corrupted on the way, not stored: sending it again is the fix.
-    "BadDigest",
-}
-_PERMANENT_HINTS = {
-    "AccessDenied": "check the credentials' permissions on this bucket/prefix",
-    "InvalidAccessKeyId": "check the access key (AWS_ACCESS_KEY_ID or storage_options['key'])",
-    "SignatureDoesNotMatch": "check the secret key and the endpoint's region",
-    "NoSuchBucket": "create the bucket or fix the remote URL",
-    "InvalidBucketName": "fix the bucket name in the remote URL",
-    "ExpiredToken": "refresh the session token",
-    "InvalidToken": "refresh the session token",
-    "403": "the store refused the credentials (HTTP 403): check the access key, secret and "
-    "their permissions on this bucket/prefix",
-    "401": "the store wants credentials (HTTP 401): set storage_options['key'/'secret'] or "
-    "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY",
-}
-# botocore's own errors for credentials it cannot find or use: no retry makes them work.
-_CREDENTIAL_ERRORS = {
-    "NoCredentialsError",
-    "PartialCredentialsError",
-    "CredentialRetrievalError",
-    "NoAuthTokenError",
-}
 _OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "adl"}
 
 
-def _caused_by(exc: BaseException | None, name: str) -> bool:
-    for _ in range(5):
-        if exc is None:
-            return False
-        if type(exc).__name__ == name:
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
-
-
-def translate(exc: BaseException, op: str, where: str) -> BaseException:
-    """Map a backend exception to our taxonomy; FileNotFound/FileExists pass through."""
-    if (
-        isinstance(exc, (FileNotFoundError, FileExistsError))
-        and s3_checksums.client_error(exc) is None
-    ):
-        return exc
-    if _caused_by(exc, "FlexibleChecksumError"):
-        # botocore checked the body against the checksum the store recorded with it at
-        # upload: the object is corrupt in the store, and reading it again will not help.
-        return IntegrityError(
-            f"{op} {where}: the stored object fails the checksum recorded at "
-            f"its upload ({exc}); it is corrupt in the store"
-        )
-    ce = s3_checksums.client_error(exc)
-    if ce is not None:
-        err = ce.response.get("Error", {})
-        code = str(err.get("Code", ""))
-        status = int(ce.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-        if code in ("NoSuchKey", "404", "NotFound"):
-            return FileNotFoundError(f"{where}: not found")
-        if code == "PreconditionFailed" or (status == 412):
-            return FileExistsError(f"{where}: already exists")
-        if code in _TRANSIENT_CODES or status >= 500 or status == 429:
-            return TransientTierError(f"{op} {where}: {code or status} (transient, retrying)")
-        hint = (
-            _PERMANENT_HINTS.get(code)
-            or _PERMANENT_HINTS.get(str(status))
-            or ("see the error code in the S3 documentation")
-        )
-        return PermanentTierError(f"{op} {where} failed: {code} {err.get('Message', '')}; {hint}")
-    if type(exc).__name__ in _CREDENTIAL_ERRORS:
-        return PermanentTierError(
-            f"{op} {where}: no usable credentials ({type(exc).__name__}: {exc}); set "
-            "storage_options['key'] and ['secret'] (or AWS_ACCESS_KEY_ID and "
-            "AWS_SECRET_ACCESS_KEY, or a profile)"
-        )
-    if isinstance(exc, PermissionError):
-        return PermanentTierError(f"{op} {where}: permission denied ({exc}); check credentials")
-    if isinstance(exc, (FileNotFoundError, FileExistsError)):
-        return exc
-    if isinstance(exc, (ConnectionError, TimeoutError, asyncio.TimeoutError, OSError)):
-        return TransientTierError(f"{op} {where}: {type(exc).__name__}: {exc}")
-    name = type(exc).__module__ + "." + type(exc).__name__
-    if name.startswith(("aiohttp.", "botocore.", "urllib3.")):
-        return TransientTierError(f"{op} {where}: {type(exc).__name__}: {exc}")
-    return exc
-
-
-class RemoteBackend:
+class RemoteBackend(Backend):
     """Objects under one fsspec URL. Keys are relative to it; nothing outside is touched."""
 
     def __init__(self, config: RemoteConfig) -> None:
         self.config = config
-        self.protocol, base = _split(config.url)
+        self.protocol, base = split_url(config.url)
         self.base = base.rstrip("/")
         self._fs: Any = None
         self._fs_pid = -1
@@ -238,8 +137,8 @@ class RemoteBackend:
         path = self.path(key)
         if not self.is_object_store:
             self._call("mkdir", key, lambda: self.fs.makedirs(self.fs._parent(path), exist_ok=True))
-        if self.protocol in _LOCAL:
-            self._call("put", key, lambda: _write_whole(path, data, exclusive=False))
+        if self.protocol in LOCAL_PROTOCOLS:
+            self._call("put", key, lambda: write_whole(path, data, exclusive=False))
         else:
             self._call("put", key, lambda: self.fs.pipe_file(path, data))
 
@@ -249,8 +148,8 @@ class RemoteBackend:
         if not self.is_object_store:
             self._call("mkdir", key, lambda: self.fs.makedirs(self.fs._parent(path), exist_ok=True))
         try:
-            if self.protocol in _LOCAL:
-                self._call("create", key, lambda: _write_whole(path, data, exclusive=True))
+            if self.protocol in LOCAL_PROTOCOLS:
+                self._call("create", key, lambda: write_whole(path, data, exclusive=True))
             else:
                 self._call("create", key, lambda: self.fs.pipe_file(path, data, mode="create"))
         except FileExistsError:
@@ -379,10 +278,10 @@ class RemoteBackend:
                     body.close()
                 return acc, resp.get("ETag")
             with self.fs.open(path, "rb") as f:
-                before = _tag(self.fs.info(path))
+                before = tag_of(self.fs.info(path))
                 while chunk := f.read(span):
                     acc = fold(acc, chunk)
-            return acc, (before if before == _tag(self.fs.info(path)) else None)
+            return acc, (before if before == tag_of(self.fs.info(path)) else None)
 
         return self._call("get", key, run)
 
@@ -430,11 +329,11 @@ class RemoteBackend:
         (a page per 1,000 objects). The tag names one version of an object: the ETag on S3,
         inode and mtime on a local store, None where the store gives none. An object with the
         tag a read of it returned (:meth:`fold_object`) is still the object that was read."""
-        return {key: (int(info["size"]), _tag(info)) for key, info in self._find(prefix).items()}
+        return {key: (int(info["size"]), tag_of(info)) for key, info in self._find(prefix).items()}
 
     def modified(self, prefix: str) -> dict[str, float]:
         """Relative key -> last-modified time (epoch seconds) of every object under ``prefix``."""
-        return {key: _mtime(info) for key, info in self._find(prefix).items()}
+        return {key: mtime_of(info) for key, info in self._find(prefix).items()}
 
     def _find(self, prefix: str) -> dict[str, Mapping[str, Any]]:
         path = self.path(prefix)
@@ -458,6 +357,8 @@ class RemoteBackend:
     def glob(self, pattern: str) -> list[str]:
         """Relative keys matching ``pattern`` (fsspec glob, relative to the root), as the store
         holds them now."""
+        # All of it: s3fs drops only the path and its parents, and glob reads the prefixes'
+        # own cached listings, so a long-lived reader would miss keys written since.
         self.fs.invalidate_cache()
         try:
             found = self._call("list", "", lambda: self.fs.glob(f"{self.base}/{pattern}"))
@@ -465,28 +366,37 @@ class RemoteBackend:
             return []
         return sorted(p[len(self.base) + 1 :] for p in found)
 
-    def committed_steps(self) -> list[str]:
-        """Steps whose commit marker exists, as the store holds them now."""
-        # All of it: s3fs drops only the path and its parents, and glob reads the step prefixes'
-        # own cached listings, so a long-lived reader would miss steps committed since.
-        self.fs.invalidate_cache()
-        pattern = f"{self.base}/*/{layout.REMOTE_MARKER}"
+    # ------------------------------------------------------------ the contract (base.Backend)
+
+    def read(self, key: str) -> bytes:
+        return self.get_bytes(key)
+
+    def write(self, key: str, data: bytes) -> None:
+        self.put_bytes(key, data)
+
+    def atomic_write(self, key: str, data: bytes, *, exclusive: bool = False) -> bool:
+        # A PUT is whole or absent on an object store, as write_whole makes it on file://.
+        if exclusive:
+            return self.create_exclusive(key, data)
+        self.put_bytes(key, data)
+        return True
+
+    def exists(self, key: str) -> bool:
+        return self.stat(key) is not None
+
+    def require_bucket(self) -> None:
+        """PermanentTierError if the bucket of an S3 URL does not exist: s3fs lists a missing
+        bucket as empty, and an empty listing must tell a typo from a new run."""
+        if self.protocol not in ("s3", "s3a"):
+            return
+        bucket = self.base.partition("/")[0]
         try:
-            found = self._call("list", "", lambda: self.fs.glob(pattern))
-        except FileNotFoundError:
-            return []
-        if not found and self.protocol in ("s3", "s3a"):
-            # s3fs lists a missing bucket as empty: tell a typo from a new run.
-            bucket = self.base.partition("/")[0]
-            try:
-                self._call("head bucket", "", lambda: self.fs.call_s3("head_bucket", Bucket=bucket))
-            except FileNotFoundError as e:
-                raise PermanentTierError(
-                    f"bucket {bucket!r} of {self.config.url} does not exist (NoSuchBucket); "
-                    f"{_PERMANENT_HINTS['NoSuchBucket']}"
-                ) from e
-        steps = [p[len(self.base) + 1 :].split("/")[0] for p in found]
-        return sorted(s for s in steps if layout.is_step_name(s))
+            self._call("head bucket", "", lambda: self.fs.call_s3("head_bucket", Bucket=bucket))
+        except FileNotFoundError as e:
+            raise PermanentTierError(
+                f"bucket {bucket!r} of {self.config.url} does not exist (NoSuchBucket); "
+                f"{PERMANENT_HINTS['NoSuchBucket']}"
+            ) from e
 
 
 def remote_backend(
@@ -498,55 +408,3 @@ def remote_backend(
     if not isinstance(remote, RemoteConfig):
         remote = RemoteConfig(url=remote, storage_options=dict(storage_options or {}))
     return RemoteBackend(remote)
-
-
-def _tag(info: Mapping[str, Any]) -> str | None:
-    """The version tag of an fsspec listing or info entry (see RemoteBackend.listing)."""
-    etag = info.get("ETag") or info.get("etag")
-    if etag:
-        return str(etag)
-    if "ino" in info and "mtime" in info:
-        return f"{info['ino']}-{info['mtime']}"
-    return None
-
-
-def _mtime(info: Mapping[str, Any]) -> float:
-    """An fsspec listing entry's modification time: S3 gives a datetime, local stores a float."""
-    value = info.get("LastModified", info.get("mtime", info.get("created", 0.0)))
-    return value.timestamp() if hasattr(value, "timestamp") else float(value or 0.0)
-
-
-def _split(url: str) -> tuple[str, str]:
-    protocol, sep, rest = url.partition("://")
-    if not sep:
-        return "file", os.path.abspath(url)
-    if protocol == "file":
-        return "file", rest
-    return protocol, rest
-
-
-_LOCAL = ("file", "local")
-
-
-def _write_whole(path: str, data: bytes, *, exclusive: bool) -> None:
-    """Write a small object on a local (``file://``) remote so that a reader sees it whole or
-    not at all, as on an object store: written aside, then linked into place (``exclusive``:
-    fails with FileExistsError if it exists) or renamed over it. Writing it in place would
-    show a concurrent reader an empty or half-written marker or pointer."""
-    tmp = f"{path}.{os.getpid()}-{threading.get_ident()}.partial"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-        if exclusive:
-            try:
-                os.link(tmp, path)
-            except FileExistsError:
-                raise
-            except OSError:  # a filesystem without hard links: create it in place
-                with open(path, "xb") as f:
-                    f.write(data)
-        else:
-            os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)

@@ -7,7 +7,7 @@ S3-compatible store checks (moto 5.2 keeps a body whatever CRC32C it is sent), s
 out, never assumed: once per (endpoint, bucket) per process, a PUT of a tiny object with a
 deliberately wrong CRC32C must be refused and one with the right CRC32C accepted (:func:`
 validates`). Until a store has proved it, uploads keep their read-back
-(:func:`dcp_tiered.tiers.promotion.upload_verified`).
+(:func:`dcp_tiered.tiers.file_upload.upload_verified`).
 
 Uploads here always send the checksums (harmless where a store ignores them): a single PUT
 with the object's CRC32C, or a multipart upload with each part's CRC32C, parts read and sent

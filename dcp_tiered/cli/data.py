@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from ..errors import ManifestError
 from ..policy import layout
 from ..tiers import catalog, verify
+from ..tiers.remote import RemoteTier
 from ._base import OK, PROBLEM, human
 from ._context import Run, progress
 from ._items import StepItems
@@ -162,7 +163,7 @@ def cmd_verify_remote(run: Run) -> int:
         args.remote = ""  # so Run.remote() takes the recorded URL, not the step name
     remote = run.need_remote(url)
     if step is None:
-        steps = remote.committed_steps()
+        steps = RemoteTier(remote).steps()
     elif step == layout.LATEST:
         steps = [catalog.remote_latest_step(remote)]
     else:

@@ -1,6 +1,6 @@
 """The CLI's commands that change a tier: ``pull``, ``rm``, ``prune``. Each goes through the
 tiers' own functions (hydration's atomic commit, ``LocalTier.delete_step``,
-``delete_remote_step``, the retention pass the manager runs), so it keeps their guarantees;
+``RemoteTier.delete``, the retention pass the manager runs), so it keeps their guarantees;
 every delete is logged by the backend (the CLI shows those logs on stderr) and listed in the
 output."""
 
@@ -11,8 +11,8 @@ import time
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, TierError
 from ..policy import layout
 from ..policy.retention import RetentionPolicy
-from ..tiers import catalog, housekeeping
-from ..tiers import remote as remote_tier
+from ..tiers import catalog, housekeeping, pull
+from ..tiers.remote import RemoteTier
 from ._base import OK, UNREADABLE, USAGE, human
 from ._context import Run, progress
 
@@ -26,13 +26,13 @@ def cmd_pull(run: Run) -> int:
     if step == layout.LATEST:
         step = catalog.remote_latest_step(remote)
     layout.validate_step_name(step)
-    keys = remote_tier.keys_of_step(remote, step)
+    keys = RemoteTier(remote).keys_of(step)
     if keys is None:
         raise CheckpointNotFoundError(
             f"step {step!r} is not committed on {remote.config.url}; "
             f"`dcp-tiered status {tier.root}` lists the steps there"
         )
-    m = remote_tier.read_manifest(remote, keys)
+    m = RemoteTier(remote).read_manifest(keys)
     if tier.has_step(step):
         here = tier.read_manifest(step)
         if here.save_id != m.save_id:
@@ -46,7 +46,7 @@ def cmd_pull(run: Run) -> int:
     started = time.monotonic()
     if names:
         with progress(total, f"pull {step}", run) as bar:
-            remote_tier.hydrate_step(tier, remote, step, m, names, keys, progress=bar.update)
+            pull.hydrate_step(tier, remote, step, m, names, keys, progress=bar.update)
     seconds = time.monotonic() - started
     run.fields.update(
         step=step,
@@ -99,7 +99,7 @@ def cmd_rm(run: Run) -> int:
     reason = "dcp-tiered rm" + (" --force (the only durable copy)" if other is None else "")
     if on_remote:
         assert remote is not None
-        remote_tier.delete_remote_step(remote, step, reason=reason, run_id=run_id)
+        RemoteTier(remote).delete(step, reason=reason, run_id=run_id)
     else:
         tier.delete_step(step, reason=reason)
     run.fields.update(
@@ -120,7 +120,7 @@ def cmd_prune(run: Run) -> int:
     remote = run.remote()
     if remote is not None:
         try:
-            remote.committed_steps()
+            RemoteTier(remote).steps()
         except TierError as e:
             run.error(
                 TierError(

@@ -13,7 +13,7 @@ from ..errors import CheckpointNotFoundError, ConfigError
 from ..policy import identity, layout
 from ..policy.identity import Owner
 from ..tiers import ownership
-from ..tiers import remote as remote_tier
+from ..tiers.remote import RemoteTier
 from ._base import OK
 from ._context import Run
 
@@ -72,8 +72,9 @@ def _remote_saves(
     run: Run, remote: RemoteBackend, record: identity.RunRecord, names: list[str]
 ) -> list[tuple[str, str]]:
     out = []
-    for name in names or remote.committed_steps():
-        marker = remote_tier.read_marker(remote, layout.validate_step_name(name))
+    on_remote = RemoteTier(remote)
+    for name in names or on_remote.steps():
+        marker = on_remote.marker(layout.validate_step_name(name))
         if marker is None:
             raise CheckpointNotFoundError(f"step {name!r} is not committed on {remote.config.url}")
         sid = str(marker.get("save_id"))
@@ -94,7 +95,7 @@ def cmd_quarantine(run: Run) -> int:
     if args.release:
         save_id = args.save_id or _only_quarantined(run, remote, step)
         if remote is not None:
-            remote_tier.release_remote_step(remote, step, save_id, run_id=record.run_id)
+            RemoteTier(remote).release(step, save_id, run_id=record.run_id)
         else:
             tier.release_quarantined(step, save_id, run_id=record.run_id)
         run.say(f"released {step} (save {save_id}) from quarantine in {where}")
@@ -102,7 +103,7 @@ def cmd_quarantine(run: Run) -> int:
         return OK
     reason = args.reason or "dcp-tiered quarantine"
     if remote is not None:
-        done = remote_tier.quarantine_remote_step(remote, step, reason=reason, run_id=record.run_id)
+        done = RemoteTier(remote).quarantine(step, reason=reason, run_id=record.run_id)
     else:
         done = tier.quarantine(step, reason=reason, run_id=record.run_id) is not None
     if not done:
@@ -114,7 +115,7 @@ def cmd_quarantine(run: Run) -> int:
 
 def _only_quarantined(run: Run, remote: RemoteBackend | None, step: str) -> str:
     if remote is not None:
-        saves = sorted(remote_tier.quarantined_saves(remote, step))
+        saves = sorted(RemoteTier(remote).quarantined_saves(step))
     else:
         saves = [sid for name, sid in run.tier.quarantined() if name == step]
     if len(saves) != 1:

@@ -13,7 +13,7 @@ from ..errors import ManifestError, TierError, TierUnavailableError
 from ..policy import layout
 from ..tiers import catalog, replica, verify
 from ..tiers import memory as memory_tier
-from ..tiers import remote as remote_tier
+from ..tiers.remote import RemoteTier
 from ._base import OK, PROBLEM, UNREADABLE, human, iso
 from ._context import Run, progress
 
@@ -145,7 +145,7 @@ def cmd_status(run: Run) -> int:
         try:
             quarantined += [
                 {"step": n, "save_id": sid, "tier": "remote"}
-                for n, sid in remote_tier.quarantined(remote)
+                for n, sid in RemoteTier(remote).quarantined()
             ]
         except TierError as e:
             unreadable["remote"] = str(e)

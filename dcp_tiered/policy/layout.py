@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import re
-import zlib
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError
+from .prefixes import (  # noqa: F401 - names callers know from here
+    DEFAULT_HASH_PREFIXES,
+    HASHED_DATA,
+    MAX_HASH_PREFIXES,
+    PrefixStrategy,
+    hash_prefixes_of,
+)
 
 MANIFEST_NAME = "manifest.json"  # the index; each node's items are in its own section
 _SECTION_RE = re.compile(r"manifest\.(shared|node-(0|[1-9][0-9]{0,6}))\.json")
@@ -42,12 +48,6 @@ NODE_RECORDS = "_nodes"
 # naming the run; the orphan sweep removes only saves a claim of its own run names.
 CLAIMS = "_claims"
 REMOTE_LAYOUT = 2  # objects of a save under STEP/<save id>/ (layout 1: directly under STEP/)
-# Hashed data prefixes: the count is RemoteConfig.hash_prefixes, recorded in each marker
-# (markers without one were written with 16), so a reader never guesses.
-DEFAULT_HASH_PREFIXES = 16
-_HASH_PREFIXES = DEFAULT_HASH_PREFIXES
-MAX_HASH_PREFIXES = 4096
-HASHED_DATA = "data"  # remote prefix of hashed data keys: never a step name
 # The remote root's pointer to its newest committed step (hidden: never a step name). Written
 # after the step's marker, moved only forward in `newest`'s order; restores read it instead of
 # listing the root, and fall back to listing when it is missing or names no committed save.
@@ -199,8 +199,7 @@ class RemoteKeys:
 
     step: str
     save_id: str | None
-    prefix_strategy: str = "none"
-    hash_prefixes: int = DEFAULT_HASH_PREFIXES
+    strategy: PrefixStrategy = field(default_factory=PrefixStrategy)
 
     @property
     def _base(self) -> str:
@@ -208,10 +207,7 @@ class RemoteKeys:
 
     def file(self, name: str) -> str:
         """Key of a data file; data may be spread over hashed prefixes."""
-        if self.prefix_strategy == "hash" and name.endswith(".distcp"):
-            bucket = zlib.crc32(f"{self.step}/{name}".encode()) % self.hash_prefixes
-            return f"{HASHED_DATA}/{bucket:x}/{self._base}{name}"
-        return f"{self._base}{name}"
+        return self.strategy.data_key(self.step, self._base, name)
 
     @property
     def manifest(self) -> str:
@@ -241,9 +237,13 @@ class RemoteKeys:
 
     def prefixes(self) -> list[str]:
         """Every prefix that may hold this save's objects (layout 1: the whole step's)."""
-        return [self._base] + [
-            f"{HASHED_DATA}/{b:x}/{self._base}" for b in range(self.hash_prefixes)
-        ]
+        return [self._base, *self.strategy.hashed_prefixes(self._base)]
+
+    def listed_prefixes(self, *, also_hashed: bool = False) -> list[str]:
+        """The prefixes a cleanup of this save lists: its own, and the hashed ones where its
+        strategy (or ``also_hashed``: the writer's own) spreads data there."""
+        hashed = self.strategy.hashed or also_hashed
+        return self.prefixes() if hashed else [self._base]
 
     def owns(self, key: str) -> bool:
         """Whether ``key`` is one of this save's objects by our exact name grammar (never the
@@ -262,16 +262,14 @@ def marker_body(
     step: str,
     save_id: str,
     committed_at_ns: int,
-    prefix_strategy: str,
-    hash_prefixes: int = DEFAULT_HASH_PREFIXES,
+    strategy: PrefixStrategy,
     run_id: str | None = None,
 ) -> dict[str, Any]:
     body: dict[str, Any] = {
         "step": step,
         "save_id": save_id,
         "committed_at_ns": committed_at_ns,
-        "prefix_strategy": prefix_strategy,
-        "hash_prefixes": hash_prefixes,
+        **strategy.record(),
         "layout": REMOTE_LAYOUT,
     }
     if run_id is not None:
@@ -283,17 +281,6 @@ def run_of(record: Mapping[str, Any]) -> str | None:
     """The run id a marker, claim or node record names (None: written before run ids)."""
     value = record.get("run_id")
     return value if isinstance(value, str) else None
-
-
-def hash_prefixes_of(marker: Mapping[str, Any]) -> int:
-    """How many hashed data prefixes a marker's save spreads over (16 before it was recorded)."""
-    value = marker.get("hash_prefixes", DEFAULT_HASH_PREFIXES)
-    if isinstance(value, bool) or not isinstance(value, int):
-        # ValueError, not TypeError: callers catch ValueError for a bad marker
-        raise ValueError(f"hash_prefixes {value!r} is not an integer")  # noqa: TRY004
-    if not 1 <= value <= MAX_HASH_PREFIXES:
-        raise ValueError(f"hash_prefixes {value} is outside 1..{MAX_HASH_PREFIXES}")
-    return value
 
 
 def latest_body(step: str, marker: Mapping[str, Any]) -> dict[str, Any]:
@@ -312,18 +299,15 @@ def is_newer(step: str, committed_at_ns: int, than: tuple[str, int] | None) -> b
 def keys_of_marker(step: str, marker: Mapping[str, Any]) -> RemoteKeys:
     """The keys of the save a marker commits. Its fields come from storage: a save id that
     is not one of ours could name a path elsewhere, so it is refused, not used."""
-    strategy = str(marker.get("prefix_strategy", "none"))
-    if strategy not in ("none", "hash"):
-        raise ValueError(f"unknown prefix_strategy {strategy!r}")
-    prefixes = hash_prefixes_of(marker)
+    strategy = PrefixStrategy.of_record(marker)
     if marker.get("layout", 1) == 1:
-        return RemoteKeys(step, None, strategy, prefixes)
+        return RemoteKeys(step, None, strategy)
     if marker.get("layout") != REMOTE_LAYOUT or not is_save_id(marker.get("save_id")):
         raise ValueError(
             f"unsupported marker (layout {marker.get('layout')!r}, save id "
             f"{marker.get('save_id')!r})"
         )
-    return RemoteKeys(step, str(marker["save_id"]), strategy, prefixes)
+    return RemoteKeys(step, str(marker["save_id"]), strategy)
 
 
 def quarantine_record_key(step: str, save_id: str) -> str:

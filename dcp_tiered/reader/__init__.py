@@ -33,8 +33,8 @@ from ..errors import CheckpointNotFoundError, DcpTieredError, ManifestError
 from ..policy import layout, manifest
 from ..policy.manifest import ItemLocation
 from ..tiers import catalog
-from ..tiers import remote as remote_tier
 from ..tiers.local import LocalTier
+from ..tiers.remote import RemoteTier
 from ._local import LocalReads
 
 logger = logging.getLogger(__name__)
@@ -155,7 +155,7 @@ class TieredStorageReader(LocalReads, StorageReader):
                 )
         assert self._remote is not None
         self._keys = None
-        return remote_tier.read_manifest(self._remote, self._remote_keys_of(step.name), nodes=())
+        return RemoteTier(self._remote).read_manifest(self._remote_keys_of(step.name), nodes=())
 
     def _locate(self, items: list[ReadItem]) -> None:
         """Merge the manifest sections that locate ``items`` (this node's own directory first,
@@ -189,7 +189,7 @@ class TieredStorageReader(LocalReads, StorageReader):
                 "it from. Load on the same nodes, or configure the remote tier the step was "
                 "promoted to."
             )
-        return remote_tier.merge_sections(self._remote, self._remote_keys(), m, [node])
+        return RemoteTier(self._remote).merge_sections(self._remote_keys(), m, [node])
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any

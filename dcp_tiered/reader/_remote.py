@@ -11,7 +11,8 @@ from torch.distributed.checkpoint.planner import ReadItem
 from ..backends import ranged_reads
 from ..errors import CheckpointNotFoundError, DcpTieredError, IntegrityError, TransientTierError
 from ..policy import layout
-from ..tiers import remote as remote_tier
+from ..tiers import pull
+from ..tiers.remote import RemoteTier, chunk_bytes
 from ._state import ReaderState, by_storage_index
 
 logger = logging.getLogger("dcp_tiered.reader")  # the reader's one logger, whichever module
@@ -34,7 +35,7 @@ class RemoteReads(ReaderState):
 
     def _remote_keys_of(self, step: str) -> layout.RemoteKeys:
         assert self._remote is not None
-        keys = remote_tier.keys_of_step(self._remote, step)
+        keys = RemoteTier(self._remote).keys_of(step)
         if keys is None:
             raise CheckpointNotFoundError(
                 f"step {step!r} is not committed on {self._remote.config.url}"
@@ -74,7 +75,7 @@ class RemoteReads(ReaderState):
         into ranges of about a part, parallel ranged GETs of a part each across all the files
         (:mod:`dcp_tiered.backends.ranged_reads`)."""
         assert self._remote is not None
-        span = remote_tier.chunk_bytes(self._remote)
+        span = chunk_bytes(self._remote)
         plan = []
         for name, items in files:
             groups = list(by_storage_index(items))
@@ -110,11 +111,11 @@ class RemoteReads(ReaderState):
 
     def _hydrate(self, names: list[str]) -> None:
         """Copy the whole files read from the remote into the local tier, committed like a
-        save (see :func:`remote_tier.hydrate_step`). Caching is optional: when it cannot be
+        save (see :func:`pull.hydrate_step`). Caching is optional: when it cannot be
         done (a full or read-only disk, ...) the load, which has succeeded, is not failed."""
         assert self._remote is not None and self._manifest is not None and self._step is not None
         try:
-            remote_tier.hydrate_step(
+            pull.hydrate_step(
                 self._tier,
                 self._remote,
                 self._step.name,

@@ -49,8 +49,7 @@ from ..errors import CheckpointNotFoundError, ConfigError, ManifestError
 from ..lifecycle import Conventions, Lifecycle
 from ..policy.layout import is_step_name, validate_step_name
 from ..reader import TieredStorageReader
-from ..tiers import catalog
-from ..tiers import remote as remote_tier
+from ..tiers import catalog, pull
 from ..tiers.local import LocalTier
 from . import skeleton
 
@@ -401,7 +400,7 @@ def adopt(
     tag = validate_step_name(str(tag))
     if tier.has_step(tag) and has_latest:
         return tag
-    remote_tier.adopt_remote_step(tier, backend, tag)
+    pull.adopt_remote_step(tier, backend, tag)
     publish(save_dir, tag, latest=not has_latest)
     return tag
 

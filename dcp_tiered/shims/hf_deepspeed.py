@@ -40,6 +40,7 @@ from ..policy.retention import RetentionPolicy, StepState, evictions
 from ..tiers import ownership
 from ..tiers.housekeeping import awaiting_remote
 from ..tiers.local import LocalTier
+from ..tiers.remote import RemoteTier
 from . import deepspeed as ds_shim
 
 logger = logging.getLogger(__name__)
@@ -231,7 +232,7 @@ def _newest(
     try:
         on_remote = [
             int(m.group(1))
-            for n in (backend.committed_steps() if backend else [])
+            for n in (RemoteTier(backend).steps() if backend else [])
             if (m := _TAG.match(n))
         ]
     except DcpTieredError as e:
@@ -284,7 +285,7 @@ def rotate(
     policy = RetentionPolicy(
         keep_latest=limit, pinned=frozenset({os.path.basename(best)} if best else ())
     )
-    remote_tier = remote_backend(remote, storage_options)
+    remote_store = remote_backend(remote, storage_options)
     # The run: the one the output directory records (see _join_run). A checkpoint of another
     # run, or holding a step that is not the run's, is never deleted.
     record = LocalTier(backend).record()
@@ -300,7 +301,7 @@ def rotate(
             logger.warning("save_total_limit leaves %s alone: it holds a step not the run's", name)
             continue
         steps = [s.name for s in found]
-        if remote_tier is not None and any(awaiting_remote(tier, remote_tier, s) for s in steps):
+        if remote_store is not None and any(awaiting_remote(tier, remote_store, s) for s in steps):
             continue
         backend.remove_tree(name, reason=f"save_total_limit={limit}")
         deleted.append(name)

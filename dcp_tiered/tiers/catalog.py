@@ -18,9 +18,8 @@ from ..errors import (
 from ..policy import layout
 from ..policy.identity import Owner, RunRecord
 from ..policy.manifest import Manifest
-from . import remote as remote_tier
 from .local import LocalTier, StepInfo
-from .remote import Durability
+from .remote import Durability, RemoteTier
 
 logger = logging.getLogger(__name__)
 
@@ -96,13 +95,13 @@ def remote_steps(remote: RemoteBackend) -> list[tuple[str, int, str | None]]:
     root (and one per step prefix, as s3fs globs) and a GET per marker. TierUnavailableError
     if the remote cannot be read."""
     try:
-        names = remote.committed_steps()
+        names = RemoteTier(remote).steps()
     except TierError as e:
         raise _unavailable(remote, e) from e
     out = []
     for name in names:
         try:
-            marker = remote_tier.read_marker(remote, name)
+            marker = RemoteTier(remote).marker(name)
         except ManifestError as e:  # that step is unreadable; the others are listed
             logger.warning("ignoring remote step %s: %s", name, e)
             continue
@@ -122,10 +121,10 @@ def remote_latest(remote: RemoteBackend) -> tuple[str, int] | None:
     is the root listed, as :func:`remote_steps` does. TierUnavailableError if the remote
     cannot be read. The result is plain data, so one rank can resolve it for all."""
     try:
-        got = remote_tier.read_latest(remote)
+        got = RemoteTier(remote).read_latest()
         if got is not None and got[0] is not None:
             name, named = str(got[0]["step"]), got[0]["marker"]
-            marker = remote_tier.read_marker(remote, name)
+            marker = RemoteTier(remote).marker(name)
             if marker is not None and marker.get("save_id") == named.get("save_id"):
                 return name, int(marker["committed_at_ns"])
             logger.info("the latest pointer of %s is stale (%s): listing", remote, name)
@@ -221,7 +220,7 @@ def _marker(remote: RemoteBackend, name: str) -> int | None:
     """The commit time of remote step ``name`` from its marker (one GET), None if it has none;
     ManifestError (logged) if its marker is not one dcp_tiered wrote."""
     try:
-        marker = remote_tier.read_marker(remote, name)
+        marker = RemoteTier(remote).marker(name)
     except TierError as e:
         raise _unavailable(remote, e) from e
     except ManifestError as e:
@@ -241,13 +240,13 @@ def remote_latest_step(remote: RemoteBackend) -> str:
 
 def remote_manifest(remote: RemoteBackend, step: str) -> tuple[Manifest, layout.RemoteKeys]:
     """The manifest of the save committed as ``step`` on ``remote``, and its keys."""
-    keys = remote_tier.keys_of_step(remote, step)
+    keys = RemoteTier(remote).keys_of(step)
     if keys is None:
         raise CheckpointNotFoundError(
             f"step {step!r} is not committed on {remote.config.url}; "
             f"`dcp-tiered status ROOT --remote {remote.config.url}` lists the steps there"
         )
-    return remote_tier.read_manifest(remote, keys), keys
+    return RemoteTier(remote).read_manifest(keys), keys
 
 
 def step_manifest(tier: LocalTier, remote: RemoteBackend | None, step: str) -> tuple[Manifest, str]:
@@ -263,11 +262,11 @@ def step_manifest(tier: LocalTier, remote: RemoteBackend | None, step: str) -> t
                 "manifest: it cannot be inspected without reading its data"
             )
         m = tier.read_manifest(name)
-        keys = remote_tier.keys_of_step(remote, name) if remote and not m.complete else None
+        keys = RemoteTier(remote).keys_of(name) if remote and not m.complete else None
         if keys is not None and keys.save_id == m.save_id:
             # A node's directory holds its own section: the others are on the remote.
             assert remote is not None
-            return remote_tier.merge_sections(remote, keys, m, m.sections), "local+remote"
+            return RemoteTier(remote).merge_sections(keys, m, m.sections), "local+remote"
         return m, "local"
     assert remote is not None  # resolve found it on some tier
     return remote_manifest(remote, name)[0], "remote"
@@ -340,13 +339,13 @@ def another_copy(
     otherwise). TierError if a tier cannot tell: the step may be the only durable copy."""
     if on_remote:
         assert remote is not None
-        keys = remote_tier.keys_of_step(remote, step)
+        keys = RemoteTier(remote).keys_of(step)
         if keys is None:
             raise CheckpointNotFoundError(f"step {step!r} is not committed on {remote.config.url}")
         if keys.save_id and local_holds_whole(tier, step, keys.save_id):
             return tier.root
         return None
     tier.require_ours(step, run_id)  # never another run's, a copy, or a vanilla dir
-    if remote is not None and remote_tier.holds_whole(remote, tier.read_manifest(step)):
+    if remote is not None and RemoteTier(remote).holds_whole(tier.read_manifest(step)):
         return remote.config.url
     return None

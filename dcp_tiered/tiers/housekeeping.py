@@ -18,8 +18,8 @@ from ..errors import ManifestError, TierError
 from ..policy import layout
 from ..policy.identity import Owner
 from ..policy.retention import RetentionPolicy, StepState, decide, evictions
-from . import remote as remote_tier
 from .local import LocalTier
+from .remote import RemoteTier
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def awaiting_remote(tier: LocalTier, remote: RemoteBackend, step: str) -> bool:
     step may be the only durable copy and must not be deleted."""
     try:
         m = tier.read_manifest(step)
-        return m.promote and not remote_tier.holds_whole(remote, m)
+        return m.promote and not RemoteTier(remote).holds_whole(m)
     except (ManifestError, OSError, ValueError):
         return True
     except TierError as e:
@@ -100,17 +100,16 @@ def prune_remote(remote: RemoteBackend, policy: RetentionPolicy, run_id: str | N
     """Apply ``policy`` to run ``run_id``'s steps on the remote tier; a step whose marker cannot
     be read is left alone (with a WARNING), never stopping the pass."""
     states = []
-    for name in remote.committed_steps():
+    on_remote = RemoteTier(remote)
+    for name in on_remote.steps():
         try:
-            marker = remote_tier.read_marker(remote, name)
+            marker = on_remote.marker(name)
         except ManifestError as e:  # never deleted: we cannot vouch for what it is
             logger.warning("retention leaves remote step %s alone: %s", name, e)
             continue
-        if marker is not None and remote_tier.owner(remote, marker, name, run_id) == Owner.OURS:
+        if marker is not None and on_remote.owner(marker, name, run_id) == Owner.OURS:
             states.append(StepState(name, int(marker["committed_at_ns"])))
     doomed = evictions(states, policy)
     for name in doomed:
-        remote_tier.delete_remote_step(
-            remote, name, reason="retention of the remote tier", run_id=run_id
-        )
+        on_remote.delete(name, reason="retention of the remote tier", run_id=run_id)
     return doomed

@@ -15,52 +15,31 @@ that partial uploads are never visible, and a marker never claims what the store
    ``latest`` pointer forward and, last, create the marker ``STEP/_COMMITTED.json`` exclusively.
 
 Local records of earlier uploads (the early uploads' ``.done`` files) only ever save this
-process work it did itself: after a restart every file is checked on the store again.
+process work it did itself: after a restart every file is checked on the store again. Each
+file's upload is :func:`dcp_tiered.tiers.file_upload.upload_locked`, the early upload's too.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import time
-import uuid
 from typing import Any
 
 from .._daemon_pool import DaemonPool
-from ..backends import s3_checksums
 from ..backends.remote import RemoteBackend
-from ..errors import IntegrityError, ManifestError, UploadFailedError
-from ..policy import integrity, layout, records
+from ..errors import ManifestError, UploadFailedError
+from ..policy import layout, records
 from ..policy.identity import Owner
 from ..policy.manifest import Manifest
 from . import ownership
+from .file_upload import upload_locked
 from .local import LocalTier
-from .orphans import remove_orphan_saves
-from .remote import advance_latest, read_marker, remove_save
-from .remote import chunk_bytes as _chunk_bytes
+from .remote import RemoteTier
 
 logger = logging.getLogger(__name__)
 
-# Marks this process's own records of early uploads: a record another process wrote (before a
-# restart) proves nothing about what the store holds now.
-PROCESS_TOKEN = uuid.uuid4().hex
-os.register_at_fork(after_in_child=lambda: globals().update(PROCESS_TOKEN=uuid.uuid4().hex))
 CLAIMED = "claimed"  # in a save's upload area: this node's claim is written
-
-
-def done_record(tag: str | None) -> bytes:
-    """What an upload area's ``<file>.done`` holds: who verified the upload, and its tag."""
-    return json.dumps({"process": PROCESS_TOKEN, "tag": tag}).encode()
-
-
-def trusted_tag(data: bytes) -> tuple[bool, str | None]:
-    """``(trusted, tag)`` of a ``.done`` record: trusted only if this process wrote it."""
-    try:
-        body = json.loads(data)
-        return body.get("process") == PROCESS_TOKEN, body.get("tag")
-    except (ValueError, AttributeError, RecursionError):
-        return False, None
 
 
 def claim_body(keys: layout.RemoteKeys, node: int, run_id: str) -> bytes:
@@ -71,8 +50,7 @@ def claim_body(keys: layout.RemoteKeys, node: int, run_id: str) -> bytes:
             "step": keys.step,
             "save_id": keys.save_id,
             "node": node,
-            "prefix_strategy": keys.prefix_strategy,
-            "hash_prefixes": keys.hash_prefixes,
+            **keys.strategy.record(),
             "created_at_ns": time.time_ns(),
         }
     ).encode()
@@ -99,6 +77,7 @@ class Promotion:
         remote_run: Any = None,
     ) -> None:
         self.tier, self.remote, self.step, self._pool = tier, remote, step, files_pool
+        self.target = RemoteTier(remote)
         # ``remote_run(run_id)``: the prefix recorded as that run's (once per process)
         self._remote_run = remote_run or (
             lambda run_id: ownership.record_remote(remote, run_id, tier.root)
@@ -107,7 +86,7 @@ class Promotion:
     def run(self) -> None:
         m = self.tier.read_manifest(self.step)
         run_id = self._run_of(m)
-        marker = read_marker(self.remote, self.step)
+        marker = self.target.marker(self.step)
         backend, area = self.tier.backend, layout.upload_area_name(self.step, m.save_id)
         if marker is not None:
             if marker.get("save_id") == m.save_id:  # already durable
@@ -123,7 +102,7 @@ class Promotion:
                 "under a new step name."
             )
         self._remote_run(run_id)
-        keys = self.keys(m)
+        keys = self.target.keys(self.step, m.save_id)
         present = set(backend.list_files(self.step)) & set(m.files)
         node = node_of_local_files(m, present)
         mine = sorted(n for n in present if int(m.files[n]["rank"]) in m.nodes[node])
@@ -131,7 +110,7 @@ class Promotion:
             self.remote.put_bytes(keys.claim(node), claim_body(keys, node, run_id))
         # What an earlier attempt already uploaded: each file's own check (no listing of the
         # whole save, whose pages grow with every node's objects).
-        jobs = {n: self._pool.submit(self._upload, m, n, keys.file(n), True) for n in mine}
+        jobs = {n: self._pool.submit(self._upload, m, n, keys, True) for n in mine}
         tags = {n: fut.result() for n, fut in jobs.items()}
         record = {
             "save_id": m.save_id,
@@ -163,36 +142,15 @@ class Promotion:
             )
         return record.run_id
 
-    def keys(self, m: Manifest) -> layout.RemoteKeys:
-        cfg = self.remote.config
-        return layout.RemoteKeys(self.step, m.save_id, cfg.prefix_strategy, cfg.hash_prefixes)
-
-    def _upload(self, m: Manifest, name: str, key: str, trust_records: bool) -> str | None:
+    def _upload(
+        self, m: Manifest, name: str, keys: layout.RemoteKeys, trust_records: bool
+    ) -> str | None:
         """Make sure the store holds ``name`` as the manifest says; the tag of the object it
         verified."""
         size, checksum = int(m.files[name]["size"]), str(m.files[name]["checksum"])
-        backend, area = self.tier.backend, layout.upload_area_name(self.step, m.save_id)
-        # An upload started before the commit (by any rank of this node) holds this lock.
-        lock = backend.lock_exclusive(area, f"{name}.lock") if backend.is_dir(area) else None
-        try:
-            if trust_records and lock is not None and backend.exists(area, f"{name}.done"):
-                trusted, tag = trusted_tag(backend.read_file(area, f"{name}.done"))
-                if trusted:  # this process verified it; the commit's listing checks it again
-                    return tag
-            stored, tag = verify_object(self.remote, key, size)
-            if stored == checksum:
-                logger.debug("skip %s: already uploaded", key)
-                return tag
-            # Holding the lock, no upload of this key from this node is in flight: any
-            # incomplete multipart upload of it is a leftover of an interrupted attempt.
-            self.remote.abort_multipart_uploads(key, only={key})
-            tag = upload_verified(self.tier, self.remote, (self.step,), name, key, checksum)
-            if lock is not None:  # an early upload of it still queued skips it
-                backend.write_file(area, f"{name}.done", done_record(tag), sync=False)
-            return tag
-        finally:
-            if lock is not None:
-                backend.unlock(lock)
+        return upload_locked(
+            self.tier, self.remote, keys, name, checksum, trust_records=trust_records, size=size
+        )
 
     def _commit(
         self, m: Manifest, keys: layout.RemoteKeys, run_id: str, tags: dict[str, str | None]
@@ -211,30 +169,11 @@ class Promotion:
             self.remote.put_bytes(keys.section(node), backend.read_file(self.step, name))
         self.remote.put_bytes(keys.metadata, backend.read_file(self.step, layout.DCP_METADATA_NAME))
         self.remote.put_bytes(keys.manifest, backend.read_file(self.step, layout.MANIFEST_NAME))
-        cfg = self.remote.config
         marker = layout.marker_body(
-            self.step, m.save_id, m.committed_at_ns, cfg.prefix_strategy, cfg.hash_prefixes, run_id
+            self.step, m.save_id, m.committed_at_ns, self.target.strategy, run_id
         )
-        advance_latest(self.remote, self.step, marker)
-        if not self.remote.create_exclusive(
-            f"{self.step}/{layout.REMOTE_MARKER}", json.dumps(marker).encode()
-        ):
-            existing = read_marker(self.remote, self.step) or {}
-            if existing.get("save_id") != m.save_id:
-                # Another save won the marker: ours is an orphan, and nobody else removes it.
-                remove_save(
-                    self.remote,
-                    keys,
-                    reason=f"save {m.save_id} of step {self.step} "
-                    f"lost its commit to save {existing.get('save_id')}",
-                )
-                raise UploadFailedError(
-                    f"step {self.step!r} was committed on {self.remote.config.url} by another "
-                    f"save ({existing.get('save_id')}) while this one ({m.save_id}) uploaded: two "
-                    "jobs save into this prefix. The other copy was left untouched and this "
-                    "one's objects were removed; give each job its own remote prefix."
-                )
-        remove_orphan_saves(self.remote, self.step, run_id, keep={m.save_id})
+        self.target.commit(keys, marker)
+        self.target.remove_orphan_saves(self.step, run_id, keep={m.save_id})
         logger.info("durable-remote step=%s url=%s", self.step, self.remote.config.url)
 
     def _await_nodes(self, m: Manifest, keys: layout.RemoteKeys) -> None:
@@ -269,7 +208,7 @@ class Promotion:
                 "%s is not on the store as verified: uploading it again",
                 self.remote.url(keys.file(name)),
             )
-            expected[name] = self._upload(m, name, keys.file(name), False)
+            expected[name] = self._upload(m, name, keys, False)
         if mine:
             missing = unconfirmed(self.remote, keys, m, expected)
         if missing:
@@ -322,111 +261,3 @@ def unconfirmed(
         ):
             missing.append(name)
     return missing
-
-
-def upload_verified(
-    tier: LocalTier,
-    remote: RemoteBackend,
-    directory: tuple[str, ...],
-    name: str,
-    key: str,
-    checksum: str,
-) -> str | None:
-    """Upload a local file after checking it against its manifest checksum, so promotion
-    never copies corruption (S3: the bytes sent are checked as they are read); then prove
-    what the store holds is what was written (a store or proxy that corrupts a body gets it
-    again, a few times, before the promotion fails): on a store that proved it refuses a body
-    failing its CRC32C (``verify_uploads="auto"``), its acceptance of every body; elsewhere
-    (``"auto"`` or ``True``), a read-back of the stored object checked against the manifest.
-    Returns the stored object's version tag (None with ``verify_uploads=False``)."""
-    path = tier.backend.path_of(*directory, name)
-    # S3 uploads check the bytes they send (s3_checksums): no separate read of the file.
-    actual = checksum if remote.protocol in ("s3", "s3a") else None
-    actual = actual or tier.backend.file_checksum(*directory, name)
-    if actual != checksum:
-        raise IntegrityError(
-            f"local file {path} fails its checksum ({actual} != manifest {checksum}); it was "
-            "not uploaded. Re-save the step."
-        )
-    size = tier.backend.file_size(*directory, name)
-    attempts = min(3, remote.config.retry.max_attempts)  # each one is a whole upload
-    for attempt in range(1, attempts + 1):
-        sent = remote.put_file(path, key, checksum)
-        mode = remote.config.verify_uploads
-        if mode is False:
-            return None
-        if mode == "auto" and sent is not None and remote.validates_checksums():
-            return sent  # the store checked every body against the CRC32C of the bytes read
-        stored, tag = verify_object(remote, key, size, read_back=True)
-        if stored == checksum:
-            return tag
-        logger.warning(
-            "%s holds other bytes than were uploaded (%s, manifest %s; attempt "
-            "%d of %d): uploading it again",
-            remote.url(key),
-            stored,
-            checksum,
-            attempt,
-            attempts,
-        )
-    remote.remove(key, reason="its stored bytes fail the manifest checksum")
-    raise UploadFailedError(
-        f"{remote.url(key)}: the store kept other bytes than were uploaded ({attempts} "
-        f"attempts; CRC32C of the stored object != manifest {checksum}). Something between "
-        "here and the store corrupts uploads (a proxy, a gateway, the store itself); the step "
-        "stays committed locally and is retried at the next start."
-    )
-
-
-def verify_object(
-    remote: RemoteBackend, key: str, size: int, *, read_back: bool | None = None
-) -> tuple[str | None, str | None]:
-    """``(CRC32C, version tag)`` of the object at ``key`` if it has ``size`` bytes and is whole,
-    else ``(None, None)``. Unless told otherwise, reads it back only where ``verify_uploads``
-    asks (or the store keeps no metadata); otherwise trusts the checksum recorded with it at
-    upload: on a store that checks checksums (``"auto"``), one HEAD that shows the store
-    checked it (with its tag); with ``verify_uploads=False``, one HEAD (no tag)."""
-    mode = remote.config.verify_uploads
-    if read_back is None:
-        read_back = mode is True or (mode == "auto" and not remote.validates_checksums())
-    if not read_back and mode == "auto" and remote.validates_checksums():
-        got = s3_checksums.head(remote, key)
-        if got is None or got[0] != size:
-            return None, None
-        if got[3]:
-            return got[1], got[2]
-    elif not read_back:
-        stat = remote.stat(key)
-        if stat is None or stat[0] != size:
-            return None, None
-        if stat[1] is not None:
-            return stat[1], None
-    # One GET for the whole object (a ranged GET per part would double the requests), no
-    # HEAD before it: its length is counted as it streams, and an object longer than
-    # ``size`` (not the one sought) is not read to its end.
-
-    def fold(acc: tuple[int, int], chunk: bytes) -> tuple[int, int]:
-        length = acc[1] + len(chunk)
-        if length > size:
-            raise _OtherObject
-        return integrity.checksum(chunk, acc[0]), length
-
-    try:
-        (crc, length), tag = remote.fold_object(key, _chunk_bytes(remote), fold, (0, 0))
-    except (FileNotFoundError, _OtherObject):
-        return None, None
-    except IntegrityError as e:  # the store's own checksum of it disagrees with its bytes
-        logger.warning("%s", e)
-        return None, None
-    return (integrity.format_checksum(crc), tag) if length == size else (None, None)
-
-
-def remote_checksum(
-    remote: RemoteBackend, key: str, size: int, *, read_back: bool | None = None
-) -> str | None:
-    """The CRC32C part of :func:`verify_object`."""
-    return verify_object(remote, key, size, read_back=read_back)[0]
-
-
-class _OtherObject(Exception):
-    """Ends a read-back early: the object is longer than the one sought."""

@@ -27,9 +27,10 @@ from ..errors import ForeignRunError, ManifestError, UploadFailedError
 from ..policy import layout
 from ..policy.identity import Owner
 from . import ownership
+from .file_upload import upload_locked
 from .local import LocalTier
-from .promotion import CLAIMED, Promotion, claim_body, done_record, upload_verified
-from .remote import Durability, durability, read_marker
+from .promotion import CLAIMED, Promotion, claim_body
+from .remote import Durability, RemoteTier, durability
 
 logger = logging.getLogger(__name__)
 
@@ -90,24 +91,18 @@ class Uploader:
     def _upload_early(
         self, step: str, save_id: str, name: str, checksum: str, node: int, run_id: str
     ) -> None:
-        backend, area = self.tier.backend, layout.upload_area_name(step, save_id)
+        keys = RemoteTier(self.remote).keys(step, save_id)
+        area = layout.upload_area_name(step, save_id)
         try:
-            backend.make_dir(area)
-            lock = backend.lock_exclusive(area, f"{name}.lock")
-            try:
-                if backend.exists(area, f"{name}.done"):  # the promotion got there first
-                    return
-                cfg = self.remote.config
-                keys = layout.RemoteKeys(step, save_id, cfg.prefix_strategy, cfg.hash_prefixes)
-                if not self._remote_step_free(keys, area, node, run_id):
-                    return
-                tmp = layout.tmp_dir_name(step, save_id)
-                where = (tmp,) if backend.exists(tmp, name) else (step,)  # committed meanwhile
-                key = keys.file(name)
-                tag = upload_verified(self.tier, self.remote, where, name, key, checksum)
-                backend.write_file(area, f"{name}.done", done_record(tag), sync=False)
-            finally:
-                backend.unlock(lock)
+            upload_locked(
+                self.tier,
+                self.remote,
+                keys,
+                name,
+                checksum,
+                early=True,
+                may_start=lambda: self._remote_step_free(keys, area, node, run_id),
+            )
         except Exception as e:  # noqa: BLE001 - the promotion uploads it instead
             logger.debug("early upload of %s/%s deferred to the promotion: %s", step, name, e)
 
@@ -132,7 +127,7 @@ class Uploader:
             else:
                 try:
                     self.remote_run(run_id)
-                    free = read_marker(self.remote, step) is None
+                    free = RemoteTier(self.remote).marker(step) is None
                 except ForeignRunError as e:  # the promotion says so, to the caller
                     logger.debug("no early upload of %s: %s", step, e)
                     free = False

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from ..backends.remote import RemoteBackend
 from ..policy import integrity, layout
 from ..policy.manifest import Manifest
-from . import promotion
+from . import file_upload
 from .local import LocalTier
 
 
@@ -78,7 +78,7 @@ def remote_files(
         if stat[1] is not None and not read_back:
             crc, how = stat[1], "recorded"
         else:
-            crc = promotion.remote_checksum(remote, key, size, read_back=True)
+            crc = file_upload.remote_checksum(remote, key, size, read_back=True)
             how, out.bytes_read = "read", out.bytes_read + size
         progress(size)
         out.checked[how] += 1

@@ -26,7 +26,7 @@ from ..errors import (
 )
 from ..policy import layout, records
 from ..staging import DoubleBufferStager
-from ..tiers import catalog, orphans, ownership, uploads
+from ..tiers import catalog, ownership, uploads
 from ..tiers import remote as remote_tier
 from ..tiers.local import LocalTier
 
@@ -111,7 +111,10 @@ class TiersRole:
             dataclasses.replace(self._remote.config, retry=RetryConfig(max_attempts=1))
         )
         try:
-            orphans.sweep_orphans(self._tier, once, self._run.run_id)
+            pending = {
+                (s.name, s.save_id) for s in self._tier.steps() if s.verified_format and s.save_id
+            }
+            remote_tier.RemoteTier(once).sweep_orphans(pending, self._run.run_id)
         except (DcpTieredError, OSError) as e:  # an unreachable store, a record not ours
             logger.warning(
                 "could not look for orphaned uploads on %s: %s", self._remote.config.url, e
@@ -188,7 +191,7 @@ class TiersRole:
         on the same root may have replaced the local copy before it was uploaded."""
         assert self._remote is not None  # only asked after uploads to it
         mine = self._save_ids.get(step)
-        marker = None if mine is None else remote_tier.read_marker(self._remote, step)
+        marker = None if mine is None else remote_tier.RemoteTier(self._remote).marker(step)
         if marker is not None and marker.get("save_id") != mine:
             raise UploadFailedError(
                 f"step {step!r} is durable on {self._remote.config.url} as another save "
