@@ -84,6 +84,10 @@ def _layer(module: str) -> str:
         return {"tiers": "tiers", "policy": "policy"}.get(top, top)
     if top in ("writer", "reader"):  # packages: DCP's call sequence and its private modules
         return "dcp"
+    if top == "lifecycle":  # a package: the save core and its helpers
+        return "lifecycle"
+    if top == "manager":  # a package: the CheckpointManager and its helpers
+        return "entry"
     for name, members in (
         ("policy", POLICY),
         ("dcp", DCP),
