@@ -6,8 +6,9 @@ framework's state is captured and applied, and which tracker file moves after a 
 happens around that is this module's, the same for all of them:
 
 - saves in flight (one for the shims, ``max_in_flight`` for the manager), each with its hooks
-  (:mod:`~dcp_tiered.lifecycle.saves`); :meth:`Lifecycle.finish` (collective) waits for them and,
-  if one failed on any rank for any reason (an existing step, a full disk, S3 down, DCP's
+  (:mod:`~dcp_tiered.lifecycle.saves`);
+  :meth:`~dcp_tiered.lifecycle.finishing.Finishing.finish` (collective) waits for
+  them and, if one failed on any rank for any reason (an existing step, a full disk, S3 down, DCP's
   ``CheckpointException``), raises :class:`SaveFailedError` on every rank at the same call,
   naming rank, step, tier and cause and saying what to do in the framework's own terms. Nothing
   of a failed save is kept, so the next save starts clean on every rank.
@@ -61,8 +62,8 @@ from .failures import (
     failure,
     raise_failures,
     raise_not_durable,
-    raise_save_failed,
 )
+from .finishing import Finishing
 from .reaping import Reaping
 from .restore import (
     CORRUPT,
@@ -104,16 +105,18 @@ logger = logging.getLogger(__name__)
 C = TypeVar("C")
 
 
-class Lifecycle(Reaping):
+class Lifecycle(Finishing, Reaping):
     """Saves, commit hooks, failures, retention, durability and restore for one entry point.
 
     Construct on every rank, in the same order. ``retention`` applies to each local root a
     save went to; ``remote_retention`` to the remote tier (None: the remote keeps everything).
     ``publish_early``: rank 0 runs ``on_commit`` as soon as the step is committed, in the
-    background, instead of at the next :meth:`finish`. ``allow_pickle``: the entry point
-    restores non-tensor values with full pickle (checkpoints you trust), so any state saves;
-    otherwise a state must load back with ``weights_only``, ``trusted_classes`` allowed.
-    ``max_in_flight``: how many saves to disk may be in flight at once (:meth:`make_room`).
+    background, instead of at the next
+    :meth:`~dcp_tiered.lifecycle.finishing.Finishing.finish`. ``allow_pickle``: the
+    entry point restores non-tensor values with full pickle (checkpoints you trust), so any
+    state saves; otherwise a state must load back with ``weights_only``, ``trusted_classes``
+    allowed. ``max_in_flight``: how many saves to disk may be in flight at once
+    (:meth:`~dcp_tiered.lifecycle.reaping.Reaping.make_room`).
     """
 
     def __init__(
@@ -277,8 +280,9 @@ class Lifecycle(Reaping):
     ) -> Save:
         """Takes charge of a save started elsewhere (mcore's strategy, the manager):
         ``future`` ends when this rank's part is written; ``finalize`` then runs on every rank
-        at :meth:`finish`, ``on_commit`` on rank 0 once committed, ``on_failure`` on every
-        rank if it failed. ``on_written`` and ``on_durable`` run per rank at :meth:`reap`."""
+        at :meth:`~dcp_tiered.lifecycle.finishing.Finishing.finish`, ``on_commit`` on
+        rank 0 once committed, ``on_failure`` on every rank if it failed. ``on_written`` and
+        ``on_durable`` run per rank at :meth:`~dcp_tiered.lifecycle.reaping.Reaping.reap`."""
         save = Save(
             os.path.abspath(root),
             step,
@@ -296,52 +300,6 @@ class Lifecycle(Reaping):
             save.published = self._publisher.submit(after, future, on_commit)
         self.saves.add(save)
         return save
-
-    @property
-    def in_flight(self) -> str | None:
-        """The step of the newest save in flight, or None."""
-        newest = self.saves.newest
-        return newest.step if newest is not None else None
-
-    def written(self) -> bool:
-        """Collective: whether every rank's part of every save in flight is written."""
-        return self.agree.all(all(s.future.done() for s in self.saves.saves))
-
-    def finish(self) -> str | None:
-        """Collective: finishes the saves in flight, oldest first; returns the newest one's
-        step, or None if there was none. Raises SaveFailedError on every rank if one failed on
-        any (the first that did, once all are finished)."""
-        saves = self.saves.take_all()
-        if not self.agree.any(bool(saves)):
-            return None
-        failed: tuple[Save, BaseException | None] | None = None
-        for save in saves:  # every rank has the same saves in flight
-            error = self._finish_one(save)
-            if self.agree.any(error is not None):
-                if save.on_failure is not None:
-                    try:
-                        save.on_failure()
-                    except Exception as e:  # noqa: BLE001 - the save's own error matters more
-                        logger.warning("cleaning up after the failed save of %s: %s", save.step, e)
-                failed = failed or (save, error)
-            self.prune(save.root)
-        if failed is not None:
-            self._fail(*failed)
-        return saves[-1].step
-
-    def _finish_one(self, save: Save) -> BaseException | None:
-        try:
-            save.future.result()
-            if save.finalize is not None:
-                save.finalize()
-            if self.rank == 0 and save.on_commit is not None:
-                (save.published.result() if save.published is not None else save.on_commit())
-        except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's is a BaseException
-            return e
-        return None
-
-    def _fail(self, save: Save, error: BaseException | None) -> None:
-        raise_save_failed(self.agree, self.conventions, self.rank, save.root, save.step, error)
 
     # ------------------------------------------------------------ retention and the end
 

@@ -1,5 +1,5 @@
 """Ending saves per rank, without a collective: the manager's way (a shim's is the collective
-:meth:`~dcp_tiered.lifecycle.Lifecycle.finish`).
+:meth:`~dcp_tiered.lifecycle.finishing.Finishing.finish`).
 
 The training thread never waits for a save: at each save, each rank reaps what ended (the
 save's ``on_written`` hook, then ``on_durable`` once the upload this process runs ended) and
@@ -9,6 +9,7 @@ records failures, which the ranks agree on at the next save's vote and raise tog
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -105,3 +106,23 @@ class Reaping:
         SaveFailedError on every rank naming every rank's, and forgets them."""
         mine, self.failures = self.failures, []
         raise_failures(self.agree, mine, headline, todo)
+
+    def drain(
+        self, deadline: float | None, raise_recorded: Callable[[], None], *, late: str
+    ) -> None:
+        """Collective: reaps until no rank follows an upload; as soon as any rank recorded a
+        failure, ``raise_recorded()`` on every rank, instead of some waiting for work that
+        can no longer finish. Uploads still running at ``deadline`` (``time.monotonic()``)
+        fail with TimeoutError(``late``)."""
+        while True:
+            self.reap()
+            if deadline is not None and time.monotonic() > deadline:
+                self.expire_uploads(TimeoutError(late))
+            failed, pending = self.agree.vote(
+                [int(bool(self.failures)), int(bool(self.saves.uploading))]
+            )
+            if failed:
+                raise_recorded()
+            if not pending:
+                return
+            time.sleep(0.05)

@@ -2,11 +2,12 @@
 first, at most ``limit`` of them writing to disk at once.
 
 Two ways to end a save share this record. A shim ends its saves collectively
-(:meth:`~dcp_tiered.lifecycle.Lifecycle.finish`: ``finalize`` on every rank, ``on_commit`` on
-rank 0, ``on_failure`` on every rank when any failed). The manager never waits for a save on
-the training thread: each rank reaps what ended (:meth:`~dcp_tiered.lifecycle.Lifecycle.reap`:
-``on_written``, then ``on_durable`` once this process's upload ended), records failures, and
-the ranks agree on them at the next save's vote.
+(:meth:`~dcp_tiered.lifecycle.finishing.Finishing.finish`: ``finalize`` on every
+rank, ``on_commit`` on rank 0, ``on_failure`` on every rank when any failed). The manager
+never waits for a save on the training thread: each rank reaps what ended
+(:meth:`~dcp_tiered.lifecycle.reaping.Reaping.reap`: ``on_written``, then ``on_durable``
+once this process's upload ended), records failures, and the ranks agree on them at the next
+save's vote.
 """
 
 from __future__ import annotations

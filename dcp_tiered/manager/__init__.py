@@ -44,7 +44,6 @@ from ..policy.cadence import Decision, SavePolicy
 from ..policy.outcomes import PENDING, SKIPPED, SaveOutcome
 from ..policy.replication import Replication
 from ..policy.retention import Retention
-from ..tiers import snapshots
 from ..tiers.memory import MemoryTier
 from ..tiers.replica import Replicator
 from . import _restore
@@ -178,6 +177,7 @@ class CheckpointManager:
             allow_pickle=allow_pickle,
             group=self._save_pg,
             rank=self.rank,
+            emit=self._events.emit,
         )
         room = Room(self.admission, self._local, self._memory, self._replica)
         time_based = any(
@@ -404,25 +404,14 @@ class CheckpointManager:
         """
 
         only = None if step is None else step_name(step)
-        if self._replica is not None:  # what every rank holds, for candidates and load
-            self._replica.survey()
-        chosen = self._lifecycle.restore(
-            lambda with_remote: self._sources.candidates(only, with_remote),
-            lambda candidate: self._sources.load(candidate, app_state),
-            on_unreadable_tier=on_unreadable_tier,
-            retry="restore",
-            name=lambda c: f"{c[0]} from the {c[1]} tier",
-            abandon=self._abandon,
-        )
+        chosen = self._sources.choose(self._lifecycle, app_state, only, on_unreadable_tier)
         if chosen is None:
-            self._report_lost(-1, None)
             if step is not None:
                 raise CheckpointNotFoundError(f"step {step} is in no tier of this manager")
             return None
         name, tier = chosen
         number = layout.step_number(name)
         assert number is not None
-        self._report_lost(number, f"{name} from the {tier} tier")
         self.restored_step = number
         logger.info("restored %s from the %s tier", name, tier)
         self._events.emit("restored", step=number, tier=tier, rank=self.rank)
@@ -435,18 +424,6 @@ class CheckpointManager:
                 time.perf_counter(),
             )
         return number + 1
-
-    def _report_lost(self, restored: int, what: str | None) -> None:
-        """Warn (rank 0) about newer steps some rank had no copy of anywhere in memory."""
-        snapshots.report_lost(self._replica, restored, what, rank=self.rank, emit=self._events.emit)
-
-    def _abandon(self, proven: list[tuple[str, str]], chosen: tuple[str, str]) -> None:
-        """Steps newer than the one restored and proven bad on disk are quarantined: training
-        saves them again. (A memory snapshot is only ever skipped.)"""
-        newer = _restore.proven_newer(proven, chosen)
-        self._lifecycle.quarantine(
-            self._local.root, newer, reason=f"a restore fell back past it to {chosen[0]}"
-        )
 
     # ------------------------------------------------------------ shutdown and status
 
@@ -461,8 +438,8 @@ class CheckpointManager:
         """Wait for in-flight saves, uploads and retention; raise SaveFailedError on every
         rank if any of them failed on any rank.
 
-        Ranks poll together: as soon as any rank's save or upload fails, every rank raises,
-        instead of some waiting for work that can no longer finish. ``timeout_secs`` bounds
+        Ranks poll together (:meth:`~dcp_tiered.lifecycle.reaping.Reaping.drain`): as soon as any
+        rank's save or upload fails, every rank raises. ``timeout_secs`` bounds
         the wait for uploads; uploads still running then are reported as failures.
         """
         if self._closed:
@@ -473,23 +450,8 @@ class CheckpointManager:
         if self._replica is not None:
             self._replica.drain(timeout_secs)
         try:
-            while True:
-                self._lifecycle.reap()
-                if deadline is not None and time.monotonic() > deadline:
-                    self._lifecycle.expire_uploads(
-                        TimeoutError(f"not durable after close(timeout_secs={timeout_secs})")
-                    )
-                failed, pending = self._agree.vote(
-                    [
-                        int(bool(self._lifecycle.failures)),
-                        int(bool(self._lifecycle.saves.uploading)),
-                    ]
-                )
-                if failed:
-                    self._raise_failures()
-                if not pending:
-                    break
-                time.sleep(0.05)
+            late = f"not durable after close(timeout_secs={timeout_secs})"
+            self._lifecycle.drain(deadline, self._raise_failures, late=late)
             self._lifecycle.settle_retention()
         finally:
             self._release()

@@ -4,6 +4,7 @@ the training state, and where each step's copies are."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
@@ -12,7 +13,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ..agreement import Agreement
 from ..backends.remote import RemoteBackend
 from ..errors import DcpTieredError, describe
-from ..lifecycle import LoadFailure
+from ..lifecycle import Lifecycle, LoadFailure
 from ..load_planner import TieredLoadPlanner
 from ..policy import layout
 from ..policy.identity import Owner
@@ -42,7 +43,9 @@ class Sources:
         allow_pickle: bool,
         group: Any,
         rank: int,
+        emit: Callable[..., Any],
     ) -> None:
+        self.emit = emit
         self.root, self.local, self.memory, self.replica, self.remote = (
             root,
             local,
@@ -51,6 +54,40 @@ class Sources:
             remote,
         )
         self.allow_pickle, self.group, self.rank = allow_pickle, group, rank
+
+    def choose(
+        self,
+        lifecycle: Lifecycle,
+        app_state: dict[str, Any],
+        only: str | None,
+        on_unreadable_tier: str,
+    ) -> tuple[str, str] | None:
+        """Collective: the (step, tier) loaded into ``app_state`` (``only``: that step), the
+        newer disk steps some rank proved bad quarantined (training saves them again), and
+        the newer steps some rank had no snapshot of anywhere in memory reported."""
+        if self.replica is not None:  # what every rank holds, for candidates and load
+            self.replica.survey()
+
+        def abandon(proven: list[tuple[str, str]], chosen: tuple[str, str]) -> None:
+            newer = proven_newer(proven, chosen)
+            reason = f"a restore fell back past it to {chosen[0]}"
+            lifecycle.quarantine(self.root, newer, reason=reason)
+
+        chosen = lifecycle.restore(
+            lambda with_remote: self.candidates(only, with_remote),
+            lambda candidate: self.load(candidate, app_state),
+            on_unreadable_tier=on_unreadable_tier,
+            retry="restore",
+            name=lambda c: f"{c[0]} from the {c[1]} tier",
+            abandon=abandon,
+        )
+        restored, what = -1, None
+        if chosen is not None:
+            number = layout.step_number(chosen[0])
+            assert number is not None  # candidates are numbered steps
+            restored, what = number, f"{chosen[0]} from the {chosen[1]} tier"
+        snapshots.report_lost(self.replica, restored, what, rank=self.rank, emit=self.emit)
+        return chosen
 
     def candidates(self, only: str | None, with_remote: bool) -> list[tuple[str, str]]:
         remote = self.remote if with_remote else None
