@@ -139,6 +139,8 @@ class CheckpointManager:
         # Recovered (crashes swept, uploads on, the remote checked) and the run agreed;
         # fails on every rank.
         self._local = self._lifecycle.start(local, memory=memory)
+        # The root as the lifecycle keys its writer (the writer may spell it otherwise: "~").
+        self._home = os.path.abspath(local)
         self.run_id = self._lifecycle.run_id
         self.allow_pickle = allow_pickle
         self._memory = (
@@ -154,7 +156,7 @@ class CheckpointManager:
         )
         self._remote = self._local.remote_backend
         # One process per directory applies retention: whoever holds its lock from now on.
-        self._lifecycle.keep(self._local.root)
+        self._lifecycle.keep(self._home)
         self._events = EventLog(
             os.path.join(self._local.root, layout.EVENTS_LOG) if events == "default" else events
         )
@@ -313,7 +315,7 @@ class CheckpointManager:
             stage_s=stage_s,
             nbytes=nbytes,
         )
-        root = self._local.root if decision.local else self._memory_root()
+        root = self._home if decision.local else self._memory_root()
         facts.save = self._lifecycle.track(
             root,
             name,
