@@ -84,6 +84,10 @@ def _layer(module: str) -> str:
         return {"tiers": "tiers", "policy": "policy"}.get(top, top)
     if top in ("writer", "reader"):  # packages: DCP's call sequence and its private modules
         return "dcp"
+    if top == "lifecycle":  # a package: the save core and its helpers
+        return "lifecycle"
+    if top == "manager":  # a package: the CheckpointManager and its helpers
+        return "entry"
     for name, members in (
         ("policy", POLICY),
         ("dcp", DCP),
@@ -152,12 +156,13 @@ def test_the_newer_shims_sit_on_the_lifecycle_and_the_public_modules():
     assert imports_of(PACKAGE / "shims" / "torchtitan_ft.py") == {"shims.torchtitan"}
 
 
-# The private modules of the writer, reader and backends packages (writer/_plan.py,
+# The private modules of the writer, reader, manager and backends packages (writer/_plan.py,
 # backends/_local_reads.py ...): the package's own.
 PRIVATE = {
     m
     for m in MODULES
-    if m.split(".")[0] in ("writer", "reader", "backends") and m.split(".")[-1][:1] == "_"
+    if m.split(".")[0] in ("writer", "reader", "manager", "backends")
+    and m.split(".")[-1][:1] == "_"
     if not m.endswith(".__init__")
 }
 
@@ -170,6 +175,21 @@ def test_only_its_own_package_imports_a_private_module(module):
         m for m in imports_of(MODULES[module]) if m in PRIVATE and m.split(".")[0] != package
     )
     assert foreign == [], f"{module} imports {foreign}, private to their package"
+
+
+def test_the_manager_saves_through_the_lifecycle():
+    """One save core: the manager keeps cadence, admission, the memory tier and events; its
+    saves in flight, their uploads, failures and retention are the lifecycle's. So no module of
+    the manager imports the upload queue or the retention passes, or calls DCP's save."""
+    manager = {m: p for m, p in MODULES.items() if m.split(".")[0] == "manager"}
+    assert {"manager.__init__", "manager._gate"} <= set(manager)
+    assert _layer("manager._gate") == "entry" and _layer("lifecycle.saves") == "lifecycle"
+    assert "manager._gate" in PRIVATE and "lifecycle" in imports_of(manager["manager.__init__"])
+    for module, path in manager.items():
+        below = imports_of(path) & {"tiers.uploads", "tiers.housekeeping"}
+        assert below == set(), f"{module} imports {sorted(below)}: the lifecycle's"
+        source = path.read_text()
+        assert "async_save(" not in source and "dcp.save(" not in source, module
 
 
 def test_the_writers_plan_does_no_io():

@@ -1,0 +1,182 @@
+"""Restore's agreement: try candidates newest first on every rank, fall back past a step that
+fails on any rank, and tell a step proven bad from one a tier could not be read for."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ..agreement import Agreement
+from ..backends.local import LocalBackend
+from ..backends.remote import RemoteBackend
+from ..errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    ForeignPathError,
+    IntegrityError,
+    TierError,
+    TierUnavailableError,
+    causes,
+    describe,
+)
+from ..tiers.local import LocalTier
+from ..tiers.remote import quarantine_remote_step
+
+logger = logging.getLogger("dcp_tiered.lifecycle")  # the name its records always had
+
+C = TypeVar("C")
+
+CORRUPT, UNREADABLE, OTHER = "corrupt", "unreadable", "other"
+
+
+class LoadFailure(str):
+    """Why a candidate failed to load (the text), and what kind of failure it was: ``corrupt``
+    (proof the step is bad: ``IntegrityError.proves_bad``), ``unreadable`` (a tier could not be
+    read now) or ``other`` (the state does not fit it, ...)."""
+
+    kind: str = OTHER
+
+    @classmethod
+    def of(cls, error: BaseException, why: str) -> LoadFailure:
+        failure = cls(why)
+        failure.kind = kind_of(error)
+        return failure
+
+
+def kind_of(error: BaseException) -> str:
+    """The kind of a load's failure (see :class:`LoadFailure`), from every rank's cause."""
+    found = causes(error)
+    if any(isinstance(c, (TierError, TimeoutError, ConnectionError)) for c in found):
+        return UNREADABLE
+    if any(isinstance(c, IntegrityError) and c.proves_bad for c in found):
+        return CORRUPT
+    return OTHER
+
+
+def failure_kind(problem: str | None) -> str | None:
+    return None if problem is None else getattr(problem, "kind", OTHER)
+
+
+def attempt(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, str | None]:
+    """``(fn(...), None)``, or ``(None, why)`` if it raised (a :class:`LoadFailure`): ranks
+    then agree on moving on."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    try:
+        return fn(*args, **kwargs), None
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's is a BaseException
+        why = describe(e) if isinstance(e, CheckpointException) else f"rank {rank}: {describe(e)}"
+        return None, LoadFailure.of(e, why)
+
+
+def first_loadable(
+    agree: Agreement,
+    found: list[C],
+    load: Callable[[C], str | None],
+    *,
+    on_unreadable_tier: str,
+    retry: str,
+    name: Callable[[C], str],
+    abandon: Callable[[list[C], C], None] | None,
+) -> C | None:
+    """Collective: the first of ``found`` that ``load`` loads on every rank (see
+    :meth:`~dcp_tiered.lifecycle.Lifecycle.restore`)."""
+    reasons: list[str] = []
+    proven: list[C] = []
+    for candidate in found:
+        problem = load(candidate)
+        if not agree.any(problem is not None):
+            if proven and abandon is not None:
+                abandon(proven, candidate)
+            return candidate
+        kinds = {k for k in agree.gather(failure_kind(problem)) if k}
+        problem = problem or "failed on another rank"
+        reasons.append(f"{name(candidate)}: {problem}")
+        if UNREADABLE in kinds and on_unreadable_tier == "raise":
+            raise TierUnavailableError(
+                f"{name(candidate)} could not be read now ({problem}); an older step is not "
+                f"restored in its place while it may be fine. Restore again once the tier "
+                f"answers, or call {retry}(..., on_unreadable_tier='skip') to restore an "
+                "older step instead (nothing is quarantined for it)."
+            )
+        if CORRUPT in kinds:
+            proven.append(candidate)
+        logger.warning(
+            "cannot restore %s, trying an older step (%s): %s",
+            name(candidate),
+            "proven bad" if CORRUPT in kinds else "kept as it is: not proven bad",
+            problem,
+        )
+    if reasons:
+        raise CheckpointNotFoundError(
+            "no step could be restored; every candidate failed:\n  " + "\n  ".join(reasons)
+        )
+    return None
+
+
+def listed(
+    agree: Agreement,
+    candidates: Callable[[bool], list[C]],
+    *,
+    on_unreadable_tier: str,
+    retry: str,
+) -> list[C]:
+    """Collective: the candidates rank 0 lists, on every rank (see
+    :meth:`~dcp_tiered.lifecycle.Lifecycle.restore`)."""
+    if on_unreadable_tier not in ("raise", "skip"):
+        raise ConfigError(
+            f"on_unreadable_tier must be 'raise' or 'skip', not {on_unreadable_tier!r}"
+        )
+
+    def listing() -> tuple[list[C], str | None]:
+        try:
+            return candidates(True), None
+        except TierUnavailableError as e:
+            return (candidates(False) if on_unreadable_tier == "skip" else []), str(e)
+
+    found, unreadable = agree.from_rank0(listing)
+    if unreadable is not None:
+        if on_unreadable_tier == "raise":
+            raise TierUnavailableError(
+                f"{unreadable}. To restore from the tiers that can be read instead, call "
+                f"{retry}(..., on_unreadable_tier='skip')."
+            )
+        logger.error("%s; restoring from the other tiers (on_unreadable_tier='skip')", unreadable)
+    return found
+
+
+def quarantine(
+    agree: Agreement,
+    root: str,
+    steps: list[str],
+    *,
+    reason: str,
+    run_id: str | None,
+    remote: RemoteBackend | None,
+) -> None:
+    """Collective: ``steps`` moved aside on every node's ``root`` and on ``remote`` (see
+    :meth:`~dcp_tiered.lifecycle.Lifecycle.quarantine`)."""
+    if not steps:
+        return
+    tier = LocalTier(LocalBackend(root))
+
+    def each(act: Callable[[str], Any]) -> None:
+        for step in steps:
+            try:
+                act(step)
+            except ForeignPathError as e:
+                logger.warning("not quarantining %s: %s", step, e)
+
+    agree.by_node_leaders(
+        lambda: each(lambda step: tier.quarantine(step, reason=reason, run_id=run_id)),
+        f"quarantining {', '.join(steps)} in {root}",
+    )
+    if remote is not None:
+        agree.from_rank0(
+            lambda: each(
+                lambda step: quarantine_remote_step(remote, step, reason=reason, run_id=run_id)
+            )
+        )

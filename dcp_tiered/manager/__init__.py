@@ -1,0 +1,472 @@
+"""CheckpointManager: what a training loop calls every step.
+
+A snapshot in host memory every step, the local disk every N steps, the remote tier every M
+(PAI EasyCkpt's hierarchy), each tier with its own retention::
+
+    mgr = CheckpointManager(memory="/dev/shm/run1", local="/nvme/ckpt/run1",
+                            remote="s3://bucket/run1")
+    start = mgr.restore(app_state)        # step to start from, or None for a fresh run
+    for step in range(start or 0, total):
+        train_step()
+        mgr.save(step, app_state)         # returns after staging; never waits for I/O
+    mgr.close()                           # waits for in-flight work; errors surface here
+
+Every rank calls ``save`` with the same step, in the same order. Ranks agree on each save with
+one small all-reduce on a group of their own, so time-based cadence, admission control and
+failures of any rank lead every rank to the same decision, and no rank hangs in a save the
+others skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Mapping
+from concurrent.futures import Future
+from typing import Any
+
+import torch.distributed as dist
+from typing_extensions import Self  # a dependency of torch itself
+
+from ..errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    DcpTieredError,
+    InsufficientSpaceError,
+)
+from ..events import EventLog
+from ..lifecycle import Conventions, Lifecycle
+from ..policy import cadence, layout
+from ..policy.admission import Admission
+from ..policy.cadence import Decision, SavePolicy
+from ..policy.outcomes import PENDING, SKIPPED, SaveOutcome
+from ..policy.replication import Replication
+from ..policy.retention import Retention
+from ..tiers.memory import MemoryTier
+from ..tiers.replica import Replicator
+from . import _restore
+from ._events import SaveFacts, step_name
+from ._gate import Gate, Room, Vote, resolve
+from ._reports import Reports
+
+__all__ = ["CONVENTIONS", "CheckpointManager", "step_name"]
+
+logger = logging.getLogger(__name__)
+
+
+CONVENTIONS = Conventions("CheckpointManager")
+
+
+class CheckpointManager:
+    """Saves to host memory, local disk and a remote tier on a cadence; restores the newest
+    step that verifies.
+
+    Args:
+        local: the node's local checkpoint directory (NVMe).
+        memory: a directory in host shared memory (``/dev/shm/...``): its snapshots survive
+            the death of the training processes, not of the node. None: no memory tier.
+        remote: an fsspec URL or RemoteConfig; steps due there are copied in the background.
+        storage_options: fsspec options for ``remote``.
+        policy: cadence per tier (:class:`SavePolicy`).
+        retention: what each tier keeps (:class:`Retention`).
+        admission: in-flight cap and space checks (:class:`Admission`).
+        events: JSON-lines file of save events; default ``<local>/.dcp-tiered-events.jsonl``,
+            None for the ``dcp_tiered.events`` logger only.
+        collective_timeout_secs: how long a rank waits for the others in checkpoint
+            collectives before raising instead of hanging.
+        writer_options: more TieredStorageWriter arguments for the local tier
+            (``sync_files``, ``thread_count``, ``commit_timeout_secs`` ...).
+        allow_pickle: restore non-tensor values with full pickle. Only for checkpoints you
+            trust: a pickle can run arbitrary code. Without it, a state holding a value that
+            ``weights_only`` loading refuses (an ``io.BytesIO``, a custom class) is refused at
+            its first save, on every rank, instead of saving what could never be restored.
+        replication: copy each memory snapshot to partner nodes' host memory
+            (:class:`Replication`), so a node lost before its upload loses nothing; needs
+            ``memory``. A restore takes each rank's snapshot from its own memory or a partner.
+        run_id: this run's id (default ``$DCP_TIERED_RUN_ID``, else the run ``local`` and the
+            remote prefix record, else a new one). ``local``, ``memory`` and the remote prefix
+            record it; a directory or prefix of another run, or a root another job uses now, is
+            refused at start with ForeignRunError on every rank. Only this run's steps and
+            snapshots are ever restored, quarantined or deleted (see docs/guarantees.md).
+    """
+
+    def __init__(
+        self,
+        *,
+        local: str | os.PathLike[str],
+        memory: str | os.PathLike[str] | None = None,
+        remote: Any = None,
+        storage_options: Mapping[str, Any] | None = None,
+        policy: SavePolicy | None = None,
+        retention: Retention | None = None,
+        admission: Admission | None = None,
+        events: str | os.PathLike[str] | None = "default",
+        collective_timeout_secs: float = 600.0,
+        writer_options: Mapping[str, Any] | None = None,
+        allow_pickle: bool = False,
+        replication: Replication | None = None,
+        run_id: str | None = None,
+    ) -> None:
+        if replication is not None and memory is None:
+            raise ConfigError("replication copies memory snapshots: it needs memory=...")
+        self.policy = policy or SavePolicy()
+        self.retention = retention or Retention()
+        self.admission = admission or Admission()
+        self._distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self._distributed else 0
+        options = dict(writer_options or {})
+        options.setdefault("overwrite", True)  # a replayed step replaces its abandoned twin
+        # The save core: saves in flight (the cap is on disk saves, which hold staging
+        # buffers), their failures, retention and restore's agreement.
+        self._lifecycle = Lifecycle(
+            CONVENTIONS,
+            remote=remote,
+            storage_options=storage_options,
+            retention=self.retention.local,
+            remote_retention=self.retention.remote,
+            writer_options=options,
+            collective_timeout_secs=collective_timeout_secs,
+            run_id=run_id,
+            max_in_flight=self.admission.max_in_flight,
+        )
+        # Saves run their collectives on one group, the manager's votes on another: a vote on
+        # the training thread never interleaves with a background save's collectives.
+        self._save_pg, self._agree = self._lifecycle.group, self._lifecycle.agree
+        if memory is not None and os.path.realpath(memory) == os.path.realpath(local):
+            raise ConfigError("memory and local must be different directories")
+        # Recovered (crashes swept, uploads on, the remote checked) and the run agreed;
+        # fails on every rank.
+        self._local = self._lifecycle.start(local, memory=memory)
+        # The root as the lifecycle keys its writer (the writer may spell it otherwise: "~").
+        self._home = os.path.abspath(local)
+        self.run_id = self._lifecycle.run_id
+        self.allow_pickle = allow_pickle
+        self._memory = (
+            MemoryTier(
+                memory,
+                self.rank,
+                allow_pickle=allow_pickle,
+                run_id=self.run_id,
+                world_size=dist.get_world_size() if self._distributed else 1,
+            )
+            if memory is not None
+            else None
+        )
+        self._remote = self._local.remote_backend
+        # One process per directory applies retention: whoever holds its lock from now on.
+        self._lifecycle.keep(self._home)
+        self._events = EventLog(
+            os.path.join(self._local.root, layout.EVENTS_LOG) if events == "default" else events
+        )
+        self._replica = (
+            Replicator(
+                self._memory,
+                replication,
+                timeout_secs=collective_timeout_secs,
+                emit=self._events.emit,
+            )
+            if replication is not None and self._memory is not None
+            else None
+        )
+        self._sources = _restore.Sources(
+            self._local.root,
+            self._local.local_tier,
+            self._memory,
+            self._replica,
+            self._remote,
+            allow_pickle=allow_pickle,
+            group=self._save_pg,
+            rank=self.rank,
+            emit=self._events.emit,
+        )
+        room = Room(self.admission, self._local, self._memory, self._replica)
+        time_based = any(
+            e is not None and e.secs is not None
+            for e in (self.policy.memory, self.policy.local, self.policy.remote)
+        )
+        self._gate = Gate(room, self._agree, time_based=time_based, allow_pickle=allow_pickle)
+        self._last: dict[str, float] = {t: time.time() for t in ("memory", "local", "remote")}
+        local_root = self._local.root
+        self._reports = Reports(
+            self._lifecycle,
+            self._events,
+            self.admission,
+            rank=self.rank,
+            where={
+                "local": local_root,
+                "memory": str(self._memory.root) if self._memory is not None else local_root,
+                "remote": self._remote.config.url if self._remote is not None else local_root,
+            },
+            has_remote=self._remote is not None,
+        )
+        self.restored_step: int | None = None
+        self.last_stall_secs = 0.0
+        self._closed = False
+        if self.rank == 0:
+            self._record_tiers(memory)
+
+    def _record_tiers(self, memory: Any) -> None:
+        tiers = {
+            "memory": os.path.abspath(memory) if memory is not None else None,
+            "remote": self._remote.config.url if self._remote is not None else None,
+        }
+        self._local.local_tier.backend.replace_root_file(
+            layout.TIERS_RECORD, json.dumps(tiers).encode()
+        )
+
+    # ------------------------------------------------------------ save
+
+    def save(self, step: int, app_state: dict[str, Any], *, force: bool = False) -> Decision:
+        """Save ``app_state`` as ``step-<step>`` to the tiers due now; returns once staged.
+
+        ``force=True`` saves to the local and remote tiers whatever the cadence (end of an
+        epoch, a pre-emption notice). Raises SaveFailedError on every rank if an earlier
+        background save or upload failed on any rank. Returns where this save went.
+        """
+        if self._closed:
+            raise ConfigError("this CheckpointManager is closed")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ConfigError(f"step must be a non-negative int, got {step!r}")
+        t0 = time.perf_counter()
+        now = time.time()
+        self._lifecycle.reap()
+        wanted = cadence.decide(
+            self.policy,
+            step,
+            now,
+            self._last,
+            force=force,
+            has_memory=self._memory is not None,
+            has_remote=self._remote is not None,
+        )
+        vote, short = self._gate.vote(
+            step,
+            app_state,
+            wanted,
+            failed=bool(self._lifecycle.failures),
+            busy=self._lifecycle.saves.full(),
+        )
+        if vote.failed:
+            self._raise_failures()
+        decision = self._admitted(step, vote, short)
+        if not decision.any:
+            self.last_stall_secs = time.perf_counter() - t0
+            return decision
+        if decision.local:  # the cap is on disk saves, which hold staging buffers
+            self._lifecycle.make_room()
+        self._start(step, app_state, decision, t0)
+        for t in ("memory", "local", "remote"):
+            if getattr(decision, t):
+                self._last[t] = now
+        return decision
+
+    def _admitted(self, step: int, vote: Vote, short: dict[str, str | None]) -> Decision:
+        """The tiers agreed due, or none when the one due has no room (``when_full='skip'``)
+        or the disk saves in flight are at the cap (``when_busy='skip'``)."""
+        decision = vote.wanted
+        tier = "local" if decision.local else "memory"
+        if decision.any and vote.short(tier):
+            why = short[tier] or "another rank's node has no room"
+            message = (
+                f"step {step} was not saved to the {tier} tier: {why}. Nothing was written; "
+                "free space, keep fewer steps or lower the cadence."
+            )
+            if self.admission.when_full == "raise":
+                self._reports.planned(step, decision, SKIPPED, why)
+                raise InsufficientSpaceError(28, message)
+            warning = f"{message} (Admission.when_full='skip')"
+            self._reports.skip(step, decision, tier, why, warning)
+            return Decision()
+        if decision.local and vote.busy and self.admission.when_busy == "skip":
+            warning = (
+                f"skipping the save of step {step}: {self.admission.max_in_flight} disk saves "
+                "already in flight (Admission.when_busy='skip')"
+            )
+            self._reports.skip(step, decision, tier, "saves in flight at the cap", warning)
+            return Decision()
+        return decision
+
+    def _start(self, step: int, app_state: dict[str, Any], decision: Decision, t0: float) -> None:
+        name = step_name(step)
+        started = time.time()
+        self._reports.planned(step, decision, PENDING)
+        if decision.local:
+            if not decision.remote:
+                self._local.keep_local(name)
+            future = self._lifecycle.start_async(app_state, name, self._local)
+            stage_s, nbytes = self._local.last_stall_secs, self._local.last_staged_bytes
+        else:
+            assert self._memory is not None
+            future = self._start_memory(name, app_state)
+            if self._replica is not None:  # in the background, once committed
+                self._replica.offer(step, name, future)
+            stage_s, nbytes = self._memory.last_copy_secs, self._memory.last_bytes
+        stall = time.perf_counter() - t0
+        self.last_stall_secs = stall
+        tier = "local" if decision.local else "memory"
+        facts = SaveFacts(
+            step=step,
+            tier=tier,
+            remote=decision.remote and self._remote is not None,
+            started=started,
+            stall_s=stall,
+            stage_s=stage_s,
+            nbytes=nbytes,
+        )
+        root = self._home if decision.local else self._memory_root()
+        facts.save = self._lifecycle.track(
+            root,
+            name,
+            future,
+            on_written=lambda written: self._reports.written(
+                facts, written, lambda: self._local.pop_timings(name)
+            ),
+            on_durable=lambda error: self._reports.durable(facts, error),
+            tier=tier,
+        )
+        facts.save.started = started  # the node's publication is timed from here
+
+    def _start_memory(self, name: str, app_state: dict[str, Any]) -> Future[dict[str, float]]:
+        assert self._memory is not None
+        try:
+            return self._memory.save(name, resolve(app_state))
+        except (DcpTieredError, OSError) as e:  # this rank only: reported to all at next save
+            failed: Future[dict[str, float]] = Future()
+            failed.set_exception(e)
+            return failed
+
+    # ------------------------------------------------------------ completion
+
+    def wait(self) -> dict[int, dict[str, SaveOutcome]]:
+        """Block until this rank's saves in flight are committed on their tier (uploads go
+        on in the background). Their failures are raised at the next ``save`` or ``close``.
+
+        Returns what each save achieved: step -> tier (``"memory"``, ``"local"``,
+        ``"remote"``) -> :class:`~dcp_tiered.policy.outcomes.SaveOutcome` (``state``: committed,
+        skipped, failed or pending, with the ``reason``), for every step saved or skipped
+        since the previous ``wait()`` and every step still pending then (an upload usually
+        is: it is reported again until it is final). This process's view: the remote
+        outcome is known to the processes that upload (every node's first rank; rank 0's
+        is the commit), other ranks report no remote outcome."""
+        self._lifecycle.wait_written()
+        if self._replica is not None:
+            self._replica.drain()
+        self._lifecycle.reap()
+        return self._reports.final()
+
+    def outcome(self, step: int) -> dict[str, SaveOutcome]:
+        """What the save of ``step`` achieved on each tier so far (empty: never saved by this
+        manager, or too long ago: the newest 1,024 steps are kept). Non-blocking; call
+        :meth:`wait` or :meth:`close` first for final answers."""
+        self._lifecycle.reap()
+        return self._reports.outcomes.of(step)
+
+    def outcomes(self) -> dict[int, dict[str, SaveOutcome]]:
+        """:meth:`outcome` of every step this manager saved or skipped, oldest first."""
+        self._lifecycle.reap()
+        return self._reports.outcomes.steps()
+
+    @property
+    def skipped_saves(self) -> int:
+        """Saves skipped so far: no room on a tier, or at the in-flight cap."""
+        return self._reports.skipped
+
+    def _raise_failures(self) -> None:
+        self._lifecycle.raise_recorded(
+            "checkpoint failure(s) since the last save",
+            "Earlier committed steps are intact; fix the cause and keep training, or restore",
+        )
+
+    def _memory_root(self) -> str:
+        assert self._memory is not None
+        return str(self._memory.root)
+
+    # ------------------------------------------------------------ restore
+
+    def restore(
+        self,
+        app_state: dict[str, Any],
+        step: int | None = None,
+        *,
+        on_unreadable_tier: str = "raise",
+    ) -> int | None:
+        """Load the newest step that verifies (or ``step``) into ``app_state``.
+
+        Looks in memory, then the local disk, then the remote tier, and falls back to older
+        steps when a newer one fails verification, logging why. A step restored from memory
+        only is then saved to the local (and remote) tier. Returns the step to continue
+        from (one past the restored step), or None when every tier was read and holds none.
+
+        If the remote tier cannot be read, which steps exist is unknown: this raises
+        TierUnavailableError on every rank, naming the tier and the cause, rather than start
+        from scratch (or from an older step) while newer ones may exist. With
+        ``on_unreadable_tier="skip"`` it restores from the tiers it can read, with an ERROR log.
+        """
+
+        only = None if step is None else step_name(step)
+        chosen = self._sources.choose(self._lifecycle, app_state, only, on_unreadable_tier)
+        if chosen is None:
+            if step is not None:
+                raise CheckpointNotFoundError(f"step {step} is in no tier of this manager")
+            return None
+        name, tier = chosen
+        number = layout.step_number(name)
+        assert number is not None
+        self.restored_step = number
+        logger.info("restored %s from the %s tier", name, tier)
+        self._events.emit("restored", step=number, tier=tier, rank=self.rank)
+        if tier == "memory" and (name, "local") not in self._lifecycle.listed:
+            # Only host memory has it: persist it down the tiers before going on.
+            self._start(
+                number,
+                app_state,
+                Decision(local=True, remote=self._remote is not None),
+                time.perf_counter(),
+            )
+        return number + 1
+
+    # ------------------------------------------------------------ shutdown and status
+
+    def copies(self) -> dict[str, dict[str, Any]]:
+        """Collective: where each step's copies are, newest first: ``memory`` (ranks holding it
+        in their own memory), ``partners`` (rank -> the ranks on other nodes holding a copy of
+        its snapshot), ``local`` (this node's disk) and ``remote``."""
+        self.wait()
+        return self._sources.copies(self._agree)
+
+    def close(self, timeout_secs: float | None = None) -> None:
+        """Wait for in-flight saves, uploads and retention; raise SaveFailedError on every
+        rank if any of them failed on any rank.
+
+        Ranks poll together (:meth:`~dcp_tiered.lifecycle.reaping.Reaping.drain`): as soon as any
+        rank's save or upload fails, every rank raises. ``timeout_secs`` bounds
+        the wait for uploads; uploads still running then are reported as failures.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        deadline = None if timeout_secs is None else time.monotonic() + timeout_secs
+        self._lifecycle.wait_written()
+        if self._replica is not None:
+            self._replica.drain(timeout_secs)
+        try:
+            late = f"not durable after close(timeout_secs={timeout_secs})"
+            self._lifecycle.drain(deadline, self._raise_failures, late=late)
+            self._lifecycle.settle_retention()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        if self._replica is not None:
+            self._replica.close(0)
+        if self._memory is not None:
+            self._memory.close()
+        self._lifecycle.release()  # close() above waited (bounded) already; retention's pass
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
