@@ -314,21 +314,16 @@ def quarantine_record_key(step: str, save_id: str) -> str:
     return f"{step}/{REMOTE_QUARANTINE}/{save_id}.json"
 
 
-def remote_step_prefixes(step: str, hash_prefixes: int = DEFAULT_HASH_PREFIXES) -> list[str]:
-    """Every prefix that may hold objects of ``step`` (for cleanup confined to that step)."""
-    return [f"{step}/"] + [f"{HASHED_DATA}/{b:x}/{step}/" for b in range(hash_prefixes)]
-
-
 def save_id_of_key(step: str, key: str) -> str | None:
     """The save id whose layout-2 prefix holds ``key`` of ``step``, or None."""
     if key.startswith(f"{HASHED_DATA}/"):  # data/<h>/STEP/...: any count of prefixes
         bucket, _, rest = key[len(HASHED_DATA) + 1 :].partition("/")
         key = rest if bucket and rest else key
-    for prefix in (f"{step}/",):
-        if key.startswith(prefix):
-            head = key[len(prefix) :].split("/", 1)
-            return head[0] if len(head) == 2 and is_save_id(head[0]) else None
-    return None
+    prefix = f"{step}/"
+    if not key.startswith(prefix):
+        return None
+    head = key[len(prefix) :].split("/", 1)
+    return head[0] if len(head) == 2 and is_save_id(head[0]) else None
 
 
 def probe_key(token: str) -> str:
