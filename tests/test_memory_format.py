@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dcp_tiered.errors import ManifestError
+from dcp_tiered.policy import memory_chunks
 from dcp_tiered.policy import memory_format as fmt
 
 
@@ -27,8 +28,8 @@ def _header(regions, size, **extra) -> bytes:
         objects=b"\x00objects",
         run_id="run-a",
         world_size=2,
-        chunk_bytes=fmt.CHUNK_BYTES,
-        chunk_checksums=["0badf00d"] * fmt.chunk_count(size, fmt.CHUNK_BYTES),
+        chunk_bytes=memory_chunks.CHUNK_BYTES,
+        chunk_checksums=["0badf00d"] * memory_chunks.count(size, memory_chunks.CHUNK_BYTES),
         **extra,
     )
 

@@ -24,14 +24,14 @@ from torch.distributed.tensor import DTensor
 
 from .._torch_compat import ShardedTensor
 from ..errors import ConfigError, IntegrityError, ManifestError
-from . import integrity, records
+from . import integrity, memory_chunks, records
 
 FORMAT = "dcp-tiered-memory"
 # 2: checksums over fixed-size chunks of the slot ("chunk_bytes", "chunk_checksums") instead
-# of one per tensor. Version 1 headers (per-tensor checksums) still read.
-VERSION = 2
-_READS = (1, 2)
-CHUNK_BYTES = 16 * 2**20
+# of one per tensor, CRC32C. 3: the chunks' hash named ("chunk_algorithm", XXH3-64 today).
+# Version 1 headers (per-tensor checksums) and version 2 still read.
+VERSION = 3
+_READS = (1, 2, 3)
 ALIGN = 64
 _DTYPES = {str(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 
@@ -235,6 +235,7 @@ def encode_header(
     if chunk_checksums is not None:
         body["chunk_bytes"] = chunk_bytes
         body["chunk_checksums"] = list(chunk_checksums)
+        body["chunk_algorithm"] = memory_chunks.ALGORITHM
     if encoded_regions is None:
         entries = zip(regions, checksums or [""] * len(regions))
         encoded_regions = _canonical([_region_entry(r, c) for r, c in entries])
@@ -258,6 +259,7 @@ class Header:
     world_size: int | None = None
     chunk_bytes: int = 0  # > 0: the slot is checked by chunk_checksums, not per region
     chunk_checksums: tuple[str, ...] = ()
+    chunk_algorithm: str = memory_chunks.CRC32C  # version 2's
 
 
 def decode_header(data: bytes, *, where: str) -> Header:
@@ -295,7 +297,13 @@ def decode_header(data: bytes, *, where: str) -> Header:
             _optional(body, "world_size", int),
             int(body.get("chunk_bytes", 0)),
             tuple(str(c) for c in body.get("chunk_checksums", ())),
+            str(body.get("chunk_algorithm", memory_chunks.CRC32C)),
         )
+        if header.chunk_algorithm not in memory_chunks.KNOWN:
+            raise ManifestError(
+                f"{where}: chunks hashed with {header.chunk_algorithm!r}, which this version "
+                f"does not know ({', '.join(memory_chunks.KNOWN)}): a newer dcp_tiered wrote it"
+            )
         if body["version"] >= 2 and (
             header.chunk_bytes <= 0 or len(header.chunk_checksums) != -(-size // header.chunk_bytes)
         ):
@@ -344,19 +352,6 @@ def region_checksums(buffer: torch.Tensor, regions: list[Region]) -> list[str]:
         integrity.format_checksum(integrity.checksum(data[r.offset : r.offset + r.nbytes]))
         for r in regions
     ]
-
-
-def chunk_checksum(buffer: torch.Tensor, chunk: int, chunk_bytes: int, size: int) -> str:
-    """CRC32C of chunk number ``chunk`` of the slot's first ``size`` bytes."""
-    start = chunk * chunk_bytes
-    data = memoryview(buffer.numpy())  # type: ignore[arg-type]  # numpy arrays are buffers
-    return integrity.format_checksum(
-        integrity.checksum(data[start : min(start + chunk_bytes, size)])
-    )
-
-
-def chunk_count(size: int, chunk_bytes: int) -> int:
-    return -(-size // chunk_bytes)
 
 
 def fill(

@@ -36,7 +36,7 @@ from .. import _torch_compat, batch_copy
 from .._priority import lower_this_thread
 from ..backends.local import LocalBackend
 from ..errors import CheckpointNotFoundError, IntegrityError, ManifestError
-from ..policy import layout
+from ..policy import layout, memory_chunks
 from ..policy import memory_format as fmt
 from . import memory_copy, ownership
 
@@ -213,7 +213,7 @@ class MemoryTier:
             objects=blob,
             run_id=self.run_id,
             world_size=self.world_size,
-            chunk_bytes=fmt.CHUNK_BYTES,
+            chunk_bytes=memory_chunks.CHUNK_BYTES,
             chunk_checksums=[c.result() for c in chunks],  # done: queued before this task
             encoded_regions=self._encoded_regions(slot, regions),
         )
@@ -359,7 +359,9 @@ def verify(header: fmt.Header, buffer: torch.Tensor, where: str) -> None:
         raise IntegrityError(f"{where}: {buffer.numel()} bytes, the header says {header.data_size}")
     if header.chunk_bytes:
         for chunk, expected in enumerate(header.chunk_checksums):
-            got = fmt.chunk_checksum(buffer, chunk, header.chunk_bytes, header.data_size)
+            got = memory_chunks.checksum(
+                buffer, chunk, header.chunk_bytes, header.data_size, header.chunk_algorithm
+            )
             if got != expected:
                 start = chunk * header.chunk_bytes
                 end = min(start + header.chunk_bytes, header.data_size)

@@ -1,10 +1,11 @@
 """A memory-tier snapshot copied into its slot and checksummed in the same stretch of time.
 
-The slot is checked by CRC32C over fixed chunks of its bytes (``memory_format.CHUNK_BYTES``),
-not per tensor: a state of 20,000 tensors costs a few dozen checksum calls, as one of 30 large
-tensors does. The copy runs in batches of about a chunk, in the slot's byte order; as soon as a
-batch has filled a chunk, the background thread checksums it while the caller copies the next
-one. A snapshot is then valid about when its copy ends. Restores verify the same chunks.
+The slot is checked by a hash over fixed chunks of its bytes (``memory_chunks``), not per
+tensor: a state of 20,000 tensors costs a few dozen hash calls, as one of 30 large tensors
+does. The copy runs in batches of about a chunk, in the slot's byte order, and a tensor of a
+chunk or more a chunk at a time; as soon as a chunk is filled, the background thread hashes it
+(from the CPU's cache) while the caller copies the next one. A snapshot is then valid about
+when its copy ends. Restores verify the same chunks.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from .. import batch_copy
+from ..policy import memory_chunks
 from ..policy import memory_format as fmt
 
 
@@ -68,10 +70,13 @@ def batches(dsts: list[torch.Tensor], base: int) -> list[tuple[int, int, int]]:
         offset = d.data_ptr() - base
         if offset < end:
             return [(0, len(dsts), 0)]
+        if d.nbytes >= memory_chunks.CHUNK_BYTES and first < i:  # a batch of its own
+            out.append((first, i, offset // memory_chunks.CHUNK_BYTES))
+            first, pending = i, 0
         end = offset + d.nbytes
         pending += d.nbytes
-        if pending >= fmt.CHUNK_BYTES:
-            out.append((first, i + 1, end // fmt.CHUNK_BYTES))
+        if pending >= memory_chunks.CHUNK_BYTES:
+            out.append((first, i + 1, end // memory_chunks.CHUNK_BYTES))
             first, pending = i + 1, 0
     if first < len(dsts):
         out.append((first, len(dsts), 0))
@@ -90,10 +95,39 @@ def copy_and_checksum(
     ``submit`` (the background thread) once it is complete; the futures of every chunk's
     checksum, in order."""
     futures: list[Future[str]] = []
+    chunk_bytes = memory_chunks.CHUNK_BYTES
+
+    def hand_over(complete: int) -> None:
+        while len(futures) < complete:
+            futures.append(submit(memory_chunks.checksum, buffer, len(futures), chunk_bytes, size))
+
+    base = buffer.data_ptr()
     for first, end, ready in steps:
-        batch_copy.copy_all(dsts[first:end], srcs[first:end])
-        while len(futures) < ready:
-            futures.append(submit(fmt.chunk_checksum, buffer, len(futures), fmt.CHUNK_BYTES, size))
-    while len(futures) < fmt.chunk_count(size, fmt.CHUNK_BYTES):
-        futures.append(submit(fmt.chunk_checksum, buffer, len(futures), fmt.CHUNK_BYTES, size))
+        if end - first == 1 and ready:  # one tensor of a chunk or more
+            _copy_by_chunks(dsts[first], srcs[first], dsts[first].data_ptr() - base, hand_over)
+        else:
+            batch_copy.copy_all(dsts[first:end], srcs[first:end])
+        hand_over(ready)
+    hand_over(memory_chunks.count(size, chunk_bytes))
     return futures
+
+
+def _copy_by_chunks(
+    dst: torch.Tensor, src: torch.Tensor, offset: int, hand_over: Callable[[int], None]
+) -> None:
+    """Copy one large tensor (at byte ``offset`` of the slot) a chunk at a time, handing each
+    chunk over as soon as it is filled: its hash then reads it from the cache, not from memory.
+    A tensor on another device, or laid out otherwise, is copied whole."""
+    plain = type(src) in (torch.Tensor, torch.nn.Parameter) and src.device.type == "cpu"
+    if not (plain and src.dtype == dst.dtype and src.is_contiguous() and dst.is_contiguous()):
+        batch_copy.copy_all([dst], [src])
+        return
+    chunk_bytes, item = memory_chunks.CHUNK_BYTES, dst.element_size()
+    d, s = dst.view(-1), src.detach().view(-1)
+    done = 0
+    while done < d.numel():
+        boundary = (offset + done * item) // chunk_bytes * chunk_bytes + chunk_bytes
+        end = min(d.numel(), max(done + 1, (boundary - offset) // item))
+        d[done:end].copy_(s[done:end])
+        done = end
+        hand_over((offset + done * item) // chunk_bytes)

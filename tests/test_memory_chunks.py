@@ -1,0 +1,112 @@
+"""The memory tier's chunk hashes: a tensor of several chunks is copied and hashed chunk by chunk
+and a flipped byte in any of its chunks fails the restore, naming that chunk; snapshots of the
+previous header version (CRC32C chunks) still restore; a hash this version does not know is a
+ManifestError, not a corrupt snapshot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dcp_tiered.errors import IntegrityError, ManifestError
+from dcp_tiered.policy import memory_chunks
+from dcp_tiered.policy import memory_format as fmt
+from dcp_tiered.tiers import memory_copy
+from dcp_tiered.tiers.memory import MemoryTier
+
+CHUNK = memory_chunks.CHUNK_BYTES
+
+
+def _state() -> dict:
+    g = torch.Generator().manual_seed(3)
+    return {
+        "a": torch.randn(100, generator=g),
+        # three and a half chunks, after a small tensor: a batch of its own, copied by chunks
+        "big": torch.randn(CHUNK * 7 // 8, generator=g),
+        "b": torch.randint(0, 9, (33,), generator=g),
+        "c": torch.randn(5, 7, generator=g).t(),  # not contiguous: copied whole
+    }
+
+
+def _saved(tmp_path: Path) -> tuple[dict, Path, dict]:
+    state = _state()
+    tier = MemoryTier(tmp_path / "shm", 0)
+    try:
+        tier.save("step-1", {"model": state}).result()
+    finally:
+        tier.close()
+    (path,) = (tmp_path / "shm" / "rank-0").glob("slot-*.json")
+    return state, path, json.loads(path.read_bytes())
+
+
+def _load(tmp_path: Path, state: dict) -> dict:
+    out = {"model": {k: torch.zeros_like(v) for k, v in state.items()}}
+    tier = MemoryTier(tmp_path / "shm", 0)
+    try:
+        tier.load("step-1", out)
+    finally:
+        tier.close()
+    return out["model"]
+
+
+def test_a_large_tensor_gets_a_batch_of_its_own():
+    buffer = torch.zeros(8 * CHUNK, dtype=torch.uint8)
+    small, big = buffer[:64], buffer[1024 : 1024 + 3 * CHUNK]
+    after = buffer[1024 + 3 * CHUNK : 1024 + 3 * CHUNK + 64]
+    steps = memory_copy.batches([small, big, after], buffer.data_ptr())
+    assert steps == [(0, 1, 0), (1, 2, 3), (2, 3, 0)]
+
+
+@pytest.mark.parametrize("where", [0.1, 0.5, 0.99])
+def test_a_flipped_byte_in_any_chunk_of_a_large_tensor_fails_the_restore(tmp_path, where):
+    state, header_path, header = _saved(tmp_path)
+    assert header["version"] == fmt.VERSION and header["chunk_algorithm"] == "xxh3-64"
+    restored = _load(tmp_path, state)
+    assert all(torch.equal(restored[k], v) for k, v in state.items())
+    entry = next(t for t in header["tensors"] if t["key"] == '["model", "big"]')
+    at = entry["offset"] + int(entry["nbytes"] * where)
+    data = header_path.with_suffix(".data")
+    raw = bytearray(data.read_bytes())
+    raw[at] ^= 0x40
+    data.write_bytes(bytes(raw))
+    start = at // CHUNK * CHUNK
+    with pytest.raises(IntegrityError, match=f"bytes {start}-[0-9]+ .*big.*fails its checksum"):
+        _load(tmp_path, state)
+
+
+def _rewrite(header_path: Path, edit) -> None:
+    body = json.loads(header_path.read_bytes())
+    body.pop("header_checksum")
+    edit(body)
+    body["header_checksum"] = fmt._checksum(body)
+    header_path.write_bytes(json.dumps(body).encode())
+
+
+def test_a_version_2_snapshot_with_crc32c_chunks_still_restores(tmp_path):
+    state, header_path, header = _saved(tmp_path)
+    buffer = torch.from_file(
+        str(header_path.with_suffix(".data")), size=header["data_size"], dtype=torch.uint8
+    )
+    crcs = [
+        memory_chunks.checksum(buffer, i, CHUNK, header["data_size"], memory_chunks.CRC32C)
+        for i in range(len(header["chunk_checksums"]))
+    ]
+    assert crcs != header["chunk_checksums"]
+
+    def as_version_2(body: dict) -> None:
+        body.update(version=2, chunk_checksums=crcs)
+        del body["chunk_algorithm"]
+
+    _rewrite(header_path, as_version_2)
+    restored = _load(tmp_path, state)
+    assert all(torch.equal(restored[k], v) for k, v in state.items())
+
+
+def test_a_chunk_hash_this_version_does_not_know_is_a_manifest_error(tmp_path):
+    _, header_path, _ = _saved(tmp_path)
+    _rewrite(header_path, lambda body: body.update(chunk_algorithm="blake3"))
+    with pytest.raises(ManifestError, match="'blake3'.*newer dcp_tiered"):
+        fmt.decode_header(header_path.read_bytes(), where=str(header_path))
