@@ -83,8 +83,7 @@ def upload_locked(
         if early:
             if not may_start():
                 return None
-            tmp = layout.tmp_dir_name(step, str(keys.save_id))
-            source = (tmp,) if backend.exists(tmp, name) else (step,)  # committed meanwhile
+            tag = _upload_uncommitted(tier, remote, keys, name, checksum)
         else:
             stored, tag = verify_object(remote, key, size)
             if stored == checksum:
@@ -93,14 +92,30 @@ def upload_locked(
             # Holding the lock, no upload of this key from this node is in flight: any
             # incomplete multipart upload of it is a leftover of an interrupted attempt.
             remote.abort_multipart_uploads(key, only={key})
-            source = (step,)
-        tag = upload_verified(tier, remote, source, name, key, checksum)
+            tag = upload_verified(tier, remote, (step,), name, key, checksum)
         if lock is not None:  # an upload of it still queued skips it
             backend.write_file(area, f"{name}.done", done_record(tag), sync=False)
         return tag
     finally:
         if lock is not None:
             backend.unlock(lock)
+
+
+def _upload_uncommitted(
+    tier: LocalTier, remote: RemoteBackend, keys: layout.RemoteKeys, name: str, checksum: str
+) -> str | None:
+    """An early upload: the file is in the save's temporary directory until the local commit
+    renames that to the step, which can happen between any two of the upload's reads of it
+    (its checksum, its size, the upload itself); then it is read again from the step."""
+    step = keys.step
+    tmp = layout.tmp_dir_name(step, str(keys.save_id))
+    try:
+        return upload_verified(tier, remote, (tmp,), name, keys.file(name), checksum)
+    except FileNotFoundError:
+        if not tier.backend.exists(step, name):
+            raise  # neither: the save was abandoned
+        logger.debug("early upload of %s/%s: committed meanwhile, read from the step", step, name)
+        return upload_verified(tier, remote, (step,), name, keys.file(name), checksum)
 
 
 def upload_verified(
