@@ -360,28 +360,43 @@ def fill(
     objects: dict[str, Any],
     where: str,
     path: Path = (),
+) -> tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """``template`` with every other value than a tensor taken from ``objects``, and the
+    (template tensor, snapshot tensor) pairs to copy, checked to fit: the caller copies them
+    all in one batch. Raises IntegrityError naming the first path that does not fit."""
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    return _fill(template, tensors, objects, where, path, pairs), pairs
+
+
+def _fill(
+    template: Any,
+    tensors: dict[str, torch.Tensor],
+    objects: dict[str, Any],
+    where: str,
+    path: Path,
+    pairs: list[tuple[torch.Tensor, torch.Tensor]],
 ) -> Any:
-    """``template`` with every tensor copied in place from ``tensors`` and every other value
-    taken from ``objects``; raises IntegrityError naming the first path that does not fit."""
     if isinstance(template, dict):
         for k in list(template):
-            template[k] = fill(template[k], tensors, objects, where, (*path, k))
+            template[k] = _fill(template[k], tensors, objects, where, (*path, k), pairs)
         return template
     if isinstance(template, list):
         for i in range(len(template)):
-            template[i] = fill(template[i], tensors, objects, where, (*path, i))
+            template[i] = _fill(template[i], tensors, objects, where, (*path, i), pairs)
         return template
     if isinstance(template, tuple):
-        return tuple(fill(v, tensors, objects, where, (*path, i)) for i, v in enumerate(template))
+        return tuple(
+            _fill(v, tensors, objects, where, (*path, i), pairs) for i, v in enumerate(template)
+        )
     if isinstance(template, ShardedTensor):
         for i, shard in enumerate(template.local_shards()):
-            _copy(shard.tensor, tensors, key((*path, f"#shard{i}")), where)
+            pairs.append(_pair(shard.tensor, tensors, key((*path, f"#shard{i}")), where))
         return template
     if isinstance(template, DTensor):
-        _copy(template.to_local(), tensors, key(path), where)
+        pairs.append(_pair(template.to_local(), tensors, key(path), where))
         return template
     if isinstance(template, torch.Tensor):
-        _copy(template, tensors, key(path), where)
+        pairs.append(_pair(template, tensors, key(path), where))
         return template
     k = key(path)
     if k not in objects:
@@ -389,7 +404,9 @@ def fill(
     return objects[k]
 
 
-def _copy(dst: torch.Tensor, tensors: dict[str, torch.Tensor], k: str, where: str) -> None:
+def _pair(
+    dst: torch.Tensor, tensors: dict[str, torch.Tensor], k: str, where: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     src = tensors.get(k)
     if src is None or src.shape != dst.shape or src.dtype != dst.dtype:
         got = "nothing" if src is None else f"{src.dtype} {list(src.shape)}"
@@ -397,5 +414,4 @@ def _copy(dst: torch.Tensor, tensors: dict[str, torch.Tensor], k: str, where: st
             f"{where}: {k} is {dst.dtype} {list(dst.shape)} here but {got} in the snapshot "
             "(another model, world size or sharding); the disk and remote tiers reshard"
         )
-    with torch.no_grad():
-        dst.copy_(src)
+    return dst, src

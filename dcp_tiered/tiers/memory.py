@@ -391,10 +391,15 @@ def fill_state(
     tensors = {r.key: v for r, v in zip(header.regions, fmt.views(buffer, header.regions))}
     objects = fmt.decode_objects(header.objects, allow_pickle=allow_pickle, where=where)
     for name, value in app_state.items():
-        if hasattr(value, "state_dict") and hasattr(value, "load_state_dict"):
-            value.load_state_dict(fmt.fill(value.state_dict(), tensors, objects, where, (name,)))
+        stateful = hasattr(value, "state_dict") and hasattr(value, "load_state_dict")
+        filled, pairs = fmt.fill(
+            value.state_dict() if stateful else value, tensors, objects, where, (name,)
+        )
+        batch_copy.copy_all([d for d, _ in pairs], [s for _, s in pairs])
+        if stateful:
+            value.load_state_dict(filled)
         else:
-            app_state[name] = fmt.fill(value, tensors, objects, where, (name,))
+            app_state[name] = filled
 
 
 def read_headers(backend: LocalBackend) -> dict[int, fmt.Header]:
