@@ -3,7 +3,7 @@
 Staging (``staging.py``) and the memory tier copy the same structure into the same buffers on
 every save. Walking DCP's generic helpers costs several Python calls per tensor and one
 ``copy_`` each; here one walk pairs every source tensor with its buffer, checking structure,
-shape and dtype on the way, and a single ``torch._foreach_copy_`` copies them all. Anything
+shape and dtype on the way, and one batch copies them all (:mod:`dcp_tiered.host_copy`). Anything
 else than plain dicts, lists, tuples, plain tensors and simple values (a DTensor, a
 ShardedTensor, an OrderedDict, ...) raises :class:`Mismatch` before a byte is copied, and the
 caller uses its general path.
@@ -12,14 +12,14 @@ caller uses its general path.
 from __future__ import annotations
 
 import copy
-import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from operator import attrgetter, methodcaller
 from typing import Any
 
 import torch
+
+from . import host_copy
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _PLAIN_TENSOR_TYPES = frozenset(_PLAIN_TENSORS)
@@ -48,7 +48,7 @@ def copy_into(
     for as long as it reuses them (:func:`new_descriptions`), so that later copies into them
     skip describing them again."""
     out, dsts, srcs = pair(state, buffers, on_value=on_value, descriptions=descriptions)
-    copy_all(dsts, srcs, non_blocking=non_blocking)
+    host_copy.copy_all(dsts, srcs, non_blocking=non_blocking)
     return out
 
 
@@ -64,50 +64,6 @@ def pair(
     srcs: list[torch.Tensor] = []
     known = {} if descriptions is None else descriptions
     return _pair(state, buffers, dsts, srcs, on_value, known), dsts, srcs
-
-
-def copy_all(
-    dsts: list[torch.Tensor], srcs: list[torch.Tensor], *, non_blocking: bool = False
-) -> None:
-    """Copy each source into its destination. Many tensors on the CPU are copied half on the
-    caller's thread and half on a helper thread: a copy of a few kilobytes is mostly the cost
-    of the call, which one core cannot hide (2,000 tensors of 256 MiB: about half the time).
-    A few, or large, tensors stay on the caller's thread, where torch splits each copy already."""
-    if non_blocking or not _many_small(srcs):
-        _copy(dsts, srcs, non_blocking)
-        return
-    half = len(dsts) // 2
-    other = _helper().submit(_copy, dsts[half:], srcs[half:], False)
-    try:
-        _copy(dsts[:half], srcs[:half], False)
-    finally:
-        other.result()
-
-
-def _many_small(srcs: list[torch.Tensor]) -> bool:
-    """At least a few dozen CPU tensors, a sample of which averages under a megabyte."""
-    if len(srcs) < 16 or srcs[0].device.type != "cpu":
-        return False
-    sample = srcs[:: max(1, len(srcs) // 8)]
-    return sum(t.nbytes for t in sample) < len(sample) * 2**20
-
-
-def _copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor], non_blocking: bool) -> None:
-    if dsts:
-        with torch.no_grad():  # per thread: the helper's own
-            torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
-
-
-_helpers: dict[int, ThreadPoolExecutor] = {}  # pid -> its helper: a forked child makes its own
-
-
-def _helper() -> ThreadPoolExecutor:
-    pid = os.getpid()
-    found = _helpers.get(pid)
-    if found is None:  # at the trainer's priority: it is the caller's stall
-        _helpers.clear()
-        found = _helpers[pid] = ThreadPoolExecutor(1, thread_name_prefix="dcp-tiered-copy")
-    return found
 
 
 def _pair(

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .. import _torch_compat, batch_copy
+from .. import _torch_compat, batch_copy, host_copy
 from .._priority import lower_this_thread
 from ..backends.local import LocalBackend
 from ..errors import CheckpointNotFoundError, IntegrityError, ManifestError
@@ -395,7 +395,7 @@ def fill_state(
         filled, pairs = fmt.fill(
             value.state_dict() if stateful else value, tensors, objects, where, (name,)
         )
-        batch_copy.copy_all([d for d, _ in pairs], [s for _, s in pairs])
+        host_copy.copy_all([d for d, _ in pairs], [s for _, s in pairs])
         if stateful:
             value.load_state_dict(filled)
         else:

@@ -15,9 +15,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
-from .. import batch_copy
+from .. import batch_copy, host_copy
 from ..policy import memory_chunks
 from ..policy import memory_format as fmt
 
@@ -92,42 +93,60 @@ def copy_and_checksum(
     submit: Callable[..., Future[str]],
 ) -> list[Future[str]]:
     """Copy ``srcs`` into ``dsts`` (views of ``buffer``) batch by batch, handing each chunk to
-    ``submit`` (the background thread) once it is complete; the futures of every chunk's
-    checksum, in order."""
-    futures: list[Future[str]] = []
+    ``submit`` (the background thread) once it is complete, unless the copy hashed it already;
+    the futures of every chunk's checksum, in order."""
     chunk_bytes = memory_chunks.CHUNK_BYTES
+    futures: list[Future[str] | None] = [None] * memory_chunks.count(size, chunk_bytes)
+    queued = 0
 
     def hand_over(complete: int) -> None:
-        while len(futures) < complete:
-            futures.append(submit(memory_chunks.checksum, buffer, len(futures), chunk_bytes, size))
+        nonlocal queued
+        for chunk in range(queued, complete):
+            if futures[chunk] is None:
+                futures[chunk] = submit(memory_chunks.checksum, buffer, chunk, chunk_bytes, size)
+        queued = max(queued, complete)
 
     base = buffer.data_ptr()
     for first, end, ready in steps:
-        if end - first == 1 and ready:  # one tensor of a chunk or more
-            _copy_by_chunks(dsts[first], srcs[first], dsts[first].data_ptr() - base, hand_over)
-        else:
-            batch_copy.copy_all(dsts[first:end], srcs[first:end])
+        one = end - first == 1 and ready
+        if not (one and _by_chunks(buffer, size, dsts[first], srcs[first], base, futures)):
+            host_copy.copy_all(dsts[first:end], srcs[first:end])
         hand_over(ready)
-    hand_over(memory_chunks.count(size, chunk_bytes))
-    return futures
+    hand_over(len(futures))
+    return [f for f in futures if f is not None]
 
 
-def _copy_by_chunks(
-    dst: torch.Tensor, src: torch.Tensor, offset: int, hand_over: Callable[[int], None]
-) -> None:
-    """Copy one large tensor (at byte ``offset`` of the slot) a chunk at a time, handing each
-    chunk over as soon as it is filled: its hash then reads it from the cache, not from memory.
-    A tensor on another device, or laid out otherwise, is copied whole."""
+def _by_chunks(
+    buffer: torch.Tensor,
+    size: int,
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    base: int,
+    futures: list[Future[str] | None],
+) -> bool:
+    """Copy one large tensor of the slot chunk by chunk, on this thread and the copy helper's
+    (``host_copy``: memcpy, not torch's pool) taking turns, each hashing the chunk it just
+    filled while it is still in the CPU's cache; the hashes go into ``futures``. False, having
+    copied nothing, for a tensor on another device or laid out otherwise."""
     plain = type(src) in (torch.Tensor, torch.nn.Parameter) and src.device.type == "cpu"
     if not (plain and src.dtype == dst.dtype and src.is_contiguous() and dst.is_contiguous()):
-        batch_copy.copy_all([dst], [src])
-        return
-    chunk_bytes, item = memory_chunks.CHUNK_BYTES, dst.element_size()
-    d, s = dst.view(-1), src.detach().view(-1)
-    done = 0
-    while done < d.numel():
-        boundary = (offset + done * item) // chunk_bytes * chunk_bytes + chunk_bytes
-        end = min(d.numel(), max(done + 1, (boundary - offset) // item))
-        d[done:end].copy_(s[done:end])
+        return False
+    chunk_bytes, offset = memory_chunks.CHUNK_BYTES, dst.data_ptr() - base
+    d, s = host_copy.as_bytes(dst), host_copy.as_bytes(src)
+    pieces, done = [], 0
+    while done < len(d):  # [start, end) of the tensor's bytes, ending on chunk boundaries
+        end = min(len(d), (offset + done) // chunk_bytes * chunk_bytes + chunk_bytes - offset)
+        pieces.append((done, end))
         done = end
-        hand_over((offset + done * item) // chunk_bytes)
+
+    def copy(turn: list[tuple[int, int]]) -> None:
+        for start, end in turn:
+            np.copyto(d[start:end], s[start:end])
+            if (offset + end) % chunk_bytes == 0:  # filled: this chunk's bytes before it were
+                chunk = (offset + end) // chunk_bytes - 1  # copied by earlier batches
+                done: Future[str] = Future()
+                done.set_result(memory_chunks.checksum(buffer, chunk, chunk_bytes, size))
+                futures[chunk] = done
+
+    host_copy.side_by_side(lambda: copy(pieces[::2]), lambda: copy(pieces[1::2]))
+    return True
