@@ -55,7 +55,7 @@ from ..planner import planner_for
 from ..policy import identity, layout
 from ..policy.memory_format import first_refused
 from ..policy.retention import RetentionPolicy
-from ..writer import TieredStorageWriter
+from ..writer import SaveRequest, TieredStorageWriter
 from .failures import (
     Conventions,
     advice,
@@ -184,7 +184,8 @@ class Lifecycle(Finishing, Reaping):
         what = f"starting {self.conventions.framework} checkpoints in {os.path.abspath(root)}"
         try:
             writer = self.agree.everywhere(lambda: self.writers.get(root), what)
-            self.run_id = self.writers.run_id = runs.join(self.agree, writer, memory, what)
+            tiers = self.writers.tiers(root)
+            self.run_id = self.writers.run_id = runs.join(self.agree, tiers, writer, memory, what)
         except BaseException:
             self.release()  # this job does not hold the root it was refused
             raise
@@ -235,14 +236,22 @@ class Lifecycle(Finishing, Reaping):
             self.finish()
 
     def start_async(
-        self, state: dict[str, Any], step: str, writer: TieredStorageWriter, *, planner: Any = None
+        self,
+        state: dict[str, Any],
+        step: str,
+        writer: TieredStorageWriter,
+        *,
+        planner: Any = None,
+        promote: bool = True,
     ) -> Future[Any]:
         """``dcp.async_save`` of ``state`` as ``step`` on the checkpoint group: returns once
-        staged, with the future of this rank's write."""
+        staged, with the future of this rank's write. ``promote=False``: the step stays on the
+        local tier. Once the future ended, :meth:`~dcp_tiered.lifecycle.reaping.Reaping.reap`
+        gives the save its :class:`~dcp_tiered.tiers.root.SaveReport`."""
         return _torch_compat.upload_future(
             dcp.async_save(
                 state,
-                checkpoint_id=step,
+                checkpoint_id=SaveRequest(step, promote=promote),
                 storage_writer=writer,
                 planner=planner_for(writer) if planner is None else planner,
                 process_group=self.group,
@@ -323,8 +332,8 @@ class Lifecycle(Finishing, Reaping):
         on the remote tier (no-op without one); raises on every rank if one is not."""
         self.finish()
         error: UploadFailedError | None = None
-        for writer in self.writers:
-            if writer.remote_backend is not None and writer.local_tier.steps():
+        for tiers, writer in self.writers.owned():
+            if tiers.remote is not None and tiers.local.steps():
                 try:
                     writer.wait_durable(timeout_secs=timeout_secs)
                 except UploadFailedError as e:

@@ -154,7 +154,8 @@ class CheckpointManager:
             if memory is not None
             else None
         )
-        self._remote = self._local.remote_backend
+        self._tiers = self._lifecycle.writers.tiers(self._home)  # the lifecycle's, per root
+        self._remote = self._tiers.remote
         # One process per directory applies retention: whoever holds its lock from now on.
         self._lifecycle.keep(self._home)
         self._events = EventLog(
@@ -172,7 +173,7 @@ class CheckpointManager:
         )
         self._sources = _restore.Sources(
             self._local.root,
-            self._local.local_tier,
+            self._tiers.local,
             self._memory,
             self._replica,
             self._remote,
@@ -181,12 +182,14 @@ class CheckpointManager:
             rank=self.rank,
             emit=self._events.emit,
         )
-        room = Room(self.admission, self._local, self._memory, self._replica)
+        self._room = Room(
+            self.admission, self._local, self._tiers.local, self._memory, self._replica
+        )
         time_based = any(
             e is not None and e.secs is not None
             for e in (self.policy.memory, self.policy.local, self.policy.remote)
         )
-        self._gate = Gate(room, self._agree, time_based=time_based, allow_pickle=allow_pickle)
+        self._gate = Gate(self._room, self._agree, time_based=time_based, allow_pickle=allow_pickle)
         self._last: dict[str, float] = {t: time.time() for t in ("memory", "local", "remote")}
         local_root = self._local.root
         self._reports = Reports(
@@ -212,9 +215,7 @@ class CheckpointManager:
             "memory": os.path.abspath(memory) if memory is not None else None,
             "remote": self._remote.config.url if self._remote is not None else None,
         }
-        self._local.local_tier.backend.replace_root_file(
-            layout.TIERS_RECORD, json.dumps(tiers).encode()
-        )
+        self._tiers.local.backend.replace_root_file(layout.TIERS_RECORD, json.dumps(tiers).encode())
 
     # ------------------------------------------------------------ save
 
@@ -293,10 +294,11 @@ class CheckpointManager:
         started = time.time()
         self._reports.planned(step, decision, PENDING)
         if decision.local:
-            if not decision.remote:
-                self._local.keep_local(name)
-            future = self._lifecycle.start_async(app_state, name, self._local)
-            stage_s, nbytes = self._local.last_stall_secs, self._local.last_staged_bytes
+            future = self._lifecycle.start_async(
+                app_state, name, self._local, promote=decision.remote
+            )
+            stage_s, nbytes = self._local.staged()
+            self._room.staged_bytes = nbytes
         else:
             assert self._memory is not None
             future = self._start_memory(name, app_state)
@@ -320,9 +322,7 @@ class CheckpointManager:
             root,
             name,
             future,
-            on_written=lambda written: self._reports.written(
-                facts, written, lambda: self._local.pop_timings(name)
-            ),
+            on_written=lambda written: self._reports.written(facts, written),
             on_durable=lambda error: self._reports.durable(facts, error),
             tier=tier,
         )

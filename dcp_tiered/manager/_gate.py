@@ -18,6 +18,7 @@ from ..policy.admission import Admission, Headroom, shortfall
 from ..policy.cadence import Decision
 from ..policy.memory_format import first_refused
 from ..staging import state_bytes
+from ..tiers.local import LocalTier
 from ..tiers.memory import MemoryTier
 from ..tiers.replica import Replicator
 from ..writer import TieredStorageWriter
@@ -103,10 +104,13 @@ class Room:
         self,
         admission: Admission,
         writer: TieredStorageWriter,
+        tier: LocalTier,
         memory: MemoryTier | None,
         replica: Replicator | None,
     ) -> None:
-        self.admission, self.writer, self.memory, self.replica = admission, writer, memory, replica
+        self.admission, self.writer, self.tier = admission, writer, tier
+        self.memory, self.replica = memory, replica
+        self.staged_bytes = 0  # what this rank's last disk save staged (the manager sets it)
         self.ranks_on_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         self._ram_checked: tuple[float, int | None] = (-1e9, None)
         self._first_estimate: int | None = None
@@ -114,7 +118,7 @@ class Room:
     def shortfall(self, app_state: dict[str, Any], tier: str) -> str | None:
         """Why ``tier`` has no room for ``app_state`` on this node (None: it has)."""
         known = self.memory.last_bytes if self.memory is not None else 0
-        known = known or self.writer.last_staged_bytes
+        known = known or self.staged_bytes
         if not known and self._first_estimate is None:
             self._first_estimate = state_bytes(resolve(app_state))  # once: calls state_dict()
         nbytes = known or self._first_estimate or 0
@@ -137,7 +141,7 @@ class Room:
                 new_tier_bytes=nbytes,
                 new_ram_bytes=0 if self.writer.staging_buffers_ready() >= 2 else nbytes,
                 ram_available=self._ram_available(),
-                tier_free=self.writer.local_tier.backend.free_bytes(),
+                tier_free=self.tier.backend.free_bytes(),
             )
         return shortfall(self.admission, headroom, tier)
 
