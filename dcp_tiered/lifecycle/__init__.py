@@ -40,7 +40,7 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -48,7 +48,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from .. import _torch_compat, runs
 from ..agreement import Agreement
-from ..backends.remote import remote_backend
 from ..distributed import checkpoint_process_group
 from ..errors import ConfigError, UploadFailedError
 from ..planner import planner_for
@@ -70,12 +69,10 @@ from .restore import (
     OTHER,
     UNREADABLE,
     LoadFailure,
+    Restoring,
     attempt,
     failure_kind,
-    first_loadable,
     kind_of,
-    listed,
-    quarantine,
 )
 from .retention import Keepers
 from .saves import DISK, InFlight, Save, after, quiet_single_process, settled
@@ -102,10 +99,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-C = TypeVar("C")
 
-
-class Lifecycle(Finishing, Reaping):
+class Lifecycle(Finishing, Reaping, Restoring):
     """Saves, commit hooks, failures, retention, durability and restore for one entry point.
 
     Construct on every rank, in the same order. ``retention`` applies to each local root a
@@ -367,52 +362,3 @@ class Lifecycle(Finishing, Reaping):
     def _raise_upload_failure(self, error: UploadFailedError | None) -> None:
         if self.agree.any(error is not None):
             raise_not_durable(self.agree, self.conventions, self.rank, self.writers.remote, error)
-
-    # ------------------------------------------------------------ restore
-
-    def restore(
-        self,
-        candidates: Callable[[bool], list[C]],
-        load: Callable[[C], str | None],
-        *,
-        on_unreadable_tier: str,
-        retry: str,
-        name: Callable[[C], str] = str,
-        abandon: Callable[[list[C], C], None] | None = None,
-    ) -> C | None:
-        """Collective: the first candidate ``load`` loads on every rank, or None if there
-        are none.
-
-        ``candidates(with_remote)`` lists them newest first (rank 0 alone; every rank tries
-        the same ones); it raises TierUnavailableError when the remote cannot be read, which
-        is raised on every rank unless ``on_unreadable_tier="skip"``. ``load`` returns
-        None or why it failed (a :class:`LoadFailure`, as :func:`attempt` makes, says what
-        kind of failure); ranks agree, so one rank's failure moves all to the next. A candidate
-        a tier could not be read for (a transient error, a timeout) raises TierUnavailableError
-        on every rank, like an unreadable listing, unless ``on_unreadable_tier="skip"``: a
-        newer step may be fine. ``retry`` is the call that skips an unreadable tier, for the
-        message. After falling back, ``abandon(proven, chosen)`` runs on every rank with the
-        candidates some rank proved bad (``IntegrityError.proves_bad``), and only those (see
-        :meth:`quarantine`).
-        """
-        found = listed(self.agree, candidates, on_unreadable_tier=on_unreadable_tier, retry=retry)
-        self.listed = found
-        return first_loadable(
-            self.agree,
-            found,
-            load,
-            on_unreadable_tier=on_unreadable_tier,
-            retry=retry,
-            name=name,
-            abandon=abandon,
-        )
-
-    def quarantine(self, root: str, steps: list[str], *, reason: str) -> None:
-        """Collective: move ``steps`` (proven bad) aside on every node's ``root`` (one process a
-        node) and on the remote tier (rank 0), under names of ours, logged, never deleted, and
-        only where they are this run's (another run's step is left as it is, with a WARNING).
-        Training that restored an older step saves those step names again; ``latest``,
-        retention and the remote's never-overwrite rule then see only the new saves.
-        ``dcp-tiered quarantine --release`` undoes it."""
-        remote = remote_backend(self.writers.remote, self.writers.storage_options)
-        quarantine(self.agree, root, steps, reason=reason, run_id=self.run_id, remote=remote)
