@@ -26,7 +26,7 @@ happens around that is this module's, the same for all of them:
 - :meth:`Lifecycle.start` agrees on the run (:mod:`dcp_tiered.policy.identity`): the one the
   roots and the remote prefix record, else a new one; a root, prefix or memory directory of
   another run, or a root another job uses now, refuses the start on every rank.
-- :meth:`Lifecycle.restore` tries candidates newest first, falls back past steps that fail on
+- :meth:`~dcp_tiered.lifecycle.restore.Restoring.restore` tries candidates newest first, falls back past steps that fail on
   any rank, quarantines only those proven bad (``IntegrityError.proves_bad``), and refuses to start
   from scratch, or from an older step, when a tier cannot be read.
 

@@ -84,7 +84,7 @@ def first_loadable(
     abandon: Callable[[list[C], C], None] | None,
 ) -> C | None:
     """Collective: the first of ``found`` that ``load`` loads on every rank (see
-    :meth:`~dcp_tiered.lifecycle.Lifecycle.restore`)."""
+    :meth:`~dcp_tiered.lifecycle.restore.Restoring.restore`)."""
     reasons: list[str] = []
     proven: list[C] = []
     for candidate in found:
@@ -126,7 +126,7 @@ def listed(
     retry: str,
 ) -> list[C]:
     """Collective: the candidates rank 0 lists, on every rank (see
-    :meth:`~dcp_tiered.lifecycle.Lifecycle.restore`)."""
+    :meth:`~dcp_tiered.lifecycle.restore.Restoring.restore`)."""
     if on_unreadable_tier not in ("raise", "skip"):
         raise ConfigError(
             f"on_unreadable_tier must be 'raise' or 'skip', not {on_unreadable_tier!r}"

@@ -53,8 +53,6 @@ from ._plan import planned_bytes as _planned_bytes  # noqa: F401 (benchmarks/sca
 from ._staging import StagingRole
 from ._tiers import TiersRole
 
-__all__ = ["SaveRequest", "TieredStorageWriter", "WriterConfig"]
-
 logger = logging.getLogger(__name__)
 
 
