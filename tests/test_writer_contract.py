@@ -5,6 +5,7 @@ out on the tiers."""
 from __future__ import annotations
 
 import dataclasses
+import pickle
 
 import pytest
 import torch
@@ -53,6 +54,7 @@ def test_a_save_reports_its_timings_and_its_upload_to_the_tiers_owner(tmp_path):
     tiers = Tiers.open(tmp_path / "local", remote)
     writer = TieredStorageWriter(tiers, sync_files=False)
     _save(writer, "step-1")
+    pickle.loads(pickle.dumps(writer))  # as PROCESS mode does: a report's future stays here
     report = tiers.take_report("step-1")
     assert report is not None and tiers.take_report("step-1") is None  # taken once
     assert report.write_s > 0 and report.commit_s is not None and report.uploads

@@ -72,9 +72,10 @@ class Tiers:
         return self.local.root
 
     def __getstate__(self) -> dict[str, Any]:
-        # A copy in DCP's checkpoint process uploads on its own queue, made there when needed.
+        # A copy in DCP's checkpoint process uploads on its own queue, made there when needed;
+        # its reports stay there too (their futures are this process's).
         state = self.__dict__.copy()
-        state["_queue"], state["_lock"] = None, None
+        state["_queue"], state["_lock"], state["_reports"] = None, None, {}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
