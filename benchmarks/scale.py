@@ -77,10 +77,12 @@ from dcp_tiered import (
     _torch_compat,
 )
 from dcp_tiered._version import __version__
+from dcp_tiered.backends.local import LocalBackend
 from dcp_tiered.errors import ConfigError
 from dcp_tiered.item_writer import split_by_size
 from dcp_tiered.policy import integrity, layout, manifest
 from dcp_tiered.tiers import commit
+from dcp_tiered.tiers.root import Tiers
 from dcp_tiered.writer import _planned_bytes
 from dcp_tiered.writer._describe import describe
 from dcp_tiered.writer._plan import SaveInfo
@@ -553,15 +555,16 @@ def run_ours(
     nodes = -(-world // RANKS_PER_NODE)
     writers = []
     for n in range(nodes):
+        tiers = Tiers.open(work / f"node{n}")
         w = TieredStorageWriter(
-            work / f"node{n}",
+            tiers,
             sync_files=False,
             thread_count=thread_count,
             collective_timeout_warn_secs=None,
         )
         # The node's disk must hold the simulated state: report ample free space (the only
         # I/O probe replaced; every other call is the writer's own).
-        w.local_tier.backend.free_bytes = lambda: 1 << 62  # type: ignore[method-assign]
+        tiers.local.backend.free_bytes = lambda: 1 << 62  # type: ignore[method-assign]
         w.reset("step-1")
         w.storage_meta()
         w.set_up_storage_writer(n == 0, rank=n * RANKS_PER_NODE, use_collectives=True)
@@ -606,7 +609,7 @@ def run_ours(
         tmp = work / "node0" / layout.tmp_dir_name(save.step, save.save_id)
         tmp.mkdir(parents=True, exist_ok=True)
         files = {layout.DCP_METADATA_NAME: metadata_bytes, **built.files_for(None)}
-        commit.write_step_files(coord.local_tier.backend, tmp.name, files, sync=False)
+        commit.write_step_files(LocalBackend(work / "node0"), tmp.name, files, sync=False)
         hs = handshake_ops(nodes, built)
         out["commit_s"] = time.perf_counter() - started
     shared = len(built.sections[manifest.SHARED])

@@ -50,7 +50,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from .rank_state import RankState
     from .reader import TieredStorageReader
     from .tiers.remote import Durability
-    from .writer import TieredStorageWriter
+    from .writer import SaveRequest, TieredStorageWriter, WriterConfig
 
 _ERRORS = (
     "CheckpointExistsError",
@@ -94,6 +94,8 @@ _PUBLIC = {
     "TieredStorageReader": "reader",
     "Durability": "tiers.remote",
     "TieredStorageWriter": "writer",
+    "WriterConfig": "writer",
+    "SaveRequest": "writer",
     "TieredSavePlanner": "planner",
     "TieredLoadPlanner": "load_planner",
 }
@@ -141,6 +143,7 @@ __all__ = [
     "SaveFailedError",
     "SaveOutcome",
     "SavePolicy",
+    "SaveRequest",
     "StagingError",
     "TierError",
     "TierUnavailableError",
@@ -151,6 +154,7 @@ __all__ = [
     "TransientTierError",
     "UnsupportedExtensionError",
     "UploadFailedError",
+    "WriterConfig",
     "__version__",
     "checkpoint_process_group",
 ]

@@ -16,9 +16,11 @@ from typing import Any
 
 from .agreement import Agreement
 from .backends.local import LocalBackend
+from .backends.remote import RemoteBackend
 from .errors import ForeignRunError, InsufficientSpaceError, NotWritableError
 from .policy import identity
 from .tiers import ownership
+from .tiers.root import Tiers
 from .writer import TieredStorageWriter
 
 logger = logging.getLogger(__name__)
@@ -26,17 +28,19 @@ logger = logging.getLogger(__name__)
 
 def join(
     agree: Agreement,
+    tiers: Tiers,
     writer: TieredStorageWriter,
     memory: str | os.PathLike[str] | None,
     what: str,
 ) -> str:
-    """Collective: the run every rank joins; recorded in each root, ``memory`` and the remote
-    prefix. ForeignRunError on every rank when they name different runs."""
+    """Collective: the run every rank joins; recorded in each root (``tiers``, which
+    ``writer`` writes on), ``memory`` and the remote prefix. ForeignRunError on every rank when
+    they name different runs."""
     host = socket.gethostname()
     memory_backend = LocalBackend(memory) if memory is not None else None
 
     def recorded() -> dict[str, dict[str, str | None]]:
-        local = writer.local_tier.record()
+        local = tiers.local.record()
         out: dict[str, dict[str, str | None]] = {
             "roots": {f"{host}:{writer.root}": local.run_id if local else None},
             "memory": {},
@@ -51,7 +55,7 @@ def join(
 
     def decide() -> str:
         places: dict[str, str | None] = {k: v for r in everyone for k, v in r["roots"].items()}
-        remote = writer.remote_backend
+        remote = tiers.remote
         if remote is not None:
             try:
                 found = ownership.soon(remote, ownership.read_remote)
@@ -82,16 +86,15 @@ def join(
                 logger.warning("cannot record run %s in %s now: %s", run, memory_backend.root, e)
 
     agree.everywhere(record, what)
-    if writer.remote_backend is not None:
-        agree.from_rank0(lambda: _record_remote(writer, run))
+    remote = tiers.remote
+    if remote is not None:
+        agree.from_rank0(lambda: _record_remote(remote, tiers.root, run))
     return run
 
 
-def _record_remote(writer: TieredStorageWriter, run: str) -> Any:
-    remote = writer.remote_backend
-    assert remote is not None
+def _record_remote(remote: RemoteBackend, root: str, run: str) -> Any:
     try:
-        return ownership.soon(remote, lambda r: ownership.record_remote(r, run, writer.root))
+        return ownership.soon(remote, lambda r: ownership.record_remote(r, run, root))
     except ownership.Unknown as e:  # the first upload records it
         logger.warning("cannot record run %s at %s now: %s", run, remote.config.url, e)
         return None

@@ -192,6 +192,30 @@ def test_the_manager_saves_through_the_lifecycle():
         assert "async_save(" not in source and "dcp.save(" not in source, module
 
 
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_the_upload_queue_has_one_owner(module):
+    """A root's uploads run on the queue its :class:`~dcp_tiered.tiers.root.Tiers` owns (the
+    lifecycle's per root, or a lone writer's): nothing but ``tiers.root`` imports the queue,
+    and the writer reaches the uploads only through the tiers it is given."""
+    if module == "tiers.root":
+        assert "tiers.uploads" in imports_of(MODULES[module])
+        return
+    assert "tiers.uploads" not in imports_of(MODULES[module]), f"{module} imports the queue"
+
+
+def test_nobody_reaches_through_the_writer_for_its_tiers():
+    """The owner holds the tiers, the writer is given them: a writer has no local tier or
+    remote to hand out, no timings to pop and no step to keep local (a save's request and
+    report travel with the save: SaveRequest, SaveReport), and no registry finds a queue."""
+    from dcp_tiered.tiers import uploads
+    from dcp_tiered.writer import TieredStorageWriter
+
+    gone = ("local_tier", "remote_backend", "pop_timings", "keep_local")
+    assert [n for n in gone if hasattr(TieredStorageWriter, n)] == []
+    assert not hasattr(TieredStorageWriter, "last_stall_secs")
+    assert [n for n in ("uploader_for", "acquire_uploader") if hasattr(uploads, n)] == []
+
+
 def test_the_writers_plan_does_no_io():
     """``writer._plan`` decides (rank info, layouts, the checks before writing) and does no
     I/O: it imports neither the tiers nor the backends."""

@@ -16,6 +16,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_tiered import (
+    Durability,
+    SaveRequest,
     CheckpointManager,
     PermanentTierError,
     RemoteConfig,
@@ -163,9 +165,9 @@ def test_a_good_remote_passes_and_an_unreachable_one_only_warns(tmp_path, auth_s
         for r in caplog.records
         if "cannot be reached now" in r.getMessage() and "retried later" in r.getMessage()
     ], caplog.text
-    writer.keep_local("step-1")  # no upload to retry against the dead endpoint
-    dcp.save({"w": torch.ones(4)}, checkpoint_id="step-1", storage_writer=writer, no_dist=True)
-    assert writer.local_tier.has_step("step-1")
+    local_only = SaveRequest("step-1", promote=False)  # no upload to retry against the dead one
+    dcp.save({"w": torch.ones(4)}, checkpoint_id=local_only, storage_writer=writer, no_dist=True)
+    assert writer.durability("step-1") == Durability.COMMITTED_LOCAL
     writer.close(wait_durable=False)
 
 

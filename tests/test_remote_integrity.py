@@ -147,19 +147,17 @@ def test_a_step_in_the_earlier_remote_layout_still_restores(tmp_path, s3):
 
 def test_a_writer_whose_step_another_job_replaced_is_not_told_it_is_durable(tmp_path):
     from dcp_tiered.backends.local import LocalBackend
-    from dcp_tiered.backends.remote import RemoteBackend
-    from dcp_tiered.tiers import uploads
-    from dcp_tiered.tiers.local import LocalTier
+    from dcp_tiered.tiers.root import Tiers
 
     remote = RemoteConfig(url=f"file://{tmp_path}/remote", retry=FAST_RETRY)
     root = tmp_path / "shared"
     # Hold the root's upload queue until both jobs have saved, so the first one's promotion
     # reads the local step after the second job replaced it.
     gate = threading.Event()
-    up = uploads.uploader_for(LocalTier(LocalBackend(root)), RemoteBackend(remote))
-    up._steps.submit(gate.wait)
-    first = save(root, remote, "step-1", state(1), overwrite=True)
-    second = save(root, remote, "step-1", state(2), overwrite=True)
+    tiers = Tiers.open(root, remote)  # one upload queue for both
+    tiers.upload_queue()._steps.submit(gate.wait)
+    first = save(tiers, None, "step-1", state(1), overwrite=True)
+    second = save(tiers, None, "step-1", state(2), overwrite=True)
     gate.set()
     second.wait_durable("step-1", timeout_secs=60)
     with pytest.raises(UploadFailedError, match="another save"):
@@ -168,6 +166,7 @@ def test_a_writer_whose_step_another_job_replaced_is_not_told_it_is_durable(tmp_
     assert equal(got, state(2))
     first.close(wait_durable=False)
     second.close()
+    tiers.close(wait_durable=False)
 
 
 def test_a_reader_never_sees_a_half_written_marker_or_pointer_on_a_file_remote(tmp_path):

@@ -31,8 +31,8 @@ from dcp_tiered import (
 from dcp_tiered.backends.local import LocalBackend
 from dcp_tiered.backends.remote import RemoteBackend
 from dcp_tiered.cli import main
-from dcp_tiered.tiers import uploads
 from dcp_tiered.tiers.local import LocalTier
+from dcp_tiered.tiers.root import Tiers
 from tests.conftest import heal
 from tests.test_remote_tier import FAST_RETRY, equal, load, save, state
 
@@ -191,9 +191,9 @@ def test_objects_gone_before_the_commit_are_sent_again_before_the_marker(tmp_pat
     store = Raw(f"file://{tmp_path / 'remote'}", {})
     cfg, root = config(store), tmp_path / "a"
     gate = threading.Event()
-    up = uploads.uploader_for(LocalTier(LocalBackend(root)), RemoteBackend(cfg))
-    up._steps.submit(gate.wait)  # the promotion waits until the objects are gone
-    writer = save(root, cfg, "step-1", state(1, mib=2), thread_count=2)
+    tiers = Tiers.open(root, cfg)
+    tiers.upload_queue()._steps.submit(gate.wait)  # the promotion waits until objects are gone
+    writer = save(tiers, None, "step-1", state(1, mib=2), thread_count=2)
     # Early uploads are best effort: one deferred to the promotion (seen once in four CI runs
     # under load) waits behind the gate, so after a while the test goes on with those that
     # did arrive early (at least one: the path under test).
@@ -209,6 +209,7 @@ def test_objects_gone_before_the_commit_are_sent_again_before_the_marker(tmp_pat
     gate.set()
     writer.wait_durable("step-1", timeout_secs=60)
     writer.close()
+    tiers.close()
     got, _ = load(tmp_path / "fresh", cfg, mib=2)
     assert equal(got, state(1, mib=2))
 

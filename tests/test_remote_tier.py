@@ -24,6 +24,7 @@ from dcp_tiered import (
 )
 from dcp_tiered.backends.remote import RemoteBackend
 from dcp_tiered.tiers.remote import Durability, RemoteTier
+from dcp_tiered.tiers.root import Tiers
 from tests.conftest import REPO, injected_faults
 
 FAST_RETRY = RetryConfig(max_attempts=12, initial_backoff_secs=0.05, max_backoff_secs=0.5)
@@ -239,8 +240,7 @@ print("NOT KILLED")
     )
     assert proc.returncode == -9, proc.stdout + proc.stderr
     cfg = RemoteConfig(url=url, storage_options=s3.options(), retry=FAST_RETRY)
-    writer = TieredStorageWriter(tmp_path / "other", remote=cfg)
-    assert RemoteTier(writer._remote).steps() == []  # not visible before it is whole
+    assert RemoteTier(RemoteBackend(cfg)).steps() == []  # not visible before it is whole
     fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3.options())
     bucket, prefix = url.removeprefix("s3://").split("/", 1)
 
@@ -261,10 +261,12 @@ def test_remote_writer_and_reader_pickle(tmp_path, s3):
     import pickle
 
     cfg = RemoteConfig(url=s3.url(), storage_options=s3.options())
-    w = TieredStorageWriter(tmp_path, remote=cfg)
-    RemoteTier(w._remote).steps()  # creates a client, which must not travel
+    tiers = Tiers.open(tmp_path, cfg)
+    w = TieredStorageWriter(tiers)
+    assert tiers.remote is not None
+    RemoteTier(tiers.remote).steps()  # creates a client, which must not travel
     clone = pickle.loads(pickle.dumps(w))
-    assert clone._remote._fs is None and clone._remote.config == cfg
+    assert clone._tiers.remote._fs is None and clone._tiers.remote.config == cfg
     assert isinstance(
         pickle.loads(pickle.dumps(TieredStorageReader(tmp_path, remote=cfg))), TieredStorageReader
     )

@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from dcp_tiered import (
+    SaveRequest,
     RemoteConfig,
     RetentionPolicy,
     RetryConfig,
@@ -30,6 +31,7 @@ from dcp_tiered import (
 from dcp_tiered.policy import layout
 from dcp_tiered.policy.retention import StepState, decide, evictions
 from dcp_tiered.tiers import housekeeping
+from dcp_tiered.tiers.root import Tiers as RootTiers
 
 POLICIES = st.builds(
     RetentionPolicy,
@@ -184,11 +186,9 @@ def test_keep_latest_zero_is_refused():
 
 
 def _save(writer: TieredStorageWriter, step: int, promote: bool) -> None:
-    if not promote:
-        writer.keep_local(f"step-{step}")
     dcp.save(
         {"w": torch.full((64,), float(step))},
-        checkpoint_id=f"step-{step}",
+        checkpoint_id=SaveRequest(f"step-{step}", promote=promote),
         storage_writer=writer,
         no_dist=True,
     )
@@ -209,7 +209,8 @@ def test_prune_local_on_real_directories(tmp_path_factory, ops, policy):
     remote = RemoteConfig(
         url=f"file://{remote_dir}", retry=RetryConfig(max_attempts=1, initial_backoff_secs=0.01)
     )
-    writer = TieredStorageWriter(tmp / "local", remote=remote, sync_files=False)
+    tiers = RootTiers.open(tmp / "local", remote)
+    writer = TieredStorageWriter(tiers, sync_files=False)
     awaiting = set()
     for step, (promote, upload_ok) in enumerate(ops):
         if not upload_ok:  # a file where the step's directory must go: its upload fails
@@ -221,16 +222,14 @@ def test_prune_local_on_real_directories(tmp_path_factory, ops, policy):
             except UploadFailedError:
                 awaiting.add(f"step-{step}")
         assert (f"step-{step}" in awaiting) == (promote and not upload_ok)
-    before = {s.name for s in writer.local_tier.steps()}
+    before = {s.name for s in tiers.local.steps()}
     dry = housekeeping.local_pass(
-        writer.local_tier, policy, writer.remote_backend, label="local", dry_run=True
+        tiers.local, policy, tiers.remote, label="local", dry_run=True
     )  # what `dcp-tiered prune --dry-run` says: the same pass, deleting nothing
-    assert {s.name for s in writer.local_tier.steps()} == before
+    assert {s.name for s in tiers.local.steps()} == before
     assert not set(dry.held) & set(dry.deleted) and set(dry.held) <= awaiting
-    deleted = housekeeping.prune_local(
-        writer.local_tier, policy, writer.remote_backend, label="local"
-    )
-    after = {s.name for s in writer.local_tier.steps()}
+    deleted = housekeeping.prune_local(tiers.local, policy, tiers.remote, label="local")
+    after = {s.name for s in tiers.local.steps()}
     assert after == before - set(deleted)
     assert deleted == dry.deleted and sorted(dry.kept) == sorted(after)
     assert not set(deleted) & awaiting

@@ -26,7 +26,7 @@ happens around that is this module's, the same for all of them:
 - :meth:`Lifecycle.start` agrees on the run (:mod:`dcp_tiered.policy.identity`): the one the
   roots and the remote prefix record, else a new one; a root, prefix or memory directory of
   another run, or a root another job uses now, refuses the start on every rank.
-- :meth:`Lifecycle.restore` tries candidates newest first, falls back past steps that fail on
+- :meth:`~dcp_tiered.lifecycle.restore.Restoring.restore` tries candidates newest first, falls back past steps that fail on
   any rank, quarantines only those proven bad (``IntegrityError.proves_bad``), and refuses to start
   from scratch, or from an older step, when a tier cannot be read.
 
@@ -40,7 +40,7 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -48,14 +48,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from .. import _torch_compat, runs
 from ..agreement import Agreement
-from ..backends.remote import remote_backend
 from ..distributed import checkpoint_process_group
 from ..errors import ConfigError, UploadFailedError
 from ..planner import planner_for
 from ..policy import identity, layout
 from ..policy.memory_format import first_refused
 from ..policy.retention import RetentionPolicy
-from ..writer import TieredStorageWriter
+from ..writer import SaveRequest, TieredStorageWriter
 from .failures import (
     Conventions,
     advice,
@@ -70,12 +69,10 @@ from .restore import (
     OTHER,
     UNREADABLE,
     LoadFailure,
+    Restoring,
     attempt,
     failure_kind,
-    first_loadable,
     kind_of,
-    listed,
-    quarantine,
 )
 from .retention import Keepers
 from .saves import DISK, InFlight, Save, after, quiet_single_process, settled
@@ -102,10 +99,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-C = TypeVar("C")
 
-
-class Lifecycle(Finishing, Reaping):
+class Lifecycle(Finishing, Reaping, Restoring):
     """Saves, commit hooks, failures, retention, durability and restore for one entry point.
 
     Construct on every rank, in the same order. ``retention`` applies to each local root a
@@ -184,7 +179,8 @@ class Lifecycle(Finishing, Reaping):
         what = f"starting {self.conventions.framework} checkpoints in {os.path.abspath(root)}"
         try:
             writer = self.agree.everywhere(lambda: self.writers.get(root), what)
-            self.run_id = self.writers.run_id = runs.join(self.agree, writer, memory, what)
+            tiers = self.writers.tiers(root)
+            self.run_id = self.writers.run_id = runs.join(self.agree, tiers, writer, memory, what)
         except BaseException:
             self.release()  # this job does not hold the root it was refused
             raise
@@ -235,14 +231,22 @@ class Lifecycle(Finishing, Reaping):
             self.finish()
 
     def start_async(
-        self, state: dict[str, Any], step: str, writer: TieredStorageWriter, *, planner: Any = None
+        self,
+        state: dict[str, Any],
+        step: str,
+        writer: TieredStorageWriter,
+        *,
+        planner: Any = None,
+        promote: bool = True,
     ) -> Future[Any]:
         """``dcp.async_save`` of ``state`` as ``step`` on the checkpoint group: returns once
-        staged, with the future of this rank's write."""
+        staged, with the future of this rank's write. ``promote=False``: the step stays on the
+        local tier. Once the future ended, :meth:`~dcp_tiered.lifecycle.reaping.Reaping.reap`
+        gives the save its :class:`~dcp_tiered.tiers.root.SaveReport`."""
         return _torch_compat.upload_future(
             dcp.async_save(
                 state,
-                checkpoint_id=step,
+                checkpoint_id=SaveRequest(step, promote=promote),
                 storage_writer=writer,
                 planner=planner_for(writer) if planner is None else planner,
                 process_group=self.group,
@@ -323,8 +327,8 @@ class Lifecycle(Finishing, Reaping):
         on the remote tier (no-op without one); raises on every rank if one is not."""
         self.finish()
         error: UploadFailedError | None = None
-        for writer in self.writers:
-            if writer.remote_backend is not None and writer.local_tier.steps():
+        for tiers, writer in self.writers.owned():
+            if tiers.remote is not None and tiers.local.steps():
                 try:
                     writer.wait_durable(timeout_secs=timeout_secs)
                 except UploadFailedError as e:
@@ -358,52 +362,3 @@ class Lifecycle(Finishing, Reaping):
     def _raise_upload_failure(self, error: UploadFailedError | None) -> None:
         if self.agree.any(error is not None):
             raise_not_durable(self.agree, self.conventions, self.rank, self.writers.remote, error)
-
-    # ------------------------------------------------------------ restore
-
-    def restore(
-        self,
-        candidates: Callable[[bool], list[C]],
-        load: Callable[[C], str | None],
-        *,
-        on_unreadable_tier: str,
-        retry: str,
-        name: Callable[[C], str] = str,
-        abandon: Callable[[list[C], C], None] | None = None,
-    ) -> C | None:
-        """Collective: the first candidate ``load`` loads on every rank, or None if there
-        are none.
-
-        ``candidates(with_remote)`` lists them newest first (rank 0 alone; every rank tries
-        the same ones); it raises TierUnavailableError when the remote cannot be read, which
-        is raised on every rank unless ``on_unreadable_tier="skip"``. ``load`` returns
-        None or why it failed (a :class:`LoadFailure`, as :func:`attempt` makes, says what
-        kind of failure); ranks agree, so one rank's failure moves all to the next. A candidate
-        a tier could not be read for (a transient error, a timeout) raises TierUnavailableError
-        on every rank, like an unreadable listing, unless ``on_unreadable_tier="skip"``: a
-        newer step may be fine. ``retry`` is the call that skips an unreadable tier, for the
-        message. After falling back, ``abandon(proven, chosen)`` runs on every rank with the
-        candidates some rank proved bad (``IntegrityError.proves_bad``), and only those (see
-        :meth:`quarantine`).
-        """
-        found = listed(self.agree, candidates, on_unreadable_tier=on_unreadable_tier, retry=retry)
-        self.listed = found
-        return first_loadable(
-            self.agree,
-            found,
-            load,
-            on_unreadable_tier=on_unreadable_tier,
-            retry=retry,
-            name=name,
-            abandon=abandon,
-        )
-
-    def quarantine(self, root: str, steps: list[str], *, reason: str) -> None:
-        """Collective: move ``steps`` (proven bad) aside on every node's ``root`` (one process a
-        node) and on the remote tier (rank 0), under names of ours, logged, never deleted, and
-        only where they are this run's (another run's step is left as it is, with a WARNING).
-        Training that restored an older step saves those step names again; ``latest``,
-        retention and the remote's never-overwrite rule then see only the new saves.
-        ``dcp-tiered quarantine --release`` undoes it."""
-        remote = remote_backend(self.writers.remote, self.writers.storage_options)
-        quarantine(self.agree, root, steps, reason=reason, run_id=self.run_id, remote=remote)

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from typing import Any
 
 from ..agreement import Agreement
-from ..tiers import uploads
 from .failures import failure, raise_failures
 from .retention import Keepers
-from .saves import InFlight, Save
+from .saves import DISK, InFlight, Save
 from .writers import Writers
 
 
@@ -40,12 +38,14 @@ class Reaping:
         finished = False
         for save in self.saves.take_written():
             finished = True
+            if save.tier == DISK:
+                save.report = self.writers.tiers(save.root).take_report(save.step)
             follow = save.on_written(save.future) if save.on_written is not None else False
             if follow:
                 self.saves.uploading.append(save)
         for save in list(self.saves.uploading):
             # A follower node publishes (and enqueues its upload) just after the save returns.
-            save.upload = save.upload or self._upload_of(save)
+            save.upload = save.upload or (save.report.upload if save.report else None)
             if save.upload is None and time.time() - save.started > self._publish_timeout(save):
                 self.saves.uploading.remove(save)
                 self._durable(save, TimeoutError("this node never published the step"))
@@ -78,20 +78,16 @@ class Reaping:
             self._durable(save, error)
 
     def upload_times(self, save: Save) -> tuple[float, float] | None:
-        """When this process's promotion of ``save`` started and made it durable."""
-        writer = self.writers.get(save.root)
-        if save.upload is None or writer.remote_backend is None:
+        """When this process's promotion of ``save`` started and made it durable (None: it
+        ran none, or it did not succeed)."""
+        up = save.upload
+        if up is None or not up.done() or up.cancelled() or up.exception() is not None:
             return None
-        return uploads.uploader_for(writer.local_tier, writer.remote_backend).times(save.step)
-
-    def _upload_of(self, save: Save) -> Future[None] | None:
-        writer = self.writers.get(save.root)
-        if writer.remote_backend is None:
-            return None
-        return uploads.uploader_for(writer.local_tier, writer.remote_backend).future(save.step)
+        times: tuple[float, float] = up.result()
+        return times
 
     def _publish_timeout(self, save: Save) -> float:
-        return self.writers.get(save.root).commit_timeout_secs
+        return self.writers.config.commit_timeout_secs
 
     def _durable(self, save: Save, error: BaseException | None) -> None:
         if save.on_durable is not None:

@@ -12,7 +12,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..agreement import Agreement
 from ..backends.local import LocalBackend
-from ..backends.remote import RemoteBackend
+from ..backends.remote import RemoteBackend, remote_backend
 from ..errors import (
     CheckpointNotFoundError,
     ConfigError,
@@ -25,6 +25,7 @@ from ..errors import (
 )
 from ..tiers.local import LocalTier
 from ..tiers.remote import quarantine_remote_step
+from .writers import Writers
 
 logger = logging.getLogger("dcp_tiered.lifecycle")  # the name its records always had
 
@@ -83,7 +84,7 @@ def first_loadable(
     abandon: Callable[[list[C], C], None] | None,
 ) -> C | None:
     """Collective: the first of ``found`` that ``load`` loads on every rank (see
-    :meth:`~dcp_tiered.lifecycle.Lifecycle.restore`)."""
+    :meth:`~dcp_tiered.lifecycle.restore.Restoring.restore`)."""
     reasons: list[str] = []
     proven: list[C] = []
     for candidate in found:
@@ -125,7 +126,7 @@ def listed(
     retry: str,
 ) -> list[C]:
     """Collective: the candidates rank 0 lists, on every rank (see
-    :meth:`~dcp_tiered.lifecycle.Lifecycle.restore`)."""
+    :meth:`~dcp_tiered.lifecycle.restore.Restoring.restore`)."""
     if on_unreadable_tier not in ("raise", "skip"):
         raise ConfigError(
             f"on_unreadable_tier must be 'raise' or 'skip', not {on_unreadable_tier!r}"
@@ -180,3 +181,60 @@ def quarantine(
                 lambda step: quarantine_remote_step(remote, step, reason=reason, run_id=run_id)
             )
         )
+
+
+class Restoring:
+    """Restore and quarantine, the part of :class:`~dcp_tiered.lifecycle.Lifecycle` (a base
+    class of it) that reads checkpoints back."""
+
+    agree: Agreement
+    writers: Writers
+    run_id: str | None
+    listed: list[Any]
+
+    def restore(
+        self,
+        candidates: Callable[[bool], list[C]],
+        load: Callable[[C], str | None],
+        *,
+        on_unreadable_tier: str,
+        retry: str,
+        name: Callable[[C], str] = str,
+        abandon: Callable[[list[C], C], None] | None = None,
+    ) -> C | None:
+        """Collective: the first candidate ``load`` loads on every rank, or None if there
+        are none.
+
+        ``candidates(with_remote)`` lists them newest first (rank 0 alone; every rank tries
+        the same ones); it raises TierUnavailableError when the remote cannot be read, which
+        is raised on every rank unless ``on_unreadable_tier="skip"``. ``load`` returns
+        None or why it failed (a :class:`LoadFailure`, as :func:`attempt` makes, says what
+        kind of failure); ranks agree, so one rank's failure moves all to the next. A candidate
+        a tier could not be read for (a transient error, a timeout) raises TierUnavailableError
+        on every rank, like an unreadable listing, unless ``on_unreadable_tier="skip"``: a
+        newer step may be fine. ``retry`` is the call that skips an unreadable tier, for the
+        message. After falling back, ``abandon(proven, chosen)`` runs on every rank with the
+        candidates some rank proved bad (``IntegrityError.proves_bad``), and only those (see
+        :meth:`quarantine`).
+        """
+        found = listed(self.agree, candidates, on_unreadable_tier=on_unreadable_tier, retry=retry)
+        self.listed = found
+        return first_loadable(
+            self.agree,
+            found,
+            load,
+            on_unreadable_tier=on_unreadable_tier,
+            retry=retry,
+            name=name,
+            abandon=abandon,
+        )
+
+    def quarantine(self, root: str, steps: list[str], *, reason: str) -> None:
+        """Collective: move ``steps`` (proven bad) aside on every node's ``root`` (one process a
+        node) and on the remote tier (rank 0), under names of ours, logged, never deleted, and
+        only where they are this run's (another run's step is left as it is, with a WARNING).
+        Training that restored an older step saves those step names again; ``latest``,
+        retention and the remote's never-overwrite rule then see only the new saves.
+        ``dcp-tiered quarantine --release`` undoes it."""
+        remote = remote_backend(self.writers.remote, self.writers.storage_options)
+        quarantine(self.agree, root, steps, reason=reason, run_id=self.run_id, remote=remote)

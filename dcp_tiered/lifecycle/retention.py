@@ -39,7 +39,7 @@ class Keepers:
     def hold(self, root: str) -> bool:
         """Takes ``root``'s retention lock now if no process holds it; whether this one does."""
         if root not in self._locks:
-            backend = self.writers.get(root).local_tier.backend
+            backend = self.writers.tiers(root).local.backend
             self._locks[root] = (backend, backend.try_lock_exclusive(layout.RETENTION_LOCK_NAME))
         return self._locks[root][1] is not None
 
@@ -49,14 +49,12 @@ class Keepers:
         deleted: list[str] = []
         if self.local is None:
             return deleted
-        writer = self.writers.get(root)
+        tiers, writer = self.writers.tiers(root), self.writers.get(root)
         try:
             if self.hold(root):
-                deleted = prune_local(
-                    writer.local_tier, self.local, writer.remote_backend, label=self.label
-                )
-            if self.rank == 0 and self.remote is not None and writer.remote_backend:
-                deleted += prune_remote(writer.remote_backend, self.remote, writer.run_id)
+                deleted = prune_local(tiers.local, self.local, tiers.remote, label=self.label)
+            if self.rank == 0 and self.remote is not None and tiers.remote:
+                deleted += prune_remote(tiers.remote, self.remote, writer.run_id)
         except Exception as e:  # noqa: BLE001 - retried after the next save
             logger.warning("retention pass of %s failed (retried after the next save): %s", root, e)
         return deleted

@@ -21,6 +21,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..tiers.root import SaveReport
+
 DISK, MEMORY = "local", "memory"
 
 
@@ -40,7 +42,8 @@ class Save:
     tier: str = DISK  # a disk save holds staging buffers: those count against the cap
     started: float = field(default_factory=time.time)  # epoch seconds
     published: Future[Any] | None = None  # rank 0: on_commit run in the background
-    upload: Future[None] | None = None  # this process's promotion of the step, once found
+    report: SaveReport | None = None  # a disk save's, from its tiers once written
+    upload: Future[Any] | None = None  # this process's promotion of the step, once published
 
 
 class InFlight:

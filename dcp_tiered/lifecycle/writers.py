@@ -1,4 +1,5 @@
-"""The writer of each root an entry point saves to, built and recovered once, then kept."""
+"""The tiers and the writer of each root an entry point saves to, built and recovered once,
+then kept: the lifecycle owns them (the writer writes on tiers it is given)."""
 
 from __future__ import annotations
 
@@ -7,47 +8,63 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import UploadFailedError
-from ..writer import TieredStorageWriter
+from ..tiers.root import Tiers
+from ..writer import TieredStorageWriter, WriterConfig
 
 
 class Writers:
-    """One :class:`TieredStorageWriter` per root, kept: staging buffers are reused save after
-    save. A writer is recovered (crashed saves swept, unfinished uploads resumed) when first
-    used, as an explicit step, not as a side effect of building it."""
+    """One :class:`~dcp_tiered.tiers.root.Tiers` and one :class:`TieredStorageWriter` per root,
+    kept: staging buffers are reused save after save, and the root's uploads run on its tiers
+    until :meth:`close`. A writer is recovered (crashed saves swept, unfinished uploads resumed)
+    when first used, as an explicit step, not as a side effect of building it. ``options``:
+    the :class:`WriterConfig` fields, and ``run_id``."""
 
     def __init__(
         self, remote: Any = None, storage_options: Mapping[str, Any] | None = None, **options: Any
     ) -> None:
-        self.remote, self.storage_options, self.options = remote, storage_options, options
-        self._writers: dict[str, TieredStorageWriter] = {}
+        self.remote, self.storage_options = remote, storage_options
+        self._explicit_run = options.pop("run_id", None)
+        self.config = WriterConfig(**options)
+        self._writers: dict[str, tuple[Tiers, TieredStorageWriter]] = {}
         self.run_id: str | None = None  # the run every root of these writers records
 
     def get(self, root: str | os.PathLike[str]) -> TieredStorageWriter:
+        return self._of(root)[1]
+
+    def tiers(self, root: str | os.PathLike[str]) -> Tiers:
+        return self._of(root)[0]
+
+    def _of(self, root: str | os.PathLike[str]) -> tuple[Tiers, TieredStorageWriter]:
         root = os.path.abspath(root)
         if root not in self._writers:
-            writer = TieredStorageWriter(
-                root, remote=self.remote, storage_options=self.storage_options, **self.options
-            )
+            tiers = Tiers.open(root, self.remote, self.storage_options)
+            writer = TieredStorageWriter(tiers, config=self.config, run_id=self._explicit_run)
             writer.recover()
             # A root the run saves to later (a shim's root per checkpoint) joins the run: the
             # one agreed at start, else the one the earlier roots' saves decided.
-            run = self.run_id or next((w.run_id for w in self._writers.values() if w.run_id), None)
+            run = self.run_id or next((w.run_id for w in self if w.run_id), None)
             if run is not None:
                 writer.join_run(run)
-            self._writers[root] = writer
+            self._writers[root] = (tiers, writer)
         return self._writers[root]
 
     def __iter__(self) -> Any:
-        return iter(list(self._writers.values()))
+        return iter([writer for _, writer in self._writers.values()])
+
+    def owned(self) -> list[tuple[Tiers, TieredStorageWriter]]:
+        """Each root's tiers and writer."""
+        return list(self._writers.values())
 
     def close(self, timeout_secs: float | None = None, *, wait_durable: bool = True) -> None:
-        """Closes every writer; with ``wait_durable``, raises UploadFailedError naming the
-        steps that did not become durable (after closing them all)."""
-        writers, self._writers = list(self._writers.values()), {}
+        """Closes every writer and its tiers; with ``wait_durable``, first waits for their
+        uploads and raises UploadFailedError naming the steps that did not become durable
+        (after closing them all)."""
+        owned, self._writers = self.owned(), {}
         error: UploadFailedError | None = None
-        for writer in writers:
+        for tiers, writer in owned:
             try:
-                writer.close(timeout_secs, wait_durable=wait_durable)
+                writer.close()
+                tiers.close(timeout_secs, wait_durable=wait_durable)
             except UploadFailedError as e:
                 error = error or e
         if error is not None:

@@ -30,26 +30,22 @@ from typing import Any
 import torch.distributed as dist
 from typing_extensions import Self  # a dependency of torch itself
 
-from ..errors import (
-    CheckpointNotFoundError,
-    ConfigError,
-    DcpTieredError,
-    InsufficientSpaceError,
-)
+from ..errors import ConfigError, DcpTieredError
 from ..events import EventLog
 from ..lifecycle import Conventions, Lifecycle
 from ..policy import cadence, layout
 from ..policy.admission import Admission
 from ..policy.cadence import Decision, SavePolicy
-from ..policy.outcomes import PENDING, SKIPPED, SaveOutcome
+from ..policy.outcomes import PENDING, SaveOutcome
 from ..policy.replication import Replication
 from ..policy.retention import Retention
 from ..tiers.memory import MemoryTier
 from ..tiers.replica import Replicator
 from . import _restore
 from ._events import SaveFacts, step_name
-from ._gate import Gate, Room, Vote, resolve
+from ._gate import Gate, Room, admitted, resolve
 from ._reports import Reports
+from ._restore import Restoring
 
 __all__ = ["CONVENTIONS", "CheckpointManager", "step_name"]
 
@@ -59,7 +55,7 @@ logger = logging.getLogger(__name__)
 CONVENTIONS = Conventions("CheckpointManager")
 
 
-class CheckpointManager:
+class CheckpointManager(Restoring):
     """Saves to host memory, local disk and a remote tier on a cadence; restores the newest
     step that verifies.
 
@@ -154,7 +150,8 @@ class CheckpointManager:
             if memory is not None
             else None
         )
-        self._remote = self._local.remote_backend
+        self._tiers = self._lifecycle.writers.tiers(self._home)  # the lifecycle's, per root
+        self._remote = self._tiers.remote
         # One process per directory applies retention: whoever holds its lock from now on.
         self._lifecycle.keep(self._home)
         self._events = EventLog(
@@ -172,7 +169,7 @@ class CheckpointManager:
         )
         self._sources = _restore.Sources(
             self._local.root,
-            self._local.local_tier,
+            self._tiers.local,
             self._memory,
             self._replica,
             self._remote,
@@ -181,12 +178,14 @@ class CheckpointManager:
             rank=self.rank,
             emit=self._events.emit,
         )
-        room = Room(self.admission, self._local, self._memory, self._replica)
+        self._room = Room(
+            self.admission, self._local, self._tiers.local, self._memory, self._replica
+        )
         time_based = any(
             e is not None and e.secs is not None
             for e in (self.policy.memory, self.policy.local, self.policy.remote)
         )
-        self._gate = Gate(room, self._agree, time_based=time_based, allow_pickle=allow_pickle)
+        self._gate = Gate(self._room, self._agree, time_based=time_based, allow_pickle=allow_pickle)
         self._last: dict[str, float] = {t: time.time() for t in ("memory", "local", "remote")}
         local_root = self._local.root
         self._reports = Reports(
@@ -212,9 +211,7 @@ class CheckpointManager:
             "memory": os.path.abspath(memory) if memory is not None else None,
             "remote": self._remote.config.url if self._remote is not None else None,
         }
-        self._local.local_tier.backend.replace_root_file(
-            layout.TIERS_RECORD, json.dumps(tiers).encode()
-        )
+        self._tiers.local.backend.replace_root_file(layout.TIERS_RECORD, json.dumps(tiers).encode())
 
     # ------------------------------------------------------------ save
 
@@ -250,7 +247,7 @@ class CheckpointManager:
         )
         if vote.failed:
             self._raise_failures()
-        decision = self._admitted(step, vote, short)
+        decision = admitted(step, vote, short, self.admission, self._reports)
         if not decision.any:
             self.last_stall_secs = time.perf_counter() - t0
             return decision
@@ -262,41 +259,16 @@ class CheckpointManager:
                 self._last[t] = now
         return decision
 
-    def _admitted(self, step: int, vote: Vote, short: dict[str, str | None]) -> Decision:
-        """The tiers agreed due, or none when the one due has no room (``when_full='skip'``)
-        or the disk saves in flight are at the cap (``when_busy='skip'``)."""
-        decision = vote.wanted
-        tier = "local" if decision.local else "memory"
-        if decision.any and vote.short(tier):
-            why = short[tier] or "another rank's node has no room"
-            message = (
-                f"step {step} was not saved to the {tier} tier: {why}. Nothing was written; "
-                "free space, keep fewer steps or lower the cadence."
-            )
-            if self.admission.when_full == "raise":
-                self._reports.planned(step, decision, SKIPPED, why)
-                raise InsufficientSpaceError(28, message)
-            warning = f"{message} (Admission.when_full='skip')"
-            self._reports.skip(step, decision, tier, why, warning)
-            return Decision()
-        if decision.local and vote.busy and self.admission.when_busy == "skip":
-            warning = (
-                f"skipping the save of step {step}: {self.admission.max_in_flight} disk saves "
-                "already in flight (Admission.when_busy='skip')"
-            )
-            self._reports.skip(step, decision, tier, "saves in flight at the cap", warning)
-            return Decision()
-        return decision
-
     def _start(self, step: int, app_state: dict[str, Any], decision: Decision, t0: float) -> None:
         name = step_name(step)
         started = time.time()
         self._reports.planned(step, decision, PENDING)
         if decision.local:
-            if not decision.remote:
-                self._local.keep_local(name)
-            future = self._lifecycle.start_async(app_state, name, self._local)
-            stage_s, nbytes = self._local.last_stall_secs, self._local.last_staged_bytes
+            future = self._lifecycle.start_async(
+                app_state, name, self._local, promote=decision.remote
+            )
+            stage_s, nbytes = self._local.staged()
+            self._room.staged_bytes = nbytes
         else:
             assert self._memory is not None
             future = self._start_memory(name, app_state)
@@ -320,9 +292,7 @@ class CheckpointManager:
             root,
             name,
             future,
-            on_written=lambda written: self._reports.written(
-                facts, written, lambda: self._local.pop_timings(name)
-            ),
+            on_written=lambda written: self._reports.written(facts, written),
             on_durable=lambda error: self._reports.durable(facts, error),
             tier=tier,
         )
@@ -383,58 +353,7 @@ class CheckpointManager:
         assert self._memory is not None
         return str(self._memory.root)
 
-    # ------------------------------------------------------------ restore
-
-    def restore(
-        self,
-        app_state: dict[str, Any],
-        step: int | None = None,
-        *,
-        on_unreadable_tier: str = "raise",
-    ) -> int | None:
-        """Load the newest step that verifies (or ``step``) into ``app_state``.
-
-        Looks in memory, then the local disk, then the remote tier, and falls back to older
-        steps when a newer one fails verification, logging why. A step restored from memory
-        only is then saved to the local (and remote) tier. Returns the step to continue
-        from (one past the restored step), or None when every tier was read and holds none.
-
-        If the remote tier cannot be read, which steps exist is unknown: this raises
-        TierUnavailableError on every rank, naming the tier and the cause, rather than start
-        from scratch (or from an older step) while newer ones may exist. With
-        ``on_unreadable_tier="skip"`` it restores from the tiers it can read, with an ERROR log.
-        """
-
-        only = None if step is None else step_name(step)
-        chosen = self._sources.choose(self._lifecycle, app_state, only, on_unreadable_tier)
-        if chosen is None:
-            if step is not None:
-                raise CheckpointNotFoundError(f"step {step} is in no tier of this manager")
-            return None
-        name, tier = chosen
-        number = layout.step_number(name)
-        assert number is not None
-        self.restored_step = number
-        logger.info("restored %s from the %s tier", name, tier)
-        self._events.emit("restored", step=number, tier=tier, rank=self.rank)
-        if tier == "memory" and (name, "local") not in self._lifecycle.listed:
-            # Only host memory has it: persist it down the tiers before going on.
-            self._start(
-                number,
-                app_state,
-                Decision(local=True, remote=self._remote is not None),
-                time.perf_counter(),
-            )
-        return number + 1
-
-    # ------------------------------------------------------------ shutdown and status
-
-    def copies(self) -> dict[str, dict[str, Any]]:
-        """Collective: where each step's copies are, newest first: ``memory`` (ranks holding it
-        in their own memory), ``partners`` (rank -> the ranks on other nodes holding a copy of
-        its snapshot), ``local`` (this node's disk) and ``remote``."""
-        self.wait()
-        return self._sources.copies(self._agree)
+    # ------------------------------------------------------------ shutdown
 
     def close(self, timeout_secs: float | None = None) -> None:
         """Wait for in-flight saves, uploads and retention; raise SaveFailedError on every

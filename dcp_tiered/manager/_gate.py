@@ -12,15 +12,18 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from ..agreement import Agreement
 from ..backends.local import available_memory_bytes
-from ..errors import ConfigError, PeerLostError, ReplicationError
+from ..errors import ConfigError, InsufficientSpaceError, PeerLostError, ReplicationError
 from ..policy import cadence
 from ..policy.admission import Admission, Headroom, shortfall
 from ..policy.cadence import Decision
 from ..policy.memory_format import first_refused
+from ..policy.outcomes import SKIPPED
 from ..staging import state_bytes
+from ..tiers.local import LocalTier
 from ..tiers.memory import MemoryTier
 from ..tiers.replica import Replicator
 from ..writer import TieredStorageWriter
+from ._reports import Reports
 
 
 @dataclass(frozen=True)
@@ -103,10 +106,13 @@ class Room:
         self,
         admission: Admission,
         writer: TieredStorageWriter,
+        tier: LocalTier,
         memory: MemoryTier | None,
         replica: Replicator | None,
     ) -> None:
-        self.admission, self.writer, self.memory, self.replica = admission, writer, memory, replica
+        self.admission, self.writer, self.tier = admission, writer, tier
+        self.memory, self.replica = memory, replica
+        self.staged_bytes = 0  # what this rank's last disk save staged (the manager sets it)
         self.ranks_on_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         self._ram_checked: tuple[float, int | None] = (-1e9, None)
         self._first_estimate: int | None = None
@@ -114,7 +120,7 @@ class Room:
     def shortfall(self, app_state: dict[str, Any], tier: str) -> str | None:
         """Why ``tier`` has no room for ``app_state`` on this node (None: it has)."""
         known = self.memory.last_bytes if self.memory is not None else 0
-        known = known or self.writer.last_staged_bytes
+        known = known or self.staged_bytes
         if not known and self._first_estimate is None:
             self._first_estimate = state_bytes(resolve(app_state))  # once: calls state_dict()
         nbytes = known or self._first_estimate or 0
@@ -137,7 +143,7 @@ class Room:
                 new_tier_bytes=nbytes,
                 new_ram_bytes=0 if self.writer.staging_buffers_ready() >= 2 else nbytes,
                 ram_available=self._ram_available(),
-                tier_free=self.writer.local_tier.backend.free_bytes(),
+                tier_free=self.tier.backend.free_bytes(),
             )
         return shortfall(self.admission, headroom, tier)
 
@@ -161,3 +167,32 @@ def resolve(app_state: dict[str, Any]) -> dict[str, Any]:
 def refused_value(app_state: dict[str, Any]) -> str | None:
     """Why a value of ``app_state`` would not load back with ``weights_only`` (None: none)."""
     return first_refused(resolve(app_state))
+
+
+def admitted(
+    step: int, vote: Vote, short: dict[str, str | None], admission: Admission, reports: Reports
+) -> Decision:
+    """The tiers agreed due, or none when the one due has no room (``when_full='skip'``)
+    or the disk saves in flight are at the cap (``when_busy='skip'``)."""
+    decision = vote.wanted
+    tier = "local" if decision.local else "memory"
+    if decision.any and vote.short(tier):
+        why = short[tier] or "another rank's node has no room"
+        message = (
+            f"step {step} was not saved to the {tier} tier: {why}. Nothing was written; "
+            "free space, keep fewer steps or lower the cadence."
+        )
+        if admission.when_full == "raise":
+            reports.planned(step, decision, SKIPPED, why)
+            raise InsufficientSpaceError(28, message)
+        warning = f"{message} (Admission.when_full='skip')"
+        reports.skip(step, decision, tier, why, warning)
+        return Decision()
+    if decision.local and vote.busy and admission.when_busy == "skip":
+        warning = (
+            f"skipping the save of step {step}: {admission.max_in_flight} disk saves "
+            "already in flight (Admission.when_busy='skip')"
+        )
+        reports.skip(step, decision, tier, "saves in flight at the cap", warning)
+        return Decision()
+    return decision

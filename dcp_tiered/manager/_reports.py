@@ -4,7 +4,6 @@ tell it: the hooks the lifecycle runs on this rank as a save is written and uplo
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -64,12 +63,9 @@ class Reports:
         ]
         return report
 
-    def written(
-        self, facts: SaveFacts, written: Future[Any], timings: Callable[[], dict[str, float]]
-    ) -> bool:
-        """This rank's part of a save ended (``timings``: the writer's, for a disk save):
-        its outcome recorded; True when this process uploads its node's copy (the lifecycle
-        then follows the upload)."""
+    def written(self, facts: SaveFacts, written: Future[Any]) -> bool:
+        """This rank's part of a save ended: its outcome recorded; True when this process
+        uploads its node's copy (the lifecycle then follows the upload)."""
         error = written.exception()
         if error is not None and self._did_not_fit(error):
             self._skip_unfit(facts, error)
@@ -77,9 +73,15 @@ class Reports:
         if error is not None:
             self.fail(facts, facts.tier, error)
             return False
-        facts.timings = written.result() if facts.tier == "memory" else timings()
+        report = facts.save.report if facts.save is not None else None
+        if facts.tier == "memory":
+            facts.timings = written.result()
+        elif report is not None:  # None: the save ran in DCP's checkpoint process
+            facts.timings = {"write_s": report.write_s}
+            if report.commit_s is not None:
+                facts.timings["commit_s"] = report.commit_s
         self.outcomes.record(facts.step, [facts.tier], COMMITTED)
-        if facts.timings.get("uploads"):  # this process promotes its node's copy
+        if report is not None and report.uploads:  # this process promotes its node's copy
             return True
         if facts.remote:  # another process uploads: its outcome is not known here
             self.outcomes.forget(facts.step, "remote")

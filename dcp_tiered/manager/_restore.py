@@ -4,6 +4,7 @@ the training state, and where each step's copies are."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -12,10 +13,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..agreement import Agreement
 from ..backends.remote import RemoteBackend
-from ..errors import DcpTieredError, describe
+from ..errors import CheckpointNotFoundError, DcpTieredError, describe
+from ..events import EventLog
 from ..lifecycle import Lifecycle, LoadFailure
 from ..load_planner import TieredLoadPlanner
 from ..policy import layout
+from ..policy.cadence import Decision
 from ..policy.identity import Owner
 from ..rank_state import RankState
 from ..reader import TieredStorageReader
@@ -24,6 +27,7 @@ from ..tiers.catalog import list_steps
 from ..tiers.local import LocalTier
 from ..tiers.memory import MemoryTier
 from ..tiers.replica import Replicator
+from ._events import step_name
 
 logger = logging.getLogger("dcp_tiered.manager")  # the name its records always had
 
@@ -217,3 +221,68 @@ def _loadable(
             )
             del out[k]
     return out
+
+
+class Restoring:
+    """Restore, and where copies are: the part of
+    :class:`~dcp_tiered.manager.CheckpointManager` (a base class of it) that reads back."""
+
+    rank: int
+    restored_step: int | None
+    _sources: Sources
+    _lifecycle: Lifecycle
+    _events: EventLog
+    _agree: Agreement
+    _remote: RemoteBackend | None
+
+    wait: Callable[[], Any]  # the manager's
+    _start: Callable[[int, dict[str, Any], Decision, float], None]  # a save to the disk tier
+
+    def restore(
+        self,
+        app_state: dict[str, Any],
+        step: int | None = None,
+        *,
+        on_unreadable_tier: str = "raise",
+    ) -> int | None:
+        """Load the newest step that verifies (or ``step``) into ``app_state``.
+
+        Looks in memory, then the local disk, then the remote tier, and falls back to older
+        steps when a newer one fails verification, logging why. A step restored from memory
+        only is then saved to the local (and remote) tier. Returns the step to continue
+        from (one past the restored step), or None when every tier was read and holds none.
+
+        If the remote tier cannot be read, which steps exist is unknown: this raises
+        TierUnavailableError on every rank, naming the tier and the cause, rather than start
+        from scratch (or from an older step) while newer ones may exist. With
+        ``on_unreadable_tier="skip"`` it restores from the tiers it can read, with an ERROR log.
+        """
+
+        only = None if step is None else step_name(step)
+        chosen = self._sources.choose(self._lifecycle, app_state, only, on_unreadable_tier)
+        if chosen is None:
+            if step is not None:
+                raise CheckpointNotFoundError(f"step {step} is in no tier of this manager")
+            return None
+        name, tier = chosen
+        number = layout.step_number(name)
+        assert number is not None
+        self.restored_step = number
+        logger.info("restored %s from the %s tier", name, tier)
+        self._events.emit("restored", step=number, tier=tier, rank=self.rank)
+        if tier == "memory" and (name, "local") not in self._lifecycle.listed:
+            # Only host memory has it: persist it down the tiers before going on.
+            self._start(
+                number,
+                app_state,
+                Decision(local=True, remote=self._remote is not None),
+                time.perf_counter(),
+            )
+        return number + 1
+
+    def copies(self) -> dict[str, dict[str, Any]]:
+        """Collective: where each step's copies are, newest first: ``memory`` (ranks holding it
+        in their own memory), ``partners`` (rank -> the ranks on other nodes holding a copy of
+        its snapshot), ``local`` (this node's disk) and ``remote``."""
+        self.wait()
+        return self._sources.copies(self._agree)

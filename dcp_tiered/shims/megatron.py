@@ -293,7 +293,7 @@ class EasyCkpt:
 
     def _discard(self, step: str) -> None:
         """After a failed save: the directory made for mcore's common.pt goes."""
-        tier = self.lifecycle.writers.get(self.save_dir).local_tier
+        tier = self.lifecycle.writers.tiers(self.save_dir).local
         if self.rank == 0 and not tier.has_step(step):
             remove_sidecars(self.save_dir, step)
 

@@ -1,10 +1,10 @@
 """The upload queue: which committed steps this process promotes to the remote tier, when.
 
-One :class:`Uploader` per (local root, remote) per process runs promotions
-(:class:`~dcp_tiered.tiers.promotion.Promotion`, the remote commit protocol) in commit order,
-on daemon threads. Writers hold it while they live (:func:`acquire_uploader`); the last
-release stops its threads. At interpreter exit, what is still pending is abandoned with one
-warning: the steps stay committed locally and the next writer on the root resumes them.
+An :class:`Uploader` runs the promotions (:class:`~dcp_tiered.tiers.promotion.Promotion`, the
+remote commit protocol) of one local root to one remote in commit order, on daemon threads. Its
+one owner is the root's :class:`~dcp_tiered.tiers.root.Tiers`, which stops it when closed. At
+interpreter exit, what is still pending is abandoned with one warning: the steps stay committed
+locally and the next writer on the root resumes them.
 """
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ from __future__ import annotations
 import concurrent.futures
 import concurrent.futures.thread  # before the exit hook below is registered: see there
 import logging
-import os
 import threading
 import time
+import weakref
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 
@@ -30,7 +31,7 @@ from . import ownership
 from .file_upload import upload_locked
 from .local import LocalTier
 from .promotion import CLAIMED, Promotion, claim_body
-from .remote import Durability, RemoteTier, durability
+from .remote import RemoteTier
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,8 @@ _REMOTE_STEP_FREE, _REMOTE_STEP_TAKEN = "remote-step-free", "remote-step-taken"
 
 
 class Uploader:
-    """One per (local root, remote) in a process: promotes steps in commit order."""
+    """Promotes the committed steps of one local root to one remote, in commit order. Each
+    promotion's future ends with when it started and made the step durable (epoch seconds)."""
 
     def __init__(self, tier: LocalTier, remote: RemoteBackend) -> None:
         self.tier, self.remote = tier, remote
@@ -48,15 +50,14 @@ class Uploader:
         self._files = DaemonPool(
             remote.config.max_concurrency, "dcp-tiered-upload-file", lower_this_thread
         )
-        self._users = 0  # writers holding this uploader (acquire/release)
-        self._futures: dict[str, Future[None]] = {}
+        self._futures: dict[str, Future[tuple[float, float]]] = {}
         self._lock = threading.Lock()
         self._resume_lock: int | None = None
-        self._times: dict[str, tuple[float, float]] = {}  # step -> (started, durable) epoch s
         self._step_free: dict[tuple[str, str], bool] = {}  # see _remote_step_free
         self._remote_run: str | None = None  # the run the prefix is known to record
+        _LIVE.add(self)
 
-    def submit(self, step: str, *, new_commit: bool = True) -> Future[None]:
+    def submit(self, step: str, *, new_commit: bool = True) -> Future[tuple[float, float]]:
         """Enqueue the promotion of ``step``. A new commit always gets its own promotion (it
         runs after any earlier one and reads the manifest then); a resume reuses a pending one."""
         with self._lock:
@@ -142,7 +143,7 @@ class Uploader:
             self._step_free[(step, save_id)] = free
         return free
 
-    def _promote(self, step: str) -> None:
+    def _promote(self, step: str) -> tuple[float, float]:
         started = time.time()
         try:
             Promotion(self.tier, self.remote, step, self._files, self.remote_run).run()
@@ -150,19 +151,13 @@ class Uploader:
             if not _retry.EXITING.is_set():  # at exit, _abandon_at_exit says it once
                 logger.error("step %s is not durable on %s: %s", step, self.remote.config.url, e)
             raise
-        with self._lock:
-            self._times[step] = (started, time.time())
+        return started, time.time()
 
-    def times(self, step: str) -> tuple[float, float] | None:
-        """When this process's last promotion of ``step`` started and made it durable."""
-        with self._lock:
-            return self._times.get(step)
-
-    def future(self, step: str) -> Future[None] | None:
+    def future(self, step: str) -> Future[tuple[float, float]] | None:
         with self._lock:
             return self._futures.get(step)
 
-    def futures(self) -> list[Future[None]]:
+    def futures(self) -> list[Future[tuple[float, float]]]:
         with self._lock:
             return list(self._futures.values())
 
@@ -193,6 +188,10 @@ class Uploader:
             s: (f"still uploading after {timeout_secs} s" if why == "still uploading" else why)
             for s, why in problems.items()
         }
+
+    def busy(self) -> bool:
+        """Whether a promotion is still queued or running."""
+        return any(not f.done() for f in self.futures())
 
     def shutdown(self, *, cancel: bool = False) -> None:
         self._steps.shutdown(wait=not cancel, cancel_futures=cancel)
@@ -231,46 +230,16 @@ class Uploader:
             return True  # the promotion reports what is wrong with it
 
 
-_UPLOADERS: dict[tuple[int, str, str], Uploader] = {}
-_UPLOADERS_LOCK = threading.RLock()
-
-
-def uploader_for(tier: LocalTier, remote: RemoteBackend) -> Uploader:
-    key = (os.getpid(), tier.root, remote.config.url)
-    with _UPLOADERS_LOCK:
-        if key not in _UPLOADERS:
-            _UPLOADERS[key] = Uploader(tier, remote)
-        return _UPLOADERS[key]
-
-
-def acquire_uploader(tier: LocalTier, remote: RemoteBackend) -> Uploader:
-    """The uploader of (root, remote), held until :func:`release_uploader`."""
-    with _UPLOADERS_LOCK:
-        up = uploader_for(tier, remote)
-        up._users += 1
-        return up
-
-
-def release_uploader(up: Uploader) -> None:
-    """Drop a hold; the last one stops the uploader's threads once nothing is pending (what
-    is still pending keeps running, and at exit is abandoned with a warning)."""
-    with _UPLOADERS_LOCK:
-        up._users -= 1
-        if up._users > 0 or any(not f.done() for f in up.futures()):
-            return
-        for key, value in list(_UPLOADERS.items()):
-            if value is up:
-                del _UPLOADERS[key]
-    up.shutdown()
+# Every uploader not yet collected, for the exit hook only: nobody looks an uploader up here
+# (each has one owner), but at exit each must stop retrying and say what it leaves undone.
+_LIVE: weakref.WeakSet[Uploader] = weakref.WeakSet()
 
 
 def _abandon_at_exit() -> None:
     """The interpreter is exiting: stop retrying, drop queued promotions, and say once which
     steps are left committed-local (they are safe on disk and resumed by the next writer)."""
     _retry.EXITING.set()
-    with _UPLOADERS_LOCK:
-        mine = [(k, up) for k, up in _UPLOADERS.items() if k[0] == os.getpid()]
-    for (_, root, url), up in mine:
+    for up in list(_LIVE):
         up.shutdown(cancel=True)
         left = up.not_durable()
         if left:
@@ -280,8 +249,8 @@ def _abandon_at_exit() -> None:
                 "root with this remote resumes their upload. To wait for them before exiting, "
                 "call close() on the writer (CheckpointManager.close(), the shims' flush/close).",
                 ", ".join(sorted(left)),
-                root,
-                url,
+                up.tier.root,
+                up.remote.config.url,
             )
 
 
@@ -291,12 +260,13 @@ at_interpreter_shutdown(_abandon_at_exit)
 
 
 def wait_durable(
-    tier: LocalTier, remote: RemoteBackend, steps: list[str], timeout_secs: float | None
+    up: Uploader | None, steps: list[str], timeout_secs: float | None, poll: Callable[[str], bool]
 ) -> None:
+    """Until each of ``steps`` is durable: by the promotion ``up`` runs of it, else by polling
+    ``poll(step)`` (a promotion of another process)."""
     deadline = None if timeout_secs is None else time.monotonic() + timeout_secs
-    up = uploader_for(tier, remote)
     for step in steps:
-        fut = up.future(step)
+        fut = up.future(step) if up is not None else None
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         if fut is not None:
             try:
@@ -306,7 +276,7 @@ def wait_durable(
             except Exception as e:
                 raise UploadFailedError(f"step {step!r} could not be made durable: {e}") from e
             continue
-        while durability(tier, remote, step) != Durability.DURABLE_REMOTE:
+        while not poll(step):
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"step {step!r} is not durable after {timeout_secs} s")
             time.sleep(0.2)

@@ -12,8 +12,11 @@ job each: ``_plan`` (rank info, layouts, the checks before writing; no I/O), ``_
 data files), ``_describe`` (the manifest and DCP's ``.metadata``) and ``_commit`` (what a save
 may replace, and publishing the step on every node). The public methods that are not DCP's call
 sequence come from two roles the writer inherits, as DCP's ``FileSystemWriter`` inherits
-``BlockingAsyncStager``: ``_staging`` (AsyncStager) and ``_tiers`` (recovery, the remote tier
-outside a save, the uploads, durability).
+``BlockingAsyncStager``: ``_staging`` (AsyncStager) and ``_tiers`` (recovery, the run, durability).
+Where it writes is a :class:`~dcp_tiered.tiers.root.Tiers` (built by the writer, or passed by
+their owner); how, a frozen :class:`WriterConfig`. What one save asks comes with its
+``checkpoint_id`` (a :class:`SaveRequest`); what it did goes to the tiers as one
+:class:`~dcp_tiered.tiers.root.SaveReport`.
 """
 
 from __future__ import annotations
@@ -37,14 +40,14 @@ from .. import _gc, _torch_compat
 from .._collective_watch import CollectiveWatch
 from .._priority import lower_this_thread
 from ..backends.local import LocalBackend
-from ..backends.remote import RemoteBackend, remote_backend
 from ..config import RemoteConfig
 from ..errors import ConfigError
 from ..policy import layout
 from ..staging import DoubleBufferStager
-from ..tiers import ownership, uploads
-from ..tiers.local import LocalTier
+from ..tiers import ownership
+from ..tiers.root import SaveReport, Tiers
 from . import _commit, _datafile, _describe, _plan
+from ._config import SaveRequest, WriterConfig
 from ._plan import RankInfo, SaveFacts, SaveInfo
 from ._plan import planned_bytes as _planned_bytes  # noqa: F401 (benchmarks/scale.py)
 from ._staging import StagingRole
@@ -58,25 +61,17 @@ class TieredStorageWriter(StagingRole, TiersRole, StorageWriter):
 
     Args:
         root: directory of this run's steps on the node's local disk; each node may use its
-            own. ``checkpoint_id`` passed to ``dcp.save``/``dcp.async_save`` names the step.
-        overwrite: allow re-saving an existing step; the old one survives until the new one
-            is committed.
-        sync_files: fsync data, manifest and directories (turn off only for tests).
-        thread_count: files (and threads) per rank; checksumming and torch.save framing are
-            CPU-bound, so two threads keep up with a fast local disk.
-        free_space_margin_bytes: headroom required beyond the planned bytes.
-        staging_share_memory: stage into shared memory (saves a copy in PROCESS mode).
-        staging_timeout_secs: how long staging waits for an earlier save to release buffers.
-        commit_timeout_secs: how long nodes wait for each other during the commit.
+            own. ``checkpoint_id`` passed to ``dcp.save``/``dcp.async_save`` names the step
+            (a :class:`SaveRequest` also says whether the step goes to the remote tier). An
+            owner of the root's tiers (the lifecycle) passes them, a
+            :class:`~dcp_tiered.tiers.root.Tiers`, instead: they then stay its to close.
+        config: how to write (:class:`WriterConfig`); or its fields as keyword arguments
+            (``overwrite``, ``sync_files``, ``thread_count``, ...), not both.
         remote: an fsspec URL (``s3://bucket/run1``, ``file:///shared/run1``) or a
             :class:`RemoteConfig`. Committed steps are then copied there in the background;
             steps committed locally but not yet durable are re-enqueued by :meth:`recover`
             (which the first save runs).
         storage_options: fsspec options for ``remote`` (ignored with a RemoteConfig).
-        collective_timeout_warn_secs: log one ERROR when a save has waited this long in one
-            of DCP's collectives (the plan gather/scatter, or the final gather before
-            ``finish``) because other ranks never joined: the sign of an ``async_save`` on the
-            training process group. None disables the check.
         run_id: this run's id (default: ``$DCP_TIERED_RUN_ID``, else the one ``root`` and the
             remote prefix record, else a new one recorded there at the first save). A root or
             prefix recording another run, or in use by another job, is refused with
@@ -85,73 +80,50 @@ class TieredStorageWriter(StagingRole, TiersRole, StorageWriter):
 
     def __init__(
         self,
-        root: str | os.PathLike[str],
+        root: str | os.PathLike[str] | Tiers,
         *,
-        overwrite: bool = False,
-        sync_files: bool = True,
-        thread_count: int = 2,
-        free_space_margin_bytes: int = 64 * 2**20,
-        staging_share_memory: bool = False,
-        staging_timeout_secs: float = 1800.0,
-        commit_timeout_secs: float = 1800.0,
+        config: WriterConfig | None = None,
         remote: str | RemoteConfig | None = None,
         storage_options: Mapping[str, Any] | None = None,
-        collective_timeout_warn_secs: float | None = 300.0,
         run_id: str | None = None,
+        **options: Any,
     ) -> None:
         super().__init__()
-        if collective_timeout_warn_secs is not None and not collective_timeout_warn_secs > 0:
-            raise ConfigError(
-                "collective_timeout_warn_secs must be > 0 (or None to disable), "
-                f"got {collective_timeout_warn_secs}"
-            )
-        if thread_count < 1:
-            raise ConfigError(f"thread_count must be >= 1, got {thread_count}")
-        if free_space_margin_bytes < 0:
-            raise ConfigError("free_space_margin_bytes must be >= 0")
-        self._tier = LocalTier(LocalBackend(root))
-        self.overwrite = overwrite
-        self.sync_files = sync_files
-        self.thread_count = thread_count
-        self.free_space_margin_bytes = free_space_margin_bytes
-        self.commit_timeout_secs = commit_timeout_secs
-        self._stager = DoubleBufferStager(
-            share_memory=staging_share_memory, timeout_secs=staging_timeout_secs
+        if config is not None and options:
+            raise ConfigError(f"pass config= or its fields ({', '.join(options)}), not both")
+        self.config = config if config is not None else WriterConfig(**options)
+        self._owns_tiers = not isinstance(root, Tiers)
+        if isinstance(root, Tiers):
+            if remote is not None or storage_options:
+                raise ConfigError("the remote is the tiers' own: pass it to Tiers.open")
+            self._tiers = root
+        else:
+            self._tiers = Tiers.open(root, remote, storage_options)
+        self._stager: DoubleBufferStager | None = DoubleBufferStager(
+            share_memory=self.config.staging_share_memory,
+            timeout_secs=self.config.staging_timeout_secs,
         )
-        # Steps saved here but not promoted to the remote tier (see keep_local).
-        self.local_only_steps: set[str] = set()
-        self._timings: dict[str, dict[str, float]] = {}
         self._save_ids: dict[str, str] = {}  # step -> id of this writer's last save of it
         self._kept_metadata = _describe.KeptMetadata()  # the last .metadata, for the next
         self._step: str | None = None
+        self._promote = True  # what the save being run asks (SaveRequest.promote)
         self._free_bytes = 0  # free on this rank's root when it planned this save
         self._facts: SaveFacts | None = None  # the coordinator's, from prepare_global_plan
         self._save: SaveInfo | None = None  # the coordinator's, from write_data to finish
+        self._report: SaveReport | None = None  # the coordinator's, from write_data to finish
         self._leading: tuple[str, int] | None = None  # (tmp dir, lock fd) until published
-        self._remote = remote_backend(remote, storage_options)
-        self._uploader: uploads.Uploader | None = None  # this writer's hold on the uploads
-        self.collective_timeout_warn_secs = collective_timeout_warn_secs
         self._watch: CollectiveWatch | None = None  # made by the process that saves
         self._coordinator, self._use_collectives = False, True
-        self._remote_checked = False  # recover() checks the remote once
         explicit = run_id if run_id is not None else os.environ.get("DCP_TIERED_RUN_ID") or None
-        self._run = ownership.RootRun(self._tier.backend, self._remote, explicit)
+        self._run = ownership.RootRun(self._tiers.local.backend, self._tiers.remote, explicit)
 
     @property
     def root(self) -> str:
-        return self._tier.root
+        return self._tiers.root
 
     @property
     def checkpoint_id(self) -> str | None:
         return self._step
-
-    @property
-    def local_tier(self) -> LocalTier:
-        return self._tier
-
-    @property
-    def remote_backend(self) -> RemoteBackend | None:
-        return self._remote
 
     def __getstate__(self) -> dict[str, Any]:
         # PROCESS mode pickles the writer for every save: buffers, threads and lock
@@ -159,7 +131,6 @@ class TieredStorageWriter(StagingRole, TiersRole, StorageWriter):
         state = self.__dict__.copy()
         state["_stager"] = None
         state["_leading"] = None
-        state["_uploader"] = None
         state["_watch"] = None
         state["_kept_metadata"] = _describe.KeptMetadata()  # megabytes; one save's use
         return state
@@ -167,29 +138,15 @@ class TieredStorageWriter(StagingRole, TiersRole, StorageWriter):
     def _watch_collective(self, phase: str | None) -> None:
         """The save enters DCP's collective ``phase`` (None: it left the last one)."""
         if self._watch is None:
-            self._watch = CollectiveWatch(self.collective_timeout_warn_secs)
+            self._watch = CollectiveWatch(self.config.collective_timeout_warn_secs)
         if phase is None or self._step is None:
             self._watch.cancel()
         else:
             self._watch.arm(self._step, phase)
 
-    def keep_local(self, step: str) -> None:
-        """Do not copy ``step`` to the remote tier when it is saved (decided by rank 0)."""
-        self.local_only_steps.add(layout.validate_step_name(step))
-
-    def pop_timings(self, step: str) -> dict[str, float]:
-        """Seconds this rank spent writing (``write_s``) and, on the coordinator, committing
-        (``commit_s``) ``step``, and whether this process promotes it (``uploads``: 1.0);
-        empty once read or if the save ran in another process."""
-        return self._timings.pop(step, {})
-
-    def _record_timing(self, step: str, **secs: float) -> None:
-        self._timings.setdefault(step, {}).update(secs)
-        while len(self._timings) > 64:  # nobody reads them without a manager: stay bounded
-            self._timings.pop(next(iter(self._timings)))
-
     def close(self, timeout_secs: float | None = None, *, wait_durable: bool = True) -> None:
-        """Release this writer: its staging buffers, and its hold on the background uploads.
+        """Release this writer: its staging buffers and, if it built its tiers, the background
+        uploads (an owner that passed them closes them itself).
 
         With a remote tier it first waits until every step this process enqueued is durable
         there, at most ``timeout_secs`` (default: the remote's ``durable_timeout_secs``), and
@@ -203,7 +160,8 @@ class TieredStorageWriter(StagingRole, TiersRole, StorageWriter):
         if self._watch is not None:
             self._watch.cancel()
         self._run.release()  # this job no longer uses the root
-        self._release_uploads(timeout_secs, wait_durable)
+        if self._owns_tiers:
+            self._tiers.close(timeout_secs, wait_durable=wait_durable)
 
     def __enter__(self) -> Self:
         return self
@@ -219,7 +177,10 @@ class TieredStorageWriter(StagingRole, TiersRole, StorageWriter):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self._wait_for_earlier_saves()
-        if checkpoint_id is not None:
+        self._promote = True
+        if isinstance(checkpoint_id, SaveRequest):
+            self._step, self._promote = checkpoint_id.step, checkpoint_id.promote
+        elif checkpoint_id is not None:
             self._step = layout.validate_step_name(checkpoint_id)
 
     def storage_meta(self) -> StorageMeta | None:
@@ -246,18 +207,19 @@ class TieredStorageWriter(StagingRole, TiersRole, StorageWriter):
             self._leading = None
         self._run.start(hold=self._stager is not None)
         # Every earlier save of this process is over, so unlocked leftovers are abandoned.
-        self._tier.recover_and_sweep()
+        self._tiers.local.recover_and_sweep()
         if self._stager is not None:  # the trainer's writer, not a copy in DCP's subprocess
-            self._hold_uploads()
+            self._tiers.hold_uploads()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         step = self._step
         assert step is not None
-        _commit.check_target(self._tier, step, overwrite=self.overwrite, run_id=self._run.run_id)
-        self._tier.backend.check_writable()
+        tier = self._tiers.local
+        _commit.check_target(tier, step, overwrite=self.config.overwrite, run_id=self._run.run_id)
+        tier.backend.check_writable()
         # Measured before any rank writes this save (DCP scatters no plan before it has every
         # rank's), so every rank of a node judges the node's planned bytes against the same disk.
-        self._free_bytes = self._tier.backend.free_bytes()
+        self._free_bytes = tier.backend.free_bytes()
         planned = plan
         if getattr(plan, "usable", True):  # an unusable plan: DCP replays the cached one
             info = RankInfo(
@@ -285,14 +247,13 @@ class TieredStorageWriter(StagingRole, TiersRole, StorageWriter):
         assert step is not None
         out = plans  # with DCP's plan caching and no change: every rank replays its final plan
         if any(getattr(p, "usable", True) for p in plans):
-            out = _plan.lay_out(step, plans, self.free_space_margin_bytes)
+            out = _plan.lay_out(step, plans, self.config.free_space_margin_bytes)
         facts = SaveFacts(
             step=step,
             save_id=uuid.uuid4().hex[:12],
-            promote=self._remote is not None and step not in self.local_only_steps,
+            promote=self._tiers.remote is not None and self._promote,
             run_id=self._run.decide(_plan.roots(plans, self._node_key(), self._run.run_id)),
         )
-        self.local_only_steps.discard(step)
         if len(plans) > 1:
             store = _torch_compat.default_store()
             if store is None:
@@ -321,7 +282,7 @@ class TieredStorageWriter(StagingRole, TiersRole, StorageWriter):
             self._step,
             self._node_key(),
             self._free_bytes,
-            self.free_space_margin_bytes,
+            self.config.free_space_margin_bytes,
             self.root,
         )
         return save
@@ -331,49 +292,39 @@ class TieredStorageWriter(StagingRole, TiersRole, StorageWriter):
         save = self._this_save(plan.storage_data)
         started = time.perf_counter()
         lower_this_thread()  # an async save's thread; the trainer's own thread is left alone
-        backend = self._tier.backend
+        config = self.config
+        backend = self._tiers.local.backend
         backend.make_dir(save.tmp)
         lock = None
         try:
             lock = backend.lock_shared(save.tmp)
             with _gc.paused():  # a few objects per item, none in cycles: see _gc
                 results = _datafile.write_items(
-                    self._tier,
-                    self._remote,
+                    self._tiers,
                     save,
                     plan.items,
                     planner,
-                    thread_count=self.thread_count,
-                    sync=self.sync_files,
+                    thread_count=config.thread_count,
+                    sync=config.sync_files,
                 )
         except BaseException:
-            _datafile.abandon_tmp(backend, save, lock, self.thread_count)
+            _datafile.abandon_tmp(backend, save, lock, config.thread_count)
             raise
-        self.local_only_steps.discard(save.step)
         self._save_ids[save.step] = save.save_id
         while len(self._save_ids) > 1024:  # bounded, oldest first
             self._save_ids.pop(next(iter(self._save_ids)))
-        self._record_timing(
-            save.step,
-            write_s=time.perf_counter() - started,
-            uploads=float(save.node_leader and save.promote),
+        report = SaveReport(
+            save.step, time.perf_counter() - started, uploads=save.node_leader and save.promote
         )
+        self._tiers.report(report)
         logger.debug(
             "rank %d wrote %d items of step %s to %s", save.rank, len(results), save.step, self.root
         )
         if save.node_leader and save.coordinator_node:
             self._leading = (save.tmp, lock)  # released once finish() has published
-            self._save = save
+            self._save, self._report = save, report
         elif save.node_leader:
-            _commit.follow(
-                self._tier,
-                self._remote,
-                save,
-                lock,
-                overwrite=self.overwrite,
-                sync=self.sync_files,
-                timeout_secs=self.commit_timeout_secs,
-            )
+            _commit.follow(self._tiers, save, report, lock, config)
         else:
             LocalBackend.unlock(lock)
         if self._use_collectives:
@@ -388,30 +339,23 @@ class TieredStorageWriter(StagingRole, TiersRole, StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         self._watch_collective(None)
-        assert self._save is not None and self._leading is not None
+        assert self._save is not None and self._leading is not None and self._report is not None
         started = time.perf_counter()
-        save, (_, lock) = self._save, self._leading
-        self._save = None
+        save, report, (_, lock) = self._save, self._report, self._leading
+        self._save = self._report = None
         built, metadata_bytes = _describe.describe(
             save, metadata, results, kept=self._kept_metadata
         )
         try:
-            _commit.coordinate(
-                self._tier,
-                save,
-                built,
-                metadata_bytes,
-                overwrite=self.overwrite,
-                sync=self.sync_files,
-                timeout_secs=self.commit_timeout_secs,
-            )
+            _commit.coordinate(self._tiers.local, save, built, metadata_bytes, self.config)
         except BaseException:
             if not _commit.other_nodes(save):  # nothing published: leave no half step (the
                 # next save's sweep would, but the disk needs room now)
-                _datafile.abandon_tmp(self._tier.backend, save, lock, self.thread_count)
+                backend = self._tiers.local.backend
+                _datafile.abandon_tmp(backend, save, lock, self.config.thread_count)
                 self._leading = None
             raise
         self._leading = None
         LocalBackend.unlock(lock)
-        self._record_timing(save.step, commit_s=time.perf_counter() - started)
-        _commit.promote(self._tier, self._remote, save)
+        report.commit_s = time.perf_counter() - started
+        _commit.promote(self._tiers, save, report)

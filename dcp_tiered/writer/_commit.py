@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from .. import _torch_compat
 from ..backends.local import LocalBackend
-from ..backends.remote import RemoteBackend
 from ..errors import CheckpointExistsError, ConfigError, ForeignPathError
 from ..policy import layout, manifest
-from ..tiers import commit, uploads
+from ..tiers import commit
 from ..tiers.local import LocalTier
+from ..tiers.root import SaveReport, Tiers
+from ._config import WriterConfig
 from ._plan import SaveInfo
 
 
@@ -55,9 +56,10 @@ def publish(tier: LocalTier, save: SaveInfo, overwrite: bool) -> None:
     )
 
 
-def promote(tier: LocalTier, remote: RemoteBackend | None, save: SaveInfo) -> None:
-    if remote is not None and save.promote:
-        uploads.uploader_for(tier, remote).submit(save.step)
+def promote(tiers: Tiers, save: SaveInfo, report: SaveReport) -> None:
+    """A published step of a save that promotes goes to the uploads; its report follows them."""
+    if tiers.remote is not None and save.promote:
+        report.upload = tiers.promote(save.step)
 
 
 def coordinate(
@@ -65,10 +67,7 @@ def coordinate(
     save: SaveInfo,
     built: manifest.Built,
     metadata_bytes: bytes,
-    *,
-    overwrite: bool,
-    sync: bool,
-    timeout_secs: float,
+    config: WriterConfig,
 ) -> None:
     """The coordinator's part: write the step's files, then publish its node's directory (with
     other nodes, once every node has prepared its own). Raises what failed; the caller still
@@ -77,14 +76,15 @@ def coordinate(
     others = other_nodes(save)
 
     def publish_own() -> None:
-        publish(tier, save, overwrite)
+        publish(tier, save, config.overwrite)
 
     # The coordinator's node keeps every section and DCP's .metadata (the remote
     # copy is made from it); the other nodes get the index and their own section.
     files = {layout.DCP_METADATA_NAME: metadata_bytes, **built.files_for(None)}
-    commit.write_step_files(backend, save.tmp, files, sync=sync)
+    commit.write_step_files(backend, save.tmp, files, sync=config.sync_files)
     if others:
         store = _torch_compat.default_store()
+        timeout_secs = config.commit_timeout_secs
         handshake = commit.Handshake(store, save.save_id, timeout_secs, nodes=len(others) + 1)
         handshake.coordinate(others, built.index, built.sections, publish_own)
     else:
@@ -92,18 +92,12 @@ def coordinate(
 
 
 def follow(
-    tier: LocalTier,
-    remote: RemoteBackend | None,
-    save: SaveInfo,
-    lock: int,
-    *,
-    overwrite: bool,
-    sync: bool,
-    timeout_secs: float,
+    tiers: Tiers, save: SaveInfo, report: SaveReport, lock: int, config: WriterConfig
 ) -> None:
     """A leader of another node than the coordinator's: in the background, write the manifest
     parts the coordinator sends, publish when it says so (then release ``lock`` and promote),
     or discard the temporary directory when the save is abandoned."""
+    tier = tiers.local
     backend = tier.backend
     store = _torch_compat.default_store()
     if store is None:
@@ -116,19 +110,20 @@ def follow(
             layout.manifest_section_name(save.node): own,
             layout.MANIFEST_NAME: index,  # last, as the coordinator writes it
         }
-        commit.write_step_files(backend, save.tmp, files, sync=sync)
+        commit.write_step_files(backend, save.tmp, files, sync=config.sync_files)
 
     def publish_own() -> None:
         try:
-            publish(tier, save, overwrite)
+            publish(tier, save, config.overwrite)
         finally:
             LocalBackend.unlock(lock)
-        promote(tier, remote, save)
+        promote(tiers, save, report)
 
     def abandon(reason: str) -> None:
         LocalBackend.unlock(lock)
         commit.discard_tmp(backend, save.tmp, reason=reason)
 
     # A follower waits at least as long as the coordinator does for all nodes.
+    timeout_secs = config.commit_timeout_secs
     handshake = commit.Handshake(store, save.save_id, timeout_secs, nodes=save.world_size)
     handshake.follow_in_background(save.node, prepare, publish_own, abandon)

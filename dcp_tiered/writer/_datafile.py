@@ -16,10 +16,9 @@ from torch.distributed.checkpoint.storage import WriteResult
 from .. import item_writer
 from .._priority import lower_this_thread
 from ..backends.local import LocalBackend
-from ..backends.remote import RemoteBackend
 from ..policy import layout, manifest
-from ..tiers import commit, uploads
-from ..tiers.local import LocalTier
+from ..tiers import commit
+from ..tiers.root import Tiers
 from ._plan import SaveInfo, planned_bytes
 
 logger = logging.getLogger("dcp_tiered.writer")  # the writer's one logger, whichever module
@@ -28,8 +27,7 @@ FILE_RESULT = "dcp_tiered:data-file:"  # the index of a data file's one WriteRes
 
 
 def write_items(
-    tier: LocalTier,
-    remote: RemoteBackend | None,
+    tiers: Tiers,
     save: SaveInfo,
     items: Sequence[WriteItem],
     planner: SavePlanner,
@@ -44,33 +42,27 @@ def write_items(
         (layout.data_file_name(save.rank, i), bucket) for i, bucket in enumerate(buckets) if bucket
     ]
     if len(jobs) <= 1:
-        return [
-            r for name, b in jobs for r in write_file(tier, remote, save, name, b, planner, sync)
-        ]
+        return [r for name, b in jobs for r in write_file(tiers, save, name, b, planner, sync)]
     with ThreadPoolExecutor(
         len(jobs), thread_name_prefix="dcp-tiered-write", initializer=lower_this_thread
     ) as pool:
-        futures = [
-            pool.submit(write_file, tier, remote, save, n, b, planner, sync) for n, b in jobs
-        ]
+        futures = [pool.submit(write_file, tiers, save, n, b, planner, sync) for n, b in jobs]
         return [r for f in futures for r in f.result()]
 
 
 def write_file(
-    tier: LocalTier,
-    remote: RemoteBackend | None,
+    tiers: Tiers,
     save: SaveInfo,
     name: str,
     items: Sequence[WriteItem],
     planner: SavePlanner,
     sync: bool,
 ) -> list[WriteResult]:
-    with tier.backend.open_write(save.tmp, name, sync=sync) as f:
+    with tiers.local.backend.open_write(save.tmp, name, sync=sync) as f:
         out = item_writer.write_items(f, items, planner.resolve_data)
     placed = item_writer.FileItems.of(name, save.rank, out)
-    if remote is not None and save.promote:
-        uploader = uploads.uploader_for(tier, remote)
-        uploader.upload_early(
+    if tiers.remote is not None and save.promote:
+        tiers.upload_early(
             save.step, save.save_id, name, placed.file_checksum, save.node, save.run_id
         )
     # One result for the whole file (see FileItems); finish() reads it back per item.

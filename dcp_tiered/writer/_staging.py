@@ -33,14 +33,11 @@ class StagingRole:
         # async_save calls this right after starting the save's executor thread.
         self._require_stager().after_execute()
 
-    @property
-    def last_stall_secs(self) -> float:
-        return self._require_stager().last_stall_secs
-
-    @property
-    def last_staged_bytes(self) -> int:
-        """Tensor bytes this rank staged in its last save."""
-        return self._require_stager().last_staged_bytes
+    def staged(self) -> tuple[float, int]:
+        """What the ``stage`` call that just returned cost: the caller's stall (seconds) and
+        the tensor bytes it staged."""
+        stager = self._require_stager()
+        return stager.last_stall_secs, stager.last_staged_bytes
 
     def staging_buffers_ready(self) -> int:
         """Buffer sets already allocated for the last staged structure (0 to 2): staging

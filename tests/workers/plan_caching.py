@@ -16,7 +16,12 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from dcp_tiered import TieredStorageReader, TieredStorageWriter, checkpoint_process_group
+from dcp_tiered import (
+    SaveRequest,
+    TieredStorageReader,
+    TieredStorageWriter,
+    checkpoint_process_group,
+)
 
 
 class LoggingPlanner(DefaultSavePlanner):
@@ -60,11 +65,12 @@ def main() -> None:
     errors: dict[str, str] = {}
     for i in range(1, 6):
         step = "step-x" if i == 4 and rank == 1 else f"step-{i}"
-        if i == 2:
-            writer.keep_local(step)
+        request = SaveRequest(step, promote=i != 2)
         try:
             if a.mode == "sync":
-                dcp.save(state(rank, i), checkpoint_id=step, storage_writer=writer, planner=planner)
+                dcp.save(
+                    state(rank, i), checkpoint_id=request, storage_writer=writer, planner=planner
+                )
             else:
                 kind = (
                     AsyncCheckpointerType.THREAD
@@ -73,7 +79,7 @@ def main() -> None:
                 )
                 dcp.async_save(
                     state(rank, i),
-                    checkpoint_id=step,
+                    checkpoint_id=request,
                     storage_writer=writer,
                     planner=planner,
                     process_group=pg,
