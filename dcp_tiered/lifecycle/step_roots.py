@@ -65,11 +65,12 @@ def prune_step_roots(
     storage_options: Mapping[str, Any] | None,
     *,
     label: str,
+    reason: str,
 ) -> list[str]:
     """Applies ``policy`` to the directories of ``run_dir`` that ``root_name`` matches (its
     first group: the step number); the names deleted. A root of another run, holding a step
     not the run's, or whose step is not durable on the remote tier (or it cannot tell) is never
-    deleted. Every delete is logged with ``label``."""
+    deleted. ``label`` names the rule in what is logged, ``reason`` each delete."""
     backend = LocalBackend(run_dir)
     states = [
         StepState(n, int(m.group(1)))
@@ -93,6 +94,6 @@ def prune_step_roots(
         steps = [s.name for s in found]
         if remote_store is not None and any(awaiting_remote(tier, remote_store, s) for s in steps):
             continue
-        backend.remove_tree(name, reason=label)
+        backend.remove_tree(name, reason=reason)
         deleted.append(name)
     return deleted

@@ -44,7 +44,7 @@ from ...lifecycle.roots import MANIFEST_NAME, local_tier
 from ...writer import TieredStorageWriter
 from . import files as ds_shim
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(__package__)  # one logger per adapter, as before its split
 
 UNIVERSAL_PARAM = "param"  # ds_to_universal's key for a merged tensor (stages 1/2)
 

@@ -29,7 +29,7 @@ from ...reader import TieredStorageReader
 from .. import skeleton
 from .._common import load_keys
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(__package__)  # one logger per adapter, as before its split
 
 STUB_FORMAT = "dcp_tiered.deepspeed-stub/1"
 LATEST_NAME = "latest"

@@ -41,7 +41,7 @@ from ...lifecycle.step_roots import join_run, prune_step_roots
 from .. import deepspeed as ds_shim
 from .._common import Agreement, is_node_leader
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(__package__)  # one logger per adapter, as before its split
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 _TAG = re.compile(r"^global_step(\d+)$")
@@ -243,7 +243,13 @@ def rotate(
         keep_latest=limit, pinned=frozenset({os.path.basename(best)} if best else ())
     )
     return prune_step_roots(
-        run_dir, _CHECKPOINT, policy, remote, storage_options, label=f"save_total_limit={limit}"
+        run_dir,
+        _CHECKPOINT,
+        policy,
+        remote,
+        storage_options,
+        label="save_total_limit",
+        reason=f"save_total_limit={limit}",
     )
 
 

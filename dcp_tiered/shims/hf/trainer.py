@@ -41,7 +41,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without transformers
     raise ImportError("dcp_tiered.shims.hf needs transformers: pip install 'dcp-tiered[hf]'") from e
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(__package__)  # one logger per adapter, as before its split
 
 MODES = ("sync", "async")
 _STEP_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")

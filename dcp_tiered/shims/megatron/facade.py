@@ -14,9 +14,10 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ... import Replication, RetentionPolicy
+from ... import Every, Replication, RetentionPolicy, SavePolicy
 from ...errors import ConfigError
 from ...lifecycle import Conventions, Lifecycle, attempt, failure, raise_failures, settled
+from ...lifecycle.cadence import Cadence
 from ...lifecycle.memory import MemorySnapshots
 from ...lifecycle.roots import local_tier, write_file_atomically
 from .._common import is_node_leader
@@ -25,7 +26,7 @@ from .sidecars import claim_step_dir, remove_sidecars
 from .state import TRACKER, iteration_dir, local_parts, state_dict
 from .strategy import TieredSaveShardedStrategy
 
-logger = logging.getLogger("dcp_tiered.shims.megatron")  # the name its records always had
+logger = logging.getLogger(__package__)  # one logger per adapter, as before its split
 
 CONVENTIONS = Conventions(
     "Megatron",
@@ -121,6 +122,16 @@ class EasyCkpt(Restoring):
             if mem_root is not None
             else None
         )
+        # The manager's cadence: a storage save replaces the memory save due at the same step.
+        self.cadence = Cadence(
+            SavePolicy(
+                memory=Every(steps=self.mem_every) if self.mem_every else None,
+                local=Every(steps=self.storage_every) if self.storage_every else None,
+                remote=None,  # promotion follows every storage save
+            ),
+            has_memory=self.memory is not None,
+            has_remote=False,
+        )
         # Storage saves are checked for restorability by the strategy, memory saves by the
         # lifecycle (save_memory).
         self.strategy = TieredSaveShardedStrategy(
@@ -151,10 +162,11 @@ class EasyCkpt(Restoring):
         save still in flight is finished first; an earlier failure is raised here.
         """
         self.poll()
-        if self.storage_every and iteration % self.storage_every == 0:
+        due = self.cadence.due(iteration)
+        if due.local:
             self.save_storage(iteration, model, optimizer, opt_param_scheduler)
             return "storage"
-        if self.memory is not None and iteration % self.mem_every == 0:
+        if due.memory:
             self.save_memory(iteration, model, optimizer, opt_param_scheduler)
             return "memory"
         return None

@@ -26,7 +26,7 @@ from .load import load as load_through_tiers
 from .sidecars import remove_sidecars, write_sidecars
 from .state import apply_state, iteration_dir, local_parts, state_dict, uid
 
-logger = logging.getLogger("dcp_tiered.shims.megatron")  # the name its records always had
+logger = logging.getLogger(__package__)  # one logger per adapter, as before its split
 
 
 class Restoring:

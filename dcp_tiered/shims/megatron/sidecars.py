@@ -18,7 +18,7 @@ from ...lifecycle.roots import local_tier, write_file_atomically
 from ...reader import TieredStorageReader
 from . import compat as _mcore_compat
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(__package__)  # one logger per adapter, as before its split
 
 COMMON_NAME = _mcore_compat.COMMON_NAME
 CONFIG_NAME = "metadata.json"

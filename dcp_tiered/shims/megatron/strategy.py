@@ -27,7 +27,6 @@ differences live in :mod:`~dcp_tiered.shims.megatron.compat`.
 from __future__ import annotations
 
 import io
-import logging
 import os
 from concurrent.futures import Future
 from pathlib import Path
@@ -71,7 +70,6 @@ except ImportError as e:  # pragma: no cover - exercised only without megatron-c
 from . import compat as _mcore_compat  # isort: skip - after megatron-core's own ImportError
 from .sidecars import COMMON_NAME, claim_step_dir, write_sidecars  # isort: skip
 
-logger = logging.getLogger(__name__)
 
 COMMON_KEY = _mcore_compat.CARRIED_COMMON_KEY
 
