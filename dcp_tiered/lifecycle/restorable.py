@@ -1,9 +1,10 @@
 """The refusal of a save that would never restore: a value that ``weights_only`` loading
 refuses is found before anything is written, and every rank raises the same ConfigError.
 
-For adapters that check more than :meth:`Lifecycle.require_restorable`'s values (megatron-core's
-``common.pt``, written by mcore itself): they say why their rank's state would not load back,
-and :func:`refuse_unrestorable` agrees on it and words the refusal."""
+For adapters that check more than :meth:`~dcp_tiered.lifecycle.Lifecycle.require_restorable`'s
+values (megatron-core's ``common.pt``, written by mcore itself): they say why their rank's
+state would not load back, and :func:`refuse_unrestorable` agrees on it and words the
+refusal."""
 
 from __future__ import annotations
 

@@ -34,7 +34,8 @@ MODES = ("sync", "async", "decoupled")
 
 @dataclass
 class Options:
-    """What :func:`install` and :func:`attach` configure (see :func:`install`)."""
+    """What :func:`~dcp_tiered.shims.deepspeed.install` and
+    :func:`~dcp_tiered.shims.deepspeed.attach` configure (see the former)."""
 
     mode: str = "async"
     remote: str | RemoteConfig | None = None
@@ -213,7 +214,7 @@ class TieredCheckpointEngine(CheckpointEngine):
         self, sidecars: Mapping[str, bytes], on_commit: Callable[[], Any] | None = None
     ) -> bool:
         """Starts the write held by :meth:`holding`, with ``sidecars`` (file name: bytes, this
-        rank's) inside the step (:func:`write_sidecars` writes them back from any tier);
+        rank's) inside the step (:func:`~dcp_tiered.shims.deepspeed.write_sidecars` writes them back from any tier);
         ``on_commit`` runs on rank 0 once committed. False: nothing was held."""
         held, self._held = self._held, None
         if held is not None:

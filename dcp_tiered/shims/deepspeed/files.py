@@ -93,7 +93,7 @@ def write_sidecars(
     storage_options: Mapping[str, Any] | None = None,
 ) -> list[str]:
     """Writes the files that travel inside step ``tag`` (see
-    :meth:`TieredCheckpointEngine.release`) into ``directory``, from the nearest tier holding a
+    :meth:`~dcp_tiered.shims.deepspeed.TieredCheckpointEngine.release`) into ``directory``, from the nearest tier holding a
     valid copy; returns their names. Not collective."""
     reader = TieredStorageReader(save_dir, remote=remote, storage_options=storage_options)
     reader.reset(tag)

@@ -37,9 +37,11 @@ CONVENTIONS = Conventions(
 
 
 class EasyCkpt(Restoring):
-    """What :func:`initialize` builds; the module functions call the one built last. The
-    lifecycle around each save and restore is :class:`~dcp_tiered.lifecycle.Lifecycle`'s;
-    this class translates Megatron's state and names."""
+    """What :func:`~dcp_tiered.shims.megatron.initialize` builds; the module functions call the
+    one built last. The lifecycle around each save and restore is
+    :class:`~dcp_tiered.lifecycle.Lifecycle`'s, the cadence the manager's rule, the memory tier
+    and its replication :class:`~dcp_tiered.lifecycle.memory.MemorySnapshots`; this class
+    translates Megatron's state and names."""
 
     def __init__(
         self,
