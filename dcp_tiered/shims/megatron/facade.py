@@ -233,8 +233,7 @@ class EasyCkpt(Restoring):
 
     def _discard(self, step: str) -> None:
         """After a failed save: the directory made for mcore's common.pt goes."""
-        tier = self.lifecycle.writers.get(self.save_dir).local_tier
-        if self.rank == 0 and not tier.has_step(step):
+        if self.rank == 0 and not local_tier(self.save_dir).has_step(step):
             remove_sidecars(self.save_dir, step)
 
     def save_memory(
