@@ -8,7 +8,7 @@ import time
 
 from ..policy.cadence import Decision, SavePolicy, decide
 
-__all__ = ["Cadence", "Decision"]
+__all__ = ["Cadence"]
 
 
 class Cadence:

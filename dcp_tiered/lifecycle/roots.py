@@ -20,9 +20,6 @@ from ..tiers.remote import RemoteTier
 
 __all__ = [
     "MANIFEST_NAME",
-    "LocalBackend",
-    "LocalTier",
-    "RemoteBackend",
     "adopt_remote_step",
     "committed_steps",
     "files_in",
