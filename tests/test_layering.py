@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+import dcp_tiered
+
 PACKAGE = Path(__file__).resolve().parents[1] / "dcp_tiered"
 
 # Layers are packages where the tree has them (policy/, backends/, tiers/, shims/), and these
@@ -146,10 +148,63 @@ def test_the_checker_resolves_imports_and_would_catch_a_violation():
     assert {"writer._plan", "writer._commit"} <= imports_of(PACKAGE / "writer" / "__init__.py")
 
 
+# ------------------------------------------------------------ the shims
+
+# What a shim may import of dcp_tiered: the public API (the names ``dcp_tiered`` exports, and
+# its public modules) and the lifecycle; never the tiers, the backends or the policy modules.
+# A shim's needs of those come through ``lifecycle`` (``lifecycle.roots`` for a checkpoint
+# root), its needs of the package's process helpers through ``shims._common``.
+SHIM_API = {"lifecycle", "manager", "reader", "writer", "errors", "config"}
+SHIM_HELPERS = {"_torch_compat", "agreement", "distributed", "rank_state"}  # shims._common's
+SHIMS = sorted(m for m in MODULES if _layer(m) == "shims")
+
+
+def _public_api(module: str) -> bool:
+    top = module.split(".")[0]
+    return top in SHIM_API and (module == top or top == "lifecycle" or module.endswith("__init__"))
+
+
+def names_from_the_package(path: Path) -> set[str]:
+    """What ``path`` imports from ``dcp_tiered`` itself (``from ... import RetentionPolicy``)."""
+    module = path.relative_to(PACKAGE).with_suffix("").parts
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and not node.module:
+            if node.level == len(module):  # up to dcp_tiered/ from a shim module
+                found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module == "dcp_tiered":
+            found |= {a.name for a in node.names}
+    return found
+
+
+@pytest.mark.parametrize("module", SHIMS)
+def test_a_shim_imports_only_the_public_and_lifecycle_api(module):
+    allowed = SHIM_HELPERS if module == "shims._common" else set()
+    wrong = sorted(
+        m
+        for m in imports_of(MODULES[module])
+        if not (_public_api(m) or _layer(m) == "shims" or m in allowed)
+    )
+    assert wrong == [], f"{module} imports {wrong}: a shim builds on the public and lifecycle API"
+    public = set(dcp_tiered.__all__)
+    private = sorted(n for n in names_from_the_package(MODULES[module]) if n not in public)
+    assert private == [], f"{module} imports {private} from dcp_tiered, which does not export them"
+
+
+def test_the_shim_rule_sees_every_shim_and_would_catch_a_violation():
+    assert {"shims.deepspeed.engine", "shims.hf.trainer", "shims.megatron.facade"} <= set(SHIMS)
+    assert {"shims.torchtitan", "shims.torchtitan_ft", "shims._common"} <= set(SHIMS)
+    assert not _public_api("tiers.local") and not _public_api("backends.local")
+    assert not _public_api("policy.layout") and not _public_api("manager._gate")
+    assert not _public_api("writer._plan") and _public_api("lifecycle.roots")
+    assert "lifecycle.roots" in imports_of(PACKAGE / "shims" / "deepspeed" / "files.py")
+    assert {"RetentionPolicy"} <= names_from_the_package(PACKAGE / "shims" / "torchtitan.py")
+
+
 def test_the_newer_shims_sit_on_the_lifecycle_and_the_public_modules():
     """The torchtitan adapter builds on the lifecycle like the other shims; the megatron-core
     compatibility layer and loader stay inside the shims layer."""
-    for module in ("torchtitan", "torchtitan_ft", "_mcore_compat", "megatron_load"):
+    for module in ("torchtitan", "torchtitan_ft", "megatron.compat", "megatron.load"):
         assert _layer(f"shims.{module}") == "shims" and f"shims.{module}" in MODULES
     titan = imports_of(PACKAGE / "shims" / "torchtitan.py")
     assert "lifecycle" in titan and "writer" not in titan

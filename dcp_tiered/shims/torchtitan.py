@@ -48,15 +48,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ..backends.local import LocalBackend
-from ..backends.remote import remote_backend
+from .. import RetentionPolicy
 from ..config import RemoteConfig
 from ..errors import CheckpointNotFoundError, ConfigError
 from ..lifecycle import Conventions, Lifecycle, attempt, settled
-from ..policy.retention import RetentionPolicy
+from ..lifecycle.roots import committed_steps, remote_backend
 from ..reader import TieredStorageReader
-from ..tiers.catalog import list_steps
-from ..tiers.local import LocalTier
 
 try:
     from torchtitan.components.checkpointer import MODEL, AsyncMode, CheckpointManager
@@ -251,7 +248,7 @@ class TieredCheckpointMixin:
         remote = (
             remote_backend(self.tiers.remote, self.tiers.storage_options) if with_remote else None
         )
-        found = list_steps(LocalTier(LocalBackend(self.root)), remote, strict=True)
+        found = committed_steps(self.root, remote, strict=True)
         return sorted((s.name for s in found if STEP.match(s.name)), key=_number, reverse=True)
 
     def _load(self, step: int = -1) -> bool:

@@ -1,28 +1,5 @@
-"""HF Trainer: checkpoints through DCP ``async_save`` into the tiers, in the spirit of EasyCkpt.
-
-One line around an existing Trainer::
-
-    from dcp_tiered.shims.hf import wrap
-    trainer = wrap(Trainer(model, args, ...), remote="s3://bucket/run-1")
-    trainer.train(resume_from_checkpoint=True)   # newest committed step, local or remote
-
-or ``TieredTrainer(model, args, ..., tiers={"remote": ...})`` for subclass users.
-
-Trainer decides when to save (``save_strategy``, ``save_steps``); the wrapper decides how. Each
-save is one DCP step ``OUTPUT_DIR/checkpoint-N``, committed atomically by
-:class:`TieredStorageWriter` (an interrupted save leaves no ``checkpoint-N`` behind), holding
-the model, the optimizer (``torch.distributed.checkpoint.state_dict`` format, so FSDP2 DTensors
-are sharded), the scheduler, every rank's RNG state and ``trainer_state.json``'s content, which
-carries the data position (epoch, step). Once committed, ``trainer_state.json`` is also written
-beside the data for tools that read it.
-
-``save_total_limit`` goes through the tiers' retention: older steps are deleted only once they
-are durable on the remote tier (when there is one); the best model's step is pinned.
-
-With DeepSpeed enabled, Trainer saves through ``engine.save_checkpoint``; the wrapper installs
-:mod:`dcp_tiered.shims.deepspeed` and keeps Trainer's own layout, with Trainer's files carried
-inside the DeepSpeed step (:mod:`dcp_tiered.shims.hf_deepspeed`).
-"""
+"""HF Trainer without DeepSpeed: each save one DCP step ``checkpoint-N`` through the
+lifecycle (see :mod:`dcp_tiered.shims.hf`), and Trainer's resume from any tier."""
 
 from __future__ import annotations
 
@@ -48,16 +25,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from ..backends.local import LocalBackend
-from ..backends.remote import remote_backend
-from ..config import RemoteConfig
-from ..errors import CheckpointNotFoundError, ConfigError
-from ..lifecycle import Conventions, Lifecycle, quiet_single_process
-from ..policy.retention import RetentionPolicy
-from ..rank_state import capture_rng, restore_rng
-from ..reader import TieredStorageReader
-from ..tiers import catalog
-from ..tiers.local import LocalTier
+from ... import RetentionPolicy
+from ...config import RemoteConfig
+from ...errors import CheckpointNotFoundError, ConfigError
+from ...lifecycle import Conventions, Lifecycle, quiet_single_process
+from ...lifecycle.roots import committed_steps, local_tier, remote_backend
+from ...reader import TieredStorageReader
+from .._common import capture_rng, restore_rng
 
 try:
     from transformers import Trainer
@@ -67,7 +41,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without transformers
     raise ImportError("dcp_tiered.shims.hf needs transformers: pip install 'dcp-tiered[hf]'") from e
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(__package__)  # one logger per adapter, as before its split
 
 MODES = ("sync", "async")
 _STEP_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
@@ -101,7 +75,7 @@ def wrap(
     # saves them again: the new copy replaces the old one atomically.
     writer_options.setdefault("overwrite", True)
     if trainer.is_deepspeed_enabled:
-        from .hf_deepspeed import wrap_deepspeed
+        from .deepspeed import wrap_deepspeed
 
         return wrap_deepspeed(
             trainer,
@@ -188,7 +162,7 @@ class TrainerTiers:
         run_dir = os.path.abspath(tr._get_output_dir(trial=trial))
         self.wait()  # one save in flight; its failure surfaces here
         best = tr.state.best_global_step
-        if best and LocalTier(LocalBackend(run_dir)).has_step(f"{PREFIX_CHECKPOINT_DIR}-{best}"):
+        if best and local_tier(run_dir).has_step(f"{PREFIX_CHECKPOINT_DIR}-{best}"):
             tr.state.best_model_checkpoint = os.path.join(
                 run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best}"
             )
@@ -267,7 +241,7 @@ class TrainerTiers:
         """The committed ``checkpoint-N`` steps on any tier, oldest first. With ``strict``, a
         remote that cannot be read raises TierUnavailableError instead of being left out."""
         remote = remote_backend(self.remote, self.storage_options)
-        listed = catalog.list_steps(LocalTier(LocalBackend(self.root)), remote, strict=strict)
+        listed = committed_steps(self.root, remote, strict=strict)
         steps = [s.name for s in listed if _STEP_RE.match(s.name)]
         # Every name matched _STEP_RE just above.
         return sorted(steps, key=lambda n: int(_STEP_RE.match(n).group(1)))  # type: ignore[union-attr]
@@ -387,6 +361,4 @@ def _rng_key(process_index: int) -> str:
 
 def _write_trainer_state(run_dir: str, step: str, trainer_state: str) -> None:
     """Once committed: the plain ``trainer_state.json`` beside the data, for tools."""
-    LocalTier(LocalBackend(run_dir)).backend.write_atomically(
-        step, TRAINER_STATE_NAME, trainer_state.encode()
-    )
+    local_tier(run_dir).backend.write_atomically(step, TRAINER_STATE_NAME, trainer_state.encode())

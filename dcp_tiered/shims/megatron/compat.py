@@ -15,7 +15,7 @@ exports. The differences that reach dcp_tiered:
   ``common.pt`` (read first, as the legacy format).
 
 So the common state is read here, from either format, through the caller's reader (every tier,
-every byte verified), and :func:`~dcp_tiered.shims.megatron_strategy.write_sidecars` writes it
+every byte verified), and :func:`~dcp_tiered.shims.megatron.sidecars.write_sidecars` writes it
 back as ``common.pt``, which every release reads.
 """
 
@@ -30,7 +30,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from packaging.version import Version
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 try:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
@@ -84,7 +84,7 @@ def common_load_strategy(allow_pickle: bool) -> Any:
             f"megatron-core {VERSION} reads a checkpoint's common state with weights_only and "
             "has no hook for another loader (dist_checkpointing.load's common_strategy is gone "
             "since 0.17), so objects there cannot be loaded trusted through it. Load with "
-            "dcp_tiered.shims.megatron_load.load(..., allow_pickle=True) instead (the Megatron "
+            "dcp_tiered.shims.megatron.load.load(..., allow_pickle=True) instead (the Megatron "
             "facade does): it reads the common state through dcp_tiered's reader."
         )
     return _TrustedCommonLoad()
