@@ -38,7 +38,7 @@ from ..errors import (
 )
 from ..events import EventLog
 from ..lifecycle import Conventions, Lifecycle
-from ..policy import cadence, layout
+from ..policy import cadence, layout, step_names
 from ..policy.admission import Admission
 from ..policy.cadence import Decision, SavePolicy
 from ..policy.outcomes import PENDING, SKIPPED, SaveOutcome
@@ -412,7 +412,7 @@ class CheckpointManager:
                 raise CheckpointNotFoundError(f"step {step} is in no tier of this manager")
             return None
         name, tier = chosen
-        number = layout.step_number(name)
+        number = step_names.order_number(name)
         assert number is not None
         self.restored_step = number
         logger.info("restored %s from the %s tier", name, tier)

@@ -32,7 +32,6 @@ import functools
 import json
 import logging
 import os
-import re
 import shutil
 import tempfile
 from collections.abc import Mapping
@@ -54,6 +53,7 @@ from ..config import RemoteConfig
 from ..errors import CheckpointNotFoundError, ConfigError
 from ..lifecycle import Conventions, Lifecycle, quiet_single_process
 from ..policy.retention import RetentionPolicy
+from ..policy.step_names import HF
 from ..rank_state import capture_rng, restore_rng
 from ..reader import TieredStorageReader
 from ..tiers import catalog
@@ -70,7 +70,6 @@ except ImportError as e:  # pragma: no cover - exercised only without transforme
 logger = logging.getLogger(__name__)
 
 MODES = ("sync", "async")
-_STEP_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
 
 def wrap(
@@ -267,10 +266,8 @@ class TrainerTiers:
         """The committed ``checkpoint-N`` steps on any tier, oldest first. With ``strict``, a
         remote that cannot be read raises TierUnavailableError instead of being left out."""
         remote = remote_backend(self.remote, self.storage_options)
-        listed = catalog.list_steps(LocalTier(LocalBackend(self.root)), remote, strict=strict)
-        steps = [s.name for s in listed if _STEP_RE.match(s.name)]
-        # Every name matched _STEP_RE just above.
-        return sorted(steps, key=lambda n: int(_STEP_RE.match(n).group(1)))  # type: ignore[union-attr]
+        tier = LocalTier(LocalBackend(self.root))
+        return [s.name for _, s in catalog.numbered_steps(tier, remote, HF, strict=strict)]
 
     def latest(self) -> str | None:
         """The step ``train(resume_from_checkpoint=True)`` resumes from, or None."""

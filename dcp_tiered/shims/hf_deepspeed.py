@@ -37,6 +37,7 @@ from ..policy import identity
 from ..policy.identity import Owner
 from ..policy.layout import is_step_name
 from ..policy.retention import RetentionPolicy, StepState, evictions
+from ..policy.step_names import DEEPSPEED, HF
 from ..tiers import ownership
 from ..tiers.housekeeping import awaiting_remote
 from ..tiers.local import LocalTier
@@ -45,8 +46,6 @@ from . import deepspeed as ds_shim
 
 logger = logging.getLogger(__name__)
 
-_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
-_TAG = re.compile(r"^global_step(\d+)$")
 _RNG = re.compile(r"^rng_state(_\d+)?\.pth$")
 _WEIGHTS = re.compile(
     r"^(model|pytorch_model|adapter_model)(-\d+-of-\d+)?\.(safetensors|bin)"
@@ -78,7 +77,7 @@ def wrap_deepspeed(
         engine = trainer.model_wrapped.checkpoint_engine
         args, limit = trainer.args, trainer.args.save_total_limit
         run_dir = os.path.abspath(trainer._get_output_dir(trial=trial))
-        name = f"checkpoint-{trainer.state.global_step}"
+        name = HF.build(trainer.state.global_step)
         engine.wait()  # the previous save is committed (or failed, on every rank) first
         # Trainer writes its files into checkpoint-N before the step exists: the directory is
         # made pending first, so a crash leaves nothing a resume takes for a checkpoint, and
@@ -205,13 +204,12 @@ def prepare_resume(
                 "the paths."
             )
     else:
-        match = _CHECKPOINT.match(os.path.basename(os.path.normpath(str(wanted))))
-        if match is None:
+        number = HF.parse(os.path.basename(os.path.normpath(str(wanted))))
+        if number is None:
             return str(wanted)  # not Trainer's layout: Trainer says what is wrong with it
-        number = int(match.group(1))
-    step_dir = os.path.join(run_dir, f"checkpoint-{number}")
+    step_dir, tag = os.path.join(run_dir, HF.build(number)), DEEPSPEED.build(number)
     agree.by_node_leaders(
-        lambda: _rebuild(step_dir, f"global_step{number}", remote, storage_options),
+        lambda: _rebuild(step_dir, tag, remote, storage_options),
         f"rebuilding {step_dir}",
     )
     return step_dir
@@ -223,17 +221,17 @@ def _newest(
     """The newest N whose step is committed here or on the remote tier. A ``checkpoint-N``
     without its committed step is what a crash left mid-save: Trainer would pick it."""
     local = [
-        int(m.group(1))
+        number
         for n in (os.listdir(run_dir) if os.path.isdir(run_dir) else [])
-        if (m := _CHECKPOINT.match(n))
-        and LocalTier(LocalBackend(os.path.join(run_dir, n))).has_step(f"global_step{m[1]}")
+        if (number := HF.parse(n)) is not None
+        and LocalTier(LocalBackend(os.path.join(run_dir, n))).has_step(DEEPSPEED.build(number))
     ]
     backend = remote_backend(remote, storage_options)
     try:
         on_remote = [
-            int(m.group(1))
+            number
             for n in (RemoteTier(backend).steps() if backend else [])
-            if (m := _TAG.match(n))
+            if (number := DEEPSPEED.parse(n)) is not None
         ]
     except DcpTieredError as e:
         raise TierUnavailableError(
@@ -278,9 +276,9 @@ def rotate(
     cannot tell) is never deleted. Every delete is logged."""
     backend = LocalBackend(run_dir)
     states = [
-        StepState(n, int(m.group(1)))
+        StepState(n, number)
         for n in backend.list_names()
-        if (m := _CHECKPOINT.match(n)) and backend.is_dir(n) and not backend.is_link(n)
+        if (number := HF.parse(n)) is not None and backend.is_dir(n) and not backend.is_link(n)
     ]
     policy = RetentionPolicy(
         keep_latest=limit, pinned=frozenset({os.path.basename(best)} if best else ())

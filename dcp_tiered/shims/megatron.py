@@ -49,11 +49,11 @@ from ..distributed import is_node_leader
 from ..errors import ConfigError
 from ..events import EventLog
 from ..lifecycle import Conventions, Lifecycle, attempt, failure, raise_failures, settled
-from ..policy import layout
 from ..policy.replication import Replication
 from ..policy.retention import RetentionPolicy
+from ..policy.step_names import MEGATRON, order_number
 from ..tiers import snapshots
-from ..tiers.catalog import list_steps
+from ..tiers.catalog import numbered_steps
 from ..tiers.local import LocalTier
 from ..tiers.memory import MemoryTier
 from ..tiers.replica import Replicator
@@ -100,7 +100,7 @@ CONVENTIONS = Conventions(
 
 def iteration_dir(iteration: int) -> str:
     """Megatron-LM's directory name for an iteration."""
-    return f"iter_{iteration:07d}"
+    return MEGATRON.build(iteration)
 
 
 class EasyCkpt:
@@ -413,14 +413,13 @@ class EasyCkpt:
         """(iteration, tier): newest first, memory before storage for the same iteration."""
         found = {
             (n, "memory")
-            for n in map(layout.step_number, snapshots.candidates(self.memory, self.replica))
+            for n in map(order_number, snapshots.candidates(self.memory, self.replica))
             if n is not None
         }
         # Listing only: a writer on the load directory would sweep it and resume its uploads.
         remote = remote_backend(self.remote, self.storage_options) if with_remote else None
-        for s in list_steps(LocalTier(LocalBackend(root)), remote, strict=True):
-            if s.name.startswith("iter_") and (n := layout.step_number(s.name)) is not None:
-                found.add((n, "storage"))
+        for n, _ in numbered_steps(LocalTier(LocalBackend(root)), remote, MEGATRON, strict=True):
+            found.add((n, "storage"))
         return sorted(found, key=lambda c: (-c[0], c[1] != "memory"))
 
     def _load_memory(

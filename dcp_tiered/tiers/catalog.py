@@ -15,9 +15,10 @@ from ..errors import (
     TierError,
     TierUnavailableError,
 )
-from ..policy import layout
+from ..policy import layout, step_names
 from ..policy.identity import Owner, RunRecord
 from ..policy.manifest import Manifest
+from ..policy.step_names import StepNames
 from .local import LocalTier, StepInfo
 from .remote import Durability, RemoteTier
 
@@ -58,6 +59,18 @@ def list_steps(
     for name, committed_at, run_id in listed:
         _add_remote(found, name, committed_at, run_id)
     return sorted(found.values(), key=lambda s: s.committed_at_ns)
+
+
+def numbered_steps(
+    tier: LocalTier, remote: RemoteBackend | None, names: StepNames, *, strict: bool = False
+) -> list[tuple[int, StepLocation]]:
+    """A framework's committed steps on both tiers (those named exactly as ``names`` builds
+    them; any other directory is not its step and is left out), with their numbers, oldest
+    first. ``strict`` as for :func:`list_steps`."""
+    found = list_steps(tier, remote, strict=strict)
+    return sorted(
+        ((n, s) for s in found if (n := names.parse(s.name)) is not None), key=lambda ns: ns[0]
+    )
 
 
 def _located(s: StepInfo) -> StepLocation:
@@ -133,7 +146,7 @@ def remote_latest(remote: RemoteBackend) -> tuple[str, int] | None:
     except TierError as e:
         raise _unavailable(remote, e) from e
     listed = [(name, at) for name, at, _ in remote_steps(remote)]
-    newest = layout.newest(listed)
+    newest = step_names.newest(listed)
     return None if newest is None else next(s for s in listed if s[0] == newest)
 
 
@@ -196,7 +209,7 @@ def resolve(
             record = None
         if record is not None:
             steps = [s for s in steps if record.owner(s.run_id, s.name, s.save_id) != Owner.FOREIGN]
-        name = layout.newest((s.name, s.committed_at_ns) for s in steps)
+        name = step_names.newest((s.name, s.committed_at_ns) for s in steps)
         if name is None:
             raise CheckpointNotFoundError(
                 f"no committed step in {where}: nothing to load for 'latest'. Check the paths, "

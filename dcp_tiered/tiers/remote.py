@@ -32,7 +32,7 @@ from ..errors import (
     TierError,
     UploadFailedError,
 )
-from ..policy import layout, manifest, records
+from ..policy import layout, manifest, records, step_names
 from ..policy.identity import Owner
 from ..policy.manifest import Manifest
 from ..policy.prefixes import PrefixStrategy
@@ -222,7 +222,7 @@ class RemoteTier(OrphanSweep):
 
     def advance_latest(self, step: str, marker: dict[str, Any]) -> None:
         """Move the ``latest`` pointer to ``step`` unless it names a newer step (in
-        `layout.newest`'s order) that is committed, or about to be. Compare-and-set: two saves
+        `step_names.newest`'s order) that is committed, or about to be. Compare-and-set: two saves
         racing re-read and retry, so the pointer only ever moves forward. A pointer naming a
         step whose marker is another save's, or missing while no save of it is running, is
         replaced."""
@@ -233,7 +233,7 @@ class RemoteTier(OrphanSweep):
             if current is not None and current[0] is not None:
                 cur = current[0]
                 there = (str(cur["step"]), int(cur["marker"]["committed_at_ns"]))
-                if not layout.is_newer(step, int(marker["committed_at_ns"]), there):
+                if not step_names.is_newer(step, int(marker["committed_at_ns"]), there):
                     try:
                         found = self.marker(there[0])
                     except ManifestError as e:  # not a commit of that step: the pointer is stale

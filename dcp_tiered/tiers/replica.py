@@ -47,6 +47,7 @@ from ..distributed import replication_group
 from ..errors import CheckpointNotFoundError, ConfigError, DcpTieredError, IntegrityError, describe
 from ..policy import memory_format as fmt
 from ..policy.replication import Replication, Survey, node_of, rank_partners, sources
+from ..policy.step_names import STEP
 from .memory import MemoryTier, fill_state, verify
 
 logger = logging.getLogger(__name__)
@@ -215,7 +216,7 @@ class Replicator:
         agreed = torch.tensor([number], dtype=torch.int64)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group)
         step_number = int(agreed.item())
-        name = self._names.get(step_number, f"step-{step_number}")
+        name = self._names.get(step_number, STEP.build(step_number))
         if step_number == number:
             with contextlib.suppress(Exception):  # the save reports it; nothing to send
                 committed.result()
