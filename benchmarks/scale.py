@@ -8,7 +8,7 @@ and step, FSDP2 dim-0 sharding or FSDP2 + TP 8, 8 ranks per node):
     rank 0       DefaultSavePlanner.create_global_plan -> TieredStorageWriter.prepare_global_plan
     every rank   DefaultSavePlanner.finish_plan; WriteResults built as _write_file builds them
                  (same file split, names and ItemLocations; no bytes are written)
-    rank 0       describe (manifest.build, vanilla_metadata), commit.write_step_files, Handshake.coordinate
+    rank 0       describe (manifest_build.build, vanilla_metadata), commit.write_step_files, Handshake.coordinate
     one rank     manifest.parse, DefaultLoadPlanner's local plan, reader.prepare_local_plan
 
 and the same layouts through vanilla DCP (DefaultSavePlanner + FileSystemWriter), with and
@@ -79,7 +79,7 @@ from dcp_tiered import (
 from dcp_tiered._version import __version__
 from dcp_tiered.errors import ConfigError
 from dcp_tiered.item_writer import split_by_size
-from dcp_tiered.policy import integrity, layout, manifest
+from dcp_tiered.policy import integrity, layout, manifest, manifest_build
 from dcp_tiered.tiers import commit
 from dcp_tiered.writer import _planned_bytes
 from dcp_tiered.writer._describe import describe
@@ -337,7 +337,7 @@ class CountingStore:
             return out
 
 
-def handshake_ops(nodes: int, built: manifest.Built) -> dict[str, Any]:
+def handshake_ops(nodes: int, built: manifest_build.Built) -> dict[str, Any]:
     """Run the real Handshake: the coordinator against every other node's answers, and one
     follower node for its own operations (each follower does the same)."""
     store = CountingStore()

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from dcp_tiered import ConfigError, ManifestError
-from dcp_tiered.policy import layout, manifest, step_names
+from dcp_tiered.policy import layout, manifest, manifest_build, step_names
 
 names = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9_-]{0,20}", fullmatch=True)
 
@@ -114,7 +114,7 @@ def _metadata(shapes: list[tuple[int, ...]]) -> tuple[Metadata, dict]:
 def _build(md, locs, **kw):
     args = dict(step="step-3", save_id="s", world_size=2, nodes=[[0, 1]], committed_at_ns=5)
     args.update(kw)
-    return manifest.build(metadata=md, locations=locs, versions={"torch": "x"}, **args)
+    return manifest_build.build(metadata=md, locations=locs, versions={"torch": "x"}, **args)
 
 
 def _parse(built):

@@ -10,7 +10,7 @@ from .. import _torch_compat
 from ..backends.local import LocalBackend
 from ..backends.remote import RemoteBackend
 from ..errors import CheckpointExistsError, ConfigError, ForeignPathError
-from ..policy import layout, manifest
+from ..policy import layout, manifest, manifest_build
 from ..tiers import commit, uploads
 from ..tiers.local import LocalTier
 from ._plan import SaveInfo
@@ -63,7 +63,7 @@ def promote(tier: LocalTier, remote: RemoteBackend | None, save: SaveInfo) -> No
 def coordinate(
     tier: LocalTier,
     save: SaveInfo,
-    built: manifest.Built,
+    built: manifest_build.Built,
     metadata_bytes: bytes,
     *,
     overwrite: bool,
