@@ -399,8 +399,9 @@ def s3_model(
     the wire for a small save. Assumes every early upload succeeds (so promotion trusts its
     ``.done`` records and sends nothing per file), the coordinator's first poll finds every
     node record, no orphan saves, and a restore of ``latest`` on fresh nodes (nothing
-    local) at the same world size. ``shared_resolve``: 'latest' resolved by one rank and
-    shared (``catalog.resolve(share=...)``), else by every rank. ``retained_steps`` no
+    local) at the same world size. ``shared_resolve``: 'latest' resolved by rank 0 and
+    shared (``CheckpointManager.restore`` and the Megatron facade list the tiers on rank 0),
+    else by every rank (a ``TieredStorageReader`` on its own). ``retained_steps`` no
     longer matters: nothing lists the steps while the ``latest`` pointer is valid."""
     nodes = -(-world // RANKS_PER_NODE)
     # data, node records, manifest, .metadata, marker (+ the root's latest pointer, shared)

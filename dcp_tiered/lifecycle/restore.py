@@ -24,7 +24,7 @@ from ..errors import (
     describe,
 )
 from ..tiers.local import LocalTier
-from ..tiers.remote import quarantine_remote_step
+from ..tiers.remote import RemoteTier
 
 logger = logging.getLogger("dcp_tiered.lifecycle")  # the name its records always had
 
@@ -177,6 +177,6 @@ def quarantine(
     if remote is not None:
         agree.from_rank0(
             lambda: each(
-                lambda step: quarantine_remote_step(remote, step, reason=reason, run_id=run_id)
+                lambda step: RemoteTier(remote).quarantine(step, reason=reason, run_id=run_id)
             )
         )
