@@ -1,6 +1,6 @@
 """Building a step's manifest (its index and a section per node) from DCP's metadata and where
-the writer put each item. Pure: no I/O. The format is described in :mod:`.manifest`, which
-parses it."""
+the writer put each item. Pure: no I/O. The format is described in
+:mod:`dcp_tiered.policy.manifest`, which parses it."""
 
 from __future__ import annotations
 

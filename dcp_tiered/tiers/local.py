@@ -1,5 +1,6 @@
 """The local tier: committed steps under one root, their manifests, deletes and quarantine.
-Its pending directories are :mod:`.local_pending`'s, its crash recovery :mod:`.local_recovery`'s."""
+Its pending directories are :mod:`dcp_tiered.tiers.local_pending`'s, its crash recovery
+:mod:`dcp_tiered.tiers.local_recovery`'s."""
 
 from __future__ import annotations
 

@@ -10,8 +10,8 @@ stale, and readers then list the root instead.
 
 Acts that un-commit or delete (quarantine, delete) act only on a marker that names this run
 (or a save the run adopted), and delete only keys of our exact name grammar; anything else
-under the prefix is left alone. Quarantine is :mod:`.remote_quarantine`'s and the orphan sweep
-:mod:`.orphans`', both parts of :class:`RemoteTier`.
+under the prefix is left alone. Quarantine is :mod:`dcp_tiered.tiers.remote_quarantine`'s and
+the orphan sweep :mod:`dcp_tiered.tiers.orphans`', both parts of :class:`RemoteTier`.
 """
 
 from __future__ import annotations

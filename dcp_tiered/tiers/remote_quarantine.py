@@ -51,7 +51,8 @@ class RemoteQuarantine:
         """Move the commit marker of ``step`` aside (its objects stay where they are), so that
         ``latest``, retention and the step's immutability ignore it and the step can be saved
         again. Returns whether a marker was there. ForeignPathError if it commits a save that
-        is not run ``run_id``'s (see :meth:`owner`): that is never touched."""
+        is not run ``run_id``'s (see :meth:`dcp_tiered.tiers.remote.RemoteTier.owner`): that
+        is never touched."""
         remote = self.backend
         marker = self.marker(step)
         if marker is None:
