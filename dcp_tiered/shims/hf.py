@@ -63,7 +63,6 @@ try:
     from transformers import Trainer
     from transformers.trainer import TRAINER_STATE_NAME
     from transformers.trainer_callback import ExportableState
-    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 except ImportError as e:  # pragma: no cover - exercised only without transformers
     raise ImportError("dcp_tiered.shims.hf needs transformers: pip install 'dcp-tiered[hf]'") from e
 
@@ -181,16 +180,14 @@ class TrainerTiers:
     def save_checkpoint(self, model: Any, trial: Any) -> None:
         """Replaces ``Trainer._save_checkpoint``; called on every rank."""
         tr = self.trainer
-        step = f"{PREFIX_CHECKPOINT_DIR}-{tr.state.global_step}"
+        step = HF.build(tr.state.global_step)
         if tr.hp_search_backend is None and trial is None:
             tr.store_flos()
         run_dir = os.path.abspath(tr._get_output_dir(trial=trial))
         self.wait()  # one save in flight; its failure surfaces here
         best = tr.state.best_global_step
-        if best and LocalTier(LocalBackend(run_dir)).has_step(f"{PREFIX_CHECKPOINT_DIR}-{best}"):
-            tr.state.best_model_checkpoint = os.path.join(
-                run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best}"
-            )
+        if best and LocalTier(LocalBackend(run_dir)).has_step(HF.build(best)):
+            tr.state.best_model_checkpoint = os.path.join(run_dir, HF.build(best))
         _export_callback_state(tr)
         state = self._state()
         limit, best_dir = tr.args.save_total_limit, tr.state.best_model_checkpoint
@@ -280,7 +277,7 @@ class TrainerTiers:
         if wanted is True:
             if not steps:
                 raise CheckpointNotFoundError(
-                    f"no committed {PREFIX_CHECKPOINT_DIR}-N step in {where}: nothing to resume "
+                    f"no committed checkpoint-N step in {where}: nothing to resume "
                     "from. Train without resume_from_checkpoint, or check output_dir/remote."
                 )
             return steps[-1]
