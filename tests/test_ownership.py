@@ -21,8 +21,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_tiered import ForeignPathError, ForeignRunError, TieredStorageWriter
-from dcp_tiered.cli import main
 from dcp_tiered.backends.local import LocalBackend
+from dcp_tiered.cli import main
 from dcp_tiered.policy import identity, step_names
 from dcp_tiered.tiers import catalog
 from dcp_tiered.tiers.local import LocalTier
