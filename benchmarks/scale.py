@@ -8,7 +8,7 @@ and step, FSDP2 dim-0 sharding or FSDP2 + TP 8, 8 ranks per node):
     rank 0       DefaultSavePlanner.create_global_plan -> TieredStorageWriter.prepare_global_plan
     every rank   DefaultSavePlanner.finish_plan; WriteResults built as _write_file builds them
                  (same file split, names and ItemLocations; no bytes are written)
-    rank 0       describe (manifest.build, vanilla_metadata), commit.write_step_files, Handshake.coordinate
+    rank 0       describe (manifest_build.build, vanilla_metadata), commit.write_step_files, Handshake.coordinate
     one rank     manifest.parse, DefaultLoadPlanner's local plan, reader.prepare_local_plan
 
 and the same layouts through vanilla DCP (DefaultSavePlanner + FileSystemWriter), with and
@@ -80,7 +80,7 @@ from dcp_tiered._version import __version__
 from dcp_tiered.backends.local import LocalBackend
 from dcp_tiered.errors import ConfigError
 from dcp_tiered.item_writer import split_by_size
-from dcp_tiered.policy import integrity, layout, manifest
+from dcp_tiered.policy import integrity, layout, manifest, manifest_build
 from dcp_tiered.tiers import commit
 from dcp_tiered.tiers.root import Tiers
 from dcp_tiered.writer import _planned_bytes
@@ -339,7 +339,7 @@ class CountingStore:
             return out
 
 
-def handshake_ops(nodes: int, built: manifest.Built) -> dict[str, Any]:
+def handshake_ops(nodes: int, built: manifest_build.Built) -> dict[str, Any]:
     """Run the real Handshake: the coordinator against every other node's answers, and one
     follower node for its own operations (each follower does the same)."""
     store = CountingStore()
@@ -401,8 +401,9 @@ def s3_model(
     the wire for a small save. Assumes every early upload succeeds (so promotion trusts its
     ``.done`` records and sends nothing per file), the coordinator's first poll finds every
     node record, no orphan saves, and a restore of ``latest`` on fresh nodes (nothing
-    local) at the same world size. ``shared_resolve``: 'latest' resolved by one rank and
-    shared (``catalog.resolve(share=...)``), else by every rank. ``retained_steps`` no
+    local) at the same world size. ``shared_resolve``: 'latest' resolved by rank 0 and
+    shared (``CheckpointManager.restore`` and the Megatron facade list the tiers on rank 0),
+    else by every rank (a ``TieredStorageReader`` on its own). ``retained_steps`` no
     longer matters: nothing lists the steps while the ``latest`` pointer is valid."""
     nodes = -(-world // RANKS_PER_NODE)
     # data, node records, manifest, .metadata, marker (+ the root's latest pointer, shared)

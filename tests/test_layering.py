@@ -132,6 +132,9 @@ def test_the_checker_resolves_imports_and_would_catch_a_violation():
         "policy.identity",
         "policy.records",
         "tiers.ownership",
+        "tiers.local_pending",
+        "tiers.local_recovery",
+        "tiers.step_record",
         "backends.local",
         "errors",
     }

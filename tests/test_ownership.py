@@ -21,8 +21,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_tiered import ForeignPathError, ForeignRunError, TieredStorageWriter
+from dcp_tiered.backends.local import LocalBackend
 from dcp_tiered.cli import main
-from dcp_tiered.policy import identity
+from dcp_tiered.policy import identity, step_names
+from dcp_tiered.tiers import catalog
+from dcp_tiered.tiers.local import LocalTier
 from tests._manifests import index, tamper
 from tests.conftest import REPO, WORKERS, visible
 from tests.test_save_load import assert_state_equal, failure, load, save, state
@@ -243,3 +246,21 @@ def test_an_overwrite_never_replaces_a_step_of_another_run_even_when_asked(tmp_p
     save(root, "step-1", state(10), run_id="run-a", overwrite=True)  # its own: replaced
     assert_state_equal(load(root, "step-1"), state(10))
     assert torch.equal(load(root, "step-3")["w"], state(3)["w"])
+
+
+def test_a_framework_knows_its_steps_by_their_exact_names(tmp_path):
+    """A directory that only looks like a framework's step (leading zeros, a suffix, another
+    padding) is not one: an adapter resumes from, and rotates, only the names it builds."""
+    names = ["checkpoint-7", "checkpoint-007", "checkpoint-7-old", "iter_0000007", "iter_7"]
+    with TieredStorageWriter(tmp_path, sync_files=False) as writer:
+        for name in names:
+            dcp.save({"w": torch.ones(2)}, checkpoint_id=name, storage_writer=writer, no_dist=True)
+    tier = LocalTier(LocalBackend(tmp_path))
+    assert sorted(s.name for s in tier.steps()) == sorted(names)
+
+    def numbered(names: step_names.StepNames) -> list[tuple[int, str]]:
+        return [(n, s.name) for n, s in catalog.numbered_steps(tier, None, names)]
+
+    assert numbered(step_names.HF) == [(7, "checkpoint-7")]
+    assert numbered(step_names.MEGATRON) == [(7, "iter_0000007")]
+    assert numbered(step_names.STEP) == numbered(step_names.DEEPSPEED) == []

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from dcp_tiered import ConfigError, ManifestError
-from dcp_tiered.policy import layout, manifest
+from dcp_tiered.policy import layout, manifest, manifest_build, step_names
 
 names = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9_-]{0,20}", fullmatch=True)
 
@@ -56,7 +56,32 @@ def test_names_that_could_escape_the_root_are_refused(name):
 )
 def test_newest_is_highest_step_number(steps):
     named = [(f"step-{n}", t) for n, t in steps]
-    assert layout.newest(named) == f"step-{max(n for n, _ in steps)}"
+    assert step_names.newest(named) == f"step-{max(n for n, _ in steps)}"
+
+
+@given(st.integers(0, 10**9))
+def test_step_names_parse_what_they_build(n):
+    for names in step_names.KNOWN:
+        assert names.parse(names.build(n)) == n
+        assert step_names.order_number(names.build(n)) == n
+
+
+def test_step_names_are_exact_grammars():
+    assert step_names.MEGATRON.build(100) == "iter_0000100"
+    assert step_names.HF.build(7) == "checkpoint-7"
+    assert step_names.DEEPSPEED.build(7) == "global_step7"
+    # Names that merely look like a framework's step are not its steps.
+    for names, foreign in [
+        (step_names.STEP, ["step-", "step-03", "step-3.bak", "step-+3", "step-٣", "Step-3"]),
+        (step_names.MEGATRON, ["iter_100", "iter_00000100", "iter_abc0001"]),
+        (step_names.HF, ["checkpoint-007", "checkpoint-7\n", "checkpoint-7-old"]),
+        (step_names.DEEPSPEED, ["global_step", "global_step-7", "xglobal_step7"]),
+    ]:
+        assert [names.parse(n) for n in foreign] == [None] * len(foreign), names
+    # Ordering keeps a user's own names in their trailing-number order, as before.
+    assert step_names.order_number("epoch3-run20") == 20
+    assert step_names.order_number("final") is None
+    assert step_names.newest([("step-9", 5), ("final", 9), ("step-10", 1)]) == "step-10"
 
 
 def _metadata(shapes: list[tuple[int, ...]]) -> tuple[Metadata, dict]:
@@ -89,7 +114,7 @@ def _metadata(shapes: list[tuple[int, ...]]) -> tuple[Metadata, dict]:
 def _build(md, locs, **kw):
     args = dict(step="step-3", save_id="s", world_size=2, nodes=[[0, 1]], committed_at_ns=5)
     args.update(kw)
-    return manifest.build(metadata=md, locations=locs, versions={"torch": "x"}, **args)
+    return manifest_build.build(metadata=md, locations=locs, versions={"torch": "x"}, **args)
 
 
 def _parse(built):

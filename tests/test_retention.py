@@ -28,7 +28,7 @@ from dcp_tiered import (
     TieredStorageWriter,
     UploadFailedError,
 )
-from dcp_tiered.policy import layout
+from dcp_tiered.policy import layout, step_names
 from dcp_tiered.policy.retention import StepState, decide, evictions
 from dcp_tiered.tiers import housekeeping
 from dcp_tiered.tiers.root import Tiers as RootTiers
@@ -133,10 +133,10 @@ class Tiers(RuleBasedStateMachine):
             if tier == "local":
                 self.promote.discard(name)
         if before:
-            newest = layout.newest(before.items())
+            newest = step_names.newest(before.items())
             assert newest in self.tiers[tier], f"evicted the newest step {newest} of {tier}"
         for name in before:
-            num = layout.step_number(name)
+            num = step_names.order_number(name)
             protected = (
                 name in self.policy.pinned
                 or (self.policy.keep_every and num % self.policy.keep_every == 0)
@@ -149,7 +149,9 @@ class Tiers(RuleBasedStateMachine):
             n
             for n in self.tiers[tier]
             if n not in self.policy.pinned
-            and not (self.policy.keep_every and layout.step_number(n) % self.policy.keep_every == 0)
+            and not (
+                self.policy.keep_every and step_names.order_number(n) % self.policy.keep_every == 0
+            )
             and n not in awaiting
         ]
         assert len(unprotected) <= self.policy.keep_latest
@@ -159,7 +161,7 @@ class Tiers(RuleBasedStateMachine):
         # The newest step ever committed anywhere is only gone if someone else deleted it.
         every = {n for t in self.tiers.values() for n in t}
         if every:
-            newest = max(every, key=layout.step_number)
+            newest = max(every, key=step_names.order_number)
             assert any(newest in t for t in self.tiers.values())
 
 

@@ -14,13 +14,13 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import fsspec
-from fsspec.asyn import sync
 
 from .. import _retry
 from ..config import RemoteConfig, RetryConfig
 from ..errors import ConfigError, PermanentTierError, TransientTierError
 from . import s3_checksums
 from ._remote_files import LOCAL_PROTOCOLS, mtime_of, split_url, tag_of, write_whole
+from ._remote_tagged import TaggedObjects
 from .base import Backend
 from .remote_errors import PERMANENT_HINTS, translate
 
@@ -30,7 +30,7 @@ T = TypeVar("T")
 _OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "adl"}
 
 
-class RemoteBackend(Backend):
+class RemoteBackend(TaggedObjects, Backend):
     """Objects under one fsspec URL. Keys are relative to it; nothing outside is touched."""
 
     def __init__(self, config: RemoteConfig) -> None:
@@ -212,78 +212,7 @@ class RemoteBackend(Backend):
             )
         return len(uploads)
 
-    def put_if(self, key: str, data: bytes, tag: str | None) -> bool:
-        """Write ``key`` only if it still is the version ``tag`` (from :meth:`get_tagged`;
-        None: only if absent). False if another writer got there first. S3: If-Match /
-        If-None-Match; stores without conditional writes: a plain write (the caller re-reads)."""
-        if tag is None:
-            return self.create_exclusive(key, data)
-        if self.protocol not in ("s3", "s3a"):
-            self.put_bytes(key, data)
-            return True
-        bucket, _, obj = self.path(key).partition("/")
-        try:
-            self._call(
-                "put",
-                key,
-                lambda: self.fs.call_s3(
-                    "put_object", Bucket=bucket, Key=obj, Body=data, IfMatch=tag
-                ),
-            )
-        except (FileExistsError, FileNotFoundError):  # 412: changed since; 404: removed since
-            return False
-        return True
-
     # ------------------------------------------------------------ reads
-
-    def get_tagged(self, key: str) -> tuple[bytes, str | None] | None:
-        """The bytes of ``key`` and its version tag (S3: the ETag, for :meth:`put_if`), with
-        one GET; None if it does not exist."""
-        try:
-            if self.protocol in ("s3", "s3a"):
-                bucket, _, obj = self.path(key).partition("/")
-
-                def get() -> tuple[bytes, str | None]:
-                    resp = self.fs.call_s3("get_object", Bucket=bucket, Key=obj)
-                    body = resp["Body"]
-                    try:
-                        return sync(self.fs.loop, body.read), resp.get("ETag")
-                    finally:
-                        body.close()
-
-                return self._call("get", key, get)
-            return self._call("get", key, lambda: self.fs.cat_file(self.path(key))), ""
-        except FileNotFoundError:
-            return None
-
-    def fold_object(
-        self, key: str, span: int, fold: Callable[[T, bytes], T], init: T
-    ) -> tuple[T, str | None]:
-        """Read all of ``key`` with one GET (S3: one request whatever its size), handing its
-        body to ``fold`` in chunks of at most ``span`` bytes (memory: one chunk). Retried
-        whole from ``init`` on a transient error. Returns the fold and the version tag of the
-        object read (see :meth:`listing`)."""
-        path = self.path(key)
-
-        def run() -> tuple[T, str | None]:
-            acc = init
-            if self.protocol in ("s3", "s3a"):
-                bucket, _, obj = path.partition("/")
-                resp = self.fs.call_s3("get_object", Bucket=bucket, Key=obj)
-                body = resp["Body"]
-                try:
-                    while chunk := sync(self.fs.loop, body.read, span):
-                        acc = fold(acc, chunk)
-                finally:
-                    body.close()
-                return acc, resp.get("ETag")
-            with self.fs.open(path, "rb") as f:
-                before = tag_of(self.fs.info(path))
-                while chunk := f.read(span):
-                    acc = fold(acc, chunk)
-            return acc, (before if before == tag_of(self.fs.info(path)) else None)
-
-        return self._call("get", key, run)
 
     def get_bytes(self, key: str) -> bytes:
         if self.protocol in ("s3", "s3a"):  # one GET (s3fs may HEAD first, or list if absent)

@@ -10,7 +10,7 @@ import logging
 from typing import Any
 
 from ..errors import ManifestError, TierError, TierUnavailableError
-from ..policy import layout
+from ..policy import step_names
 from ..tiers import catalog, replica, verify
 from ..tiers import memory as memory_tier
 from ..tiers.remote import RemoteTier
@@ -160,7 +160,7 @@ def cmd_status(run: Run) -> int:
         ).value
         if row.get("promote"):
             row["durability"] += " (remote unreadable)" if unreadable else " (upload pending)"
-    ordered = sorted(rows.items(), key=lambda kv: (layout.step_number(kv[0]) or -1, kv[0]))
+    ordered = sorted(rows.items(), key=lambda kv: (step_names.order_number(kv[0]) or -1, kv[0]))
     status = UNREADABLE if unreadable else OK
     run.fields.update(
         memory=memory, unreadable=unreadable, steps=[{"step": k, **v} for k, v in ordered]

@@ -10,8 +10,8 @@ from concurrent.futures import Future
 from typing import Any
 
 from ..events import EventLog
-from ..policy import layout
 from ..policy.replication import Replication
+from ..policy.step_names import order_number
 from ..tiers import snapshots
 from ..tiers.memory import MemoryTier
 from ..tiers.replica import Replicator
@@ -74,7 +74,7 @@ class MemorySnapshots:
         """The step numbers to try from memory (with replication: those every rank can get
         whole, as of the last survey; else this rank's own)."""
         names = snapshots.candidates(self.tier, self.replica)
-        return [n for n in map(layout.step_number, names) if n is not None]
+        return [n for n in map(order_number, names) if n is not None]
 
     def load(self, step: str, state: dict[str, Any]) -> str | None:
         """Loads this rank's snapshot of ``step`` into ``state``; None, or why it failed

@@ -24,7 +24,7 @@ from ..errors import (
     describe,
 )
 from ..tiers.local import LocalTier
-from ..tiers.remote import quarantine_remote_step
+from ..tiers.remote import RemoteTier
 from .writers import Writers
 
 logger = logging.getLogger("dcp_tiered.lifecycle")  # the name its records always had
@@ -178,7 +178,7 @@ def quarantine(
     if remote is not None:
         agree.from_rank0(
             lambda: each(
-                lambda step: quarantine_remote_step(remote, step, reason=reason, run_id=run_id)
+                lambda step: RemoteTier(remote).quarantine(step, reason=reason, run_id=run_id)
             )
         )
 

@@ -12,23 +12,30 @@ import os
 
 from ..backends.local import LocalBackend, replace_file
 from ..backends.remote import RemoteBackend, remote_backend
-from ..policy.layout import MANIFEST_NAME, is_step_name, step_number, validate_step_name
+from ..policy.layout import MANIFEST_NAME, is_step_name, validate_step_name
+from ..policy.step_names import DEEPSPEED, HF, MEGATRON, STEP, StepNames, order_number
 from ..tiers import catalog, pull
-from ..tiers.catalog import StepLocation
 from ..tiers.local import LocalTier
 from ..tiers.remote import RemoteTier
+from ..tiers.step_record import CommittedStep
 
 __all__ = [
+    "DEEPSPEED",
+    "HF",
     "MANIFEST_NAME",
+    "MEGATRON",
+    "STEP",
+    "StepNames",
     "adopt_remote_step",
     "committed_steps",
     "files_in",
     "is_step_name",
     "local_tier",
     "newest_step",
+    "numbered_steps",
+    "order_number",
     "remote_backend",
     "remote_step_names",
-    "step_number",
     "validate_step_name",
     "write_file_atomically",
 ]
@@ -47,10 +54,19 @@ def files_in(directory: str | os.PathLike[str]) -> LocalBackend:
 
 def committed_steps(
     root: str | os.PathLike[str], remote: RemoteBackend | None, *, strict: bool
-) -> list[StepLocation]:
+) -> list[CommittedStep]:
     """The steps committed in ``root`` and on ``remote``, oldest first (an unreadable remote
     raises TierUnavailableError with ``strict``, else it is logged and left out)."""
     return catalog.list_steps(local_tier(root), remote, strict=strict)
+
+
+def numbered_steps(
+    root: str | os.PathLike[str], remote: RemoteBackend | None, names: StepNames, *, strict: bool
+) -> list[tuple[int, CommittedStep]]:
+    """A framework's committed steps in ``root`` and on ``remote``: those named exactly as
+    ``names`` builds them (any other directory is not its step), with their numbers, oldest
+    first. ``strict`` as for :func:`committed_steps`."""
+    return catalog.numbered_steps(local_tier(root), remote, names, strict=strict)
 
 
 def newest_step(root: str | os.PathLike[str], remote: RemoteBackend | None) -> str:

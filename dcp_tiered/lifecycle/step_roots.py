@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,6 +17,7 @@ from ..config import RemoteConfig
 from ..policy import identity
 from ..policy.identity import Owner
 from ..policy.retention import RetentionPolicy, StepState, evictions
+from ..policy.step_names import StepNames
 from ..tiers import ownership
 from ..tiers.housekeeping import awaiting_remote
 from ..tiers.local import LocalTier
@@ -59,7 +59,7 @@ def join_run(
 
 def prune_step_roots(
     run_dir: str,
-    root_name: re.Pattern[str],
+    root_names: StepNames,
     policy: RetentionPolicy,
     remote: str | RemoteConfig | None,
     storage_options: Mapping[str, Any] | None,
@@ -67,15 +67,17 @@ def prune_step_roots(
     label: str,
     reason: str,
 ) -> list[str]:
-    """Applies ``policy`` to the directories of ``run_dir`` that ``root_name`` matches (its
-    first group: the step number); the names deleted. A root of another run, holding a step
+    """Applies ``policy`` to the directories of ``run_dir`` named exactly as ``root_names``
+    builds them (any other directory is not a step root); the names deleted. A root of another run, holding a step
     not the run's, or whose step is not durable on the remote tier (or it cannot tell) is never
     deleted. ``label`` names the rule in what is logged, ``reason`` each delete."""
     backend = LocalBackend(run_dir)
     states = [
-        StepState(n, int(m.group(1)))
+        StepState(n, number)
         for n in backend.list_names()
-        if (m := root_name.match(n)) and backend.is_dir(n) and not backend.is_link(n)
+        if (number := root_names.parse(n)) is not None
+        and backend.is_dir(n)
+        and not backend.is_link(n)
     ]
     remote_store = remote_backend(remote, storage_options)
     # The run: the one run_dir records (see join_run).

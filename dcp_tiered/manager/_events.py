@@ -7,10 +7,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..lifecycle import Save
+from ..policy.step_names import STEP
 
 
 def step_name(step: int) -> str:
-    return f"step-{step}"
+    return STEP.build(step)
 
 
 @dataclass

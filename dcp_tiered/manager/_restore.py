@@ -17,7 +17,7 @@ from ..errors import CheckpointNotFoundError, DcpTieredError, describe
 from ..events import EventLog
 from ..lifecycle import Lifecycle, LoadFailure
 from ..load_planner import TieredLoadPlanner
-from ..policy import layout
+from ..policy import step_names
 from ..policy.cadence import Decision
 from ..policy.identity import Owner
 from ..rank_state import RankState
@@ -87,7 +87,7 @@ class Sources:
         )
         restored, what = -1, None
         if chosen is not None:
-            number = layout.step_number(chosen[0])
+            number = step_names.order_number(chosen[0])
             assert number is not None  # candidates are numbered steps
             restored, what = number, f"{chosen[0]} from the {chosen[1]} tier"
         snapshots.report_lost(self.replica, restored, what, rank=self.rank, emit=self.emit)
@@ -136,7 +136,7 @@ class Sources:
                     entry(name)["partners"][rank] = held
         for s in list_steps(self.local, self.remote):
             entry(s.name).update(local=s.local, remote=s.remote)
-        return dict(sorted(out.items(), key=lambda kv: -(layout.step_number(kv[0]) or -1)))
+        return dict(sorted(out.items(), key=lambda kv: -(step_names.order_number(kv[0]) or -1)))
 
 
 def candidates(
@@ -151,24 +151,24 @@ def candidates(
     order = {"memory": 0, "local": 1}
     # With replication: steps every rank can get from its own memory or a partner's copy.
     for name, committed_at in snapshots.candidates(memory, replica).items():
-        found.append((layout.step_number(name) or -1, committed_at, name, "memory"))
+        found.append((step_names.order_number(name) or -1, committed_at, name, "memory"))
     record = local.record()
     for s in list_steps(local, remote, strict=True):
         if record is not None and record.owner(s.run_id, s.name, s.save_id) == Owner.FOREIGN:
             continue  # another run's step: listed by `dcp-tiered ls`, never restored here
-        found.append((layout.step_number(s.name) or -1, s.committed_at_ns, s.name, "local"))
+        found.append((step_names.order_number(s.name) or -1, s.committed_at_ns, s.name, "local"))
     if only is not None:
         found = [f for f in found if f[2] == only]
     found.sort(key=lambda f: (-f[0], order[f[3]], -f[1]))
-    return [(name, tier) for _, _, name, tier in found if layout.step_number(name) is not None]
+    return [(name, tier) for _, _, name, tier in found if step_names.order_number(name) is not None]
 
 
 def proven_newer(proven: list[tuple[str, str]], chosen: tuple[str, str]) -> list[str]:
     """The disk steps newer than ``chosen`` some rank proved bad (a memory snapshot is only
     ever skipped, never quarantined)."""
-    number = layout.step_number(chosen[0]) or -1
+    number = step_names.order_number(chosen[0]) or -1
     return sorted(
-        {n for n, t in proven if t != "memory" and (layout.step_number(n) or -1) > number}
+        {n for n, t in proven if t != "memory" and (step_names.order_number(n) or -1) > number}
     )
 
 
@@ -265,7 +265,7 @@ class Restoring:
                 raise CheckpointNotFoundError(f"step {step} is in no tier of this manager")
             return None
         name, tier = chosen
-        number = layout.step_number(name)
+        number = step_names.order_number(name)
         assert number is not None
         self.restored_step = number
         logger.info("restored %s from the %s tier", name, tier)

@@ -49,8 +49,9 @@ NODE_RECORDS = "_nodes"
 CLAIMS = "_claims"
 REMOTE_LAYOUT = 2  # objects of a save under STEP/<save id>/ (layout 1: directly under STEP/)
 # The remote root's pointer to its newest committed step (hidden: never a step name). Written
-# after the step's marker, moved only forward in `newest`'s order; restores read it instead of
-# listing the root, and fall back to listing when it is missing or names no committed save.
+# after the step's marker, moved only forward in `step_names.newest`'s order; restores read it
+# instead of listing the root, and fall back to listing when it is missing or names no
+# committed save.
 REMOTE_LATEST = ".dcp-tiered-latest.json"
 # The remote root's checksum probe (backends/s3_checksums.py): a tiny object only this library
 # writes, under a hidden prefix that is never a step name, deleted by the probe that made it.
@@ -61,7 +62,6 @@ _STEP_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # fullmatch: no trai
 _DATA_FILE_RE = re.compile(r"__(0|[1-9][0-9]{0,8})_(0|[1-9][0-9]{0,5})\.distcp")
 _NODE_FILE_RE = re.compile(r"node-(0|[1-9][0-9]{0,6})\.json")
 _SAVE_ID_RE = re.compile(r"[0-9a-f]{1,32}")
-_TRAILING_INT = re.compile(r"(\d+)$")
 
 
 def validate_step_name(name: object) -> str:
@@ -160,26 +160,6 @@ def is_save_object(rel: str) -> bool:
     if tail:
         return head in (NODE_RECORDS, CLAIMS) and bool(_NODE_FILE_RE.fullmatch(tail))
     return is_data_file(rel) or is_step_metadata(rel)
-
-
-def step_number(step: str) -> int | None:
-    m = _TRAILING_INT.search(step)
-    return int(m.group(1)) if m else None
-
-
-def newest(steps: Iterable[tuple[str, int]]) -> str | None:
-    """Pick the newest of ``(step, committed_at_ns)`` pairs.
-
-    Steps are ordered by their trailing number ('step-100' > 'step-20'), then by commit time,
-    so that re-saving an old step does not make it "latest" over a newer training step.
-    """
-    best: tuple[int, int, str] | None = None
-    for name, committed_at in steps:
-        num = step_number(name)
-        key = (num if num is not None else -1, committed_at, name)
-        if best is None or key > best:
-            best = key
-    return best[2] if best else None
 
 
 def is_save_id(value: object) -> bool:
@@ -286,14 +266,6 @@ def run_of(record: Mapping[str, Any]) -> str | None:
 def latest_body(step: str, marker: Mapping[str, Any]) -> dict[str, Any]:
     """The ``latest`` pointer's content: the step and the marker that committed it."""
     return {"step": step, "marker": dict(marker)}
-
-
-def is_newer(step: str, committed_at_ns: int, than: tuple[str, int] | None) -> bool:
-    """Whether ``step`` comes after ``than`` (a ``(step, committed_at_ns)``) in `newest`'s
-    order, or is the same step name (committed again: its marker is the one that counts)."""
-    if than is None or than[0] == step:
-        return True
-    return newest([than, (step, committed_at_ns)]) == step
 
 
 def keys_of_marker(step: str, marker: Mapping[str, Any]) -> RemoteKeys:

@@ -13,6 +13,8 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from ..errors import ManifestError
 
 FORMAT = "dcp-tiered-manifest"
+SECTION_FORMAT = "dcp-tiered-manifest-section"
+VERSION = 2  # an index and a section per node (1: one document, see manifest_v1)
 SHARED = -1  # the section of the items every rank reads, whatever its node
 # torch.save's archive around a tensor's own bytes: about 1.5 KiB (docs: item-format findings);
 # a stored tensor item is never longer than its chunk's bytes plus this.

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
-from . import layout
+from . import step_names
 
 GROUPINGS = ("ring", "pairs")
 # Where launchers name a process's node: torchrun, then generic launchers, then SLURM.
@@ -149,8 +149,8 @@ class Survey:
             s for held in self.held for r, steps in held.items() if r < world for s in steps
         }
         return sorted(
-            (n for n in names if layout.step_number(n) is not None),
-            key=lambda n: -(layout.step_number(n) or 0),
+            (n for n in names if step_names.order_number(n) is not None),
+            key=lambda n: -(step_names.order_number(n) or 0),
         )
 
     def missing(self, step: str) -> list[int]:
@@ -166,7 +166,7 @@ class Survey:
         return {
             s: miss
             for s in self.steps()
-            if (layout.step_number(s) or -1) > newer_than and (miss := self.missing(s))
+            if (step_names.order_number(s) or -1) > newer_than and (miss := self.missing(s))
         }
 
 
@@ -175,7 +175,7 @@ def describe_lost(survey: Survey, lost: dict[str, list[int]], restored: str | No
     copies should have been."""
     missing = sorted({r for ranks in lost.values() for r in ranks})
     nodes = sorted({survey.nodes[r] for r in missing}, key=_natural)
-    numbers = sorted(layout.step_number(s) or 0 for s in lost)
+    numbers = sorted(step_names.order_number(s) or 0 for s in lost)
     return (
         f"step(s) {', '.join(map(str, numbers))} were lost: rank(s) "
         f"{', '.join(map(str, missing))} (node(s) {', '.join(nodes)}) have no copy of them, "

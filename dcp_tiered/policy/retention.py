@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
-from . import layout
+from . import step_names
 
 
 @dataclass(frozen=True)
@@ -43,26 +43,23 @@ class RetentionPolicy:
 
 @dataclass(frozen=True)
 class StepState:
-    """A committed step of one tier as retention sees it."""
+    """A committed step of one tier as retention sees it: a name and a commit time, whichever
+    tier or framework listed it (a local directory, a remote marker, a shim's numbering)."""
 
     name: str
     committed_at_ns: int
 
 
-def order_key(s: StepState) -> tuple[int, int, str]:
-    """Oldest first: by trailing step number, then commit time (as ``layout.newest``)."""
-    num = layout.step_number(s.name)
-    return (num if num is not None else -1, s.committed_at_ns, s.name)
-
-
 def evictions(steps: Iterable[StepState], policy: RetentionPolicy) -> list[str]:
     """Names of the steps the policy would delete from this tier, oldest first (before the
     steps still awaiting a lower tier are held back: :func:`decide`)."""
-    ordered: Sequence[StepState] = sorted(steps, key=order_key)
+    ordered: Sequence[StepState] = sorted(
+        steps, key=lambda s: step_names.order_key(s.name, s.committed_at_ns)
+    )
     latest = {s.name for s in ordered[-policy.keep_latest :]}
     doomed = []
     for s in ordered:
-        num = layout.step_number(s.name)
+        num = step_names.order_number(s.name)
         milestone = (
             policy.keep_every is not None and num is not None and num % policy.keep_every == 0
         )

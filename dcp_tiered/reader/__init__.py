@@ -35,6 +35,7 @@ from ..policy.manifest import ItemLocation
 from ..tiers import catalog
 from ..tiers.local import LocalTier
 from ..tiers.remote import RemoteTier
+from ..tiers.step_record import CommittedStep
 from ._local import LocalReads
 
 logger = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ class TieredStorageReader(LocalReads, StorageReader):
         # Vanilla steps only: the stream extensions each item was written through.
         self._descriptors: dict[MetadataIndex, tuple[str, ...]] = {}
         self._requested: str | os.PathLike[str] | None = None
-        self._step: catalog.StepLocation | None = None
+        self._step: CommittedStep | None = None
         self._dir: tuple[str, ...] = ()
         self._manifest: manifest.Manifest | None = None
         self._index_is_local = False  # read sections from the local directory when they are there
@@ -121,7 +122,10 @@ class TieredStorageReader(LocalReads, StorageReader):
         if self._requested is None and self._tier.backend.exists(layout.DCP_METADATA_NAME):
             # The root itself is a vanilla DCP checkpoint directory.
             name = os.path.basename(self.root)
-            self._step, self._dir = catalog.StepLocation(name, 0, True, False, False), ()
+            self._step, self._dir = (
+                CommittedStep(name, 0, verified_format=False, as_saved=False),
+                (),
+            )
             return self._read_vanilla_metadata()
         try:
             self._tier.undo_interrupted_overwrites()
@@ -139,7 +143,7 @@ class TieredStorageReader(LocalReads, StorageReader):
         self._chunks = {}
         return self._manifest.metadata
 
-    def _load_manifest(self, step: catalog.StepLocation) -> manifest.Manifest:
+    def _load_manifest(self, step: CommittedStep) -> manifest.Manifest:
         """The manifest's index alone: read_data merges the sections its items need."""
         self._index_is_local = False
         if step.local:

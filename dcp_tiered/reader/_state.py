@@ -22,8 +22,8 @@ from ..backends.remote import RemoteBackend
 from ..errors import DcpTieredError, IntegrityError
 from ..policy import integrity, layout, manifest
 from ..policy.manifest import ItemLocation
-from ..tiers import catalog
 from ..tiers.local import LocalTier
+from ..tiers.step_record import CommittedStep
 
 
 class ReaderState:
@@ -37,7 +37,7 @@ class ReaderState:
     _transforms: StorageReaderTransforms
     _descriptors: dict[MetadataIndex, tuple[str, ...]]
     _requested: str | os.PathLike[str] | None
-    _step: catalog.StepLocation | None
+    _step: CommittedStep | None
     _dir: tuple[str, ...]
     _manifest: manifest.Manifest | None
     _index_is_local: bool

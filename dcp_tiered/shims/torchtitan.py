@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -52,7 +51,7 @@ from .. import RetentionPolicy
 from ..config import RemoteConfig
 from ..errors import CheckpointNotFoundError, ConfigError
 from ..lifecycle import Conventions, Lifecycle, attempt, settled
-from ..lifecycle.roots import committed_steps, remote_backend
+from ..lifecycle.roots import STEP, numbered_steps, remote_backend
 from ..reader import TieredStorageReader
 
 try:
@@ -68,7 +67,6 @@ except ImportError as e:  # pragma: no cover - exercised only without torchtitan
 
 logger = logging.getLogger(__name__)
 
-STEP = re.compile(r"^step-(\d+)$")  # torchtitan's step directories, exactly
 CONVENTIONS = Conventions(
     "torchtitan",
     overwrite_hint="save under another step or folder",
@@ -248,13 +246,13 @@ class TieredCheckpointMixin:
         remote = (
             remote_backend(self.tiers.remote, self.tiers.storage_options) if with_remote else None
         )
-        found = committed_steps(self.root, remote, strict=True)
-        return sorted((s.name for s in found if STEP.match(s.name)), key=_number, reverse=True)
+        found = numbered_steps(self.root, remote, STEP, strict=True)
+        return [s.name for _, s in reversed(found)]
 
     def _load(self, step: int = -1) -> bool:
         """Collective: restores ``step`` (-1: the newest that loads) from the tiers; without a
         step of ours, torchtitan's initial load (``initial_load_path``, HF weights) runs."""
-        wanted = None if step == -1 else f"step-{step}"
+        wanted = None if step == -1 else STEP.build(step)
 
         def candidates(with_remote: bool) -> list[str]:
             steps = self.committed(with_remote=with_remote)
@@ -354,9 +352,9 @@ def tiered_checkpoint(config: CheckpointManager.Config, **tiers: Any) -> Any:
 
 
 def _number(step: str) -> int:
-    match = STEP.match(step)
-    assert match is not None, step  # every step listed matched STEP
-    return int(match.group(1))
+    number = STEP.parse(step)
+    assert number is not None, step  # every step listed is named exactly as STEP builds
+    return number
 
 
 __all__ = [

@@ -15,38 +15,23 @@ from ..errors import (
     TierError,
     TierUnavailableError,
 )
-from ..policy import layout
-from ..policy.identity import Owner, RunRecord
+from ..policy import layout, step_names
+from ..policy.identity import Owner
 from ..policy.manifest import Manifest
-from .local import LocalTier, StepInfo
+from ..policy.step_names import StepNames
+from .local import LocalTier
 from .remote import Durability, RemoteTier
+from .step_record import CommittedStep, remote_only
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class StepLocation:
-    name: str
-    committed_at_ns: int
-    local: bool  # a committed directory on the local tier
-    remote: bool  # a commit marker on the remote tier
-    verified_format: bool  # False: a vanilla DCP directory without our manifest
-    run_id: str | None = None  # the run that saved it (its manifest's, else its marker's)
-    save_id: str = ""
-
-    def owner(self, record: RunRecord | None) -> Owner:
-        """Whose this step is for the run ``record`` (a root's; None: the root records none)."""
-        if record is not None:
-            return record.owner(self.run_id, self.name, self.save_id)
-        return Owner.UNOWNED if self.run_id is None else Owner.FOREIGN
-
-
 def list_steps(
     tier: LocalTier, remote: RemoteBackend | None, *, strict: bool = False
-) -> list[StepLocation]:
+) -> list[CommittedStep]:
     """Committed steps on both tiers, oldest first. An unreadable remote raises
     TierUnavailableError with ``strict``; otherwise it is logged and left out."""
-    found = {s.name: _located(s) for s in tier.steps()}
+    found = {s.name: s for s in tier.steps()}
     listed: list[tuple[str, int, str | None]] = []
     if remote is not None:
         try:
@@ -60,25 +45,24 @@ def list_steps(
     return sorted(found.values(), key=lambda s: s.committed_at_ns)
 
 
-def _located(s: StepInfo) -> StepLocation:
-    """A local step as a location: on the local tier only (the remote is added after)."""
-    return StepLocation(
-        s.name, s.committed_at_ns, True, False, s.verified_format, s.run_id, s.save_id
+def numbered_steps(
+    tier: LocalTier, remote: RemoteBackend | None, names: StepNames, *, strict: bool = False
+) -> list[tuple[int, CommittedStep]]:
+    """A framework's committed steps on both tiers (those named exactly as ``names`` builds
+    them; any other directory is not its step and is left out), with their numbers, oldest
+    first. ``strict`` as for :func:`list_steps`."""
+    found = list_steps(tier, remote, strict=strict)
+    return sorted(
+        ((n, s) for s in found if (n := names.parse(s.name)) is not None), key=lambda ns: ns[0]
     )
 
 
 def _add_remote(
-    found: dict[str, StepLocation], name: str, committed_at: int, run_id: str | None = None
+    found: dict[str, CommittedStep], name: str, committed_at: int, run_id: str | None = None
 ) -> None:
     local = found.get(name)
-    found[name] = StepLocation(
-        name,
-        max(committed_at, local.committed_at_ns) if local else committed_at,
-        local is not None,
-        True,
-        local.verified_format if local else True,
-        local.run_id if local else run_id,
-        local.save_id if local else "",
+    found[name] = (
+        local.also_remote(committed_at) if local else remote_only(name, committed_at, run_id)
     )
 
 
@@ -133,7 +117,7 @@ def remote_latest(remote: RemoteBackend) -> tuple[str, int] | None:
     except TierError as e:
         raise _unavailable(remote, e) from e
     listed = [(name, at) for name, at, _ in remote_steps(remote)]
-    newest = layout.newest(listed)
+    newest = step_names.newest(listed)
     return None if newest is None else next(s for s in listed if s[0] == newest)
 
 
@@ -141,7 +125,7 @@ def resolve(
     tier: LocalTier,
     remote: RemoteBackend | None,
     checkpoint_id: str | os.PathLike[str] | None,
-) -> StepLocation:
+) -> CommittedStep:
     """Map 'latest' (or None) or a step name to a committed step on some tier, or raise.
 
     On the remote, 'latest' costs two GETs (:func:`remote_latest`), a step name one (its
@@ -161,7 +145,7 @@ def resolve(
     else:  # the one step asked for: a root of many steps is not listed to find it
         assert isinstance(checkpoint_id, str)
         info = tier.info(checkpoint_id)
-        found = {} if info is None else {info.name: _located(info)}
+        found = {} if info is None else {info.name: info}
     if remote is not None:
         try:
             if latest:
@@ -196,7 +180,7 @@ def resolve(
             record = None
         if record is not None:
             steps = [s for s in steps if record.owner(s.run_id, s.name, s.save_id) != Owner.FOREIGN]
-        name = layout.newest((s.name, s.committed_at_ns) for s in steps)
+        name = step_names.newest((s.name, s.committed_at_ns) for s in steps)
         if name is None:
             raise CheckpointNotFoundError(
                 f"no committed step in {where}: nothing to load for 'latest'. Check the paths, "

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from ..backends.remote import RemoteBackend
 from ..errors import ManifestError, TierError
-from ..policy import layout
+from ..policy import step_names
 from ..policy.identity import Owner
 from ..policy.retention import RetentionPolicy, StepState, decide, evictions
 from .local import LocalTier
@@ -64,7 +64,7 @@ def local_pass(
             tier.delete_step(name, reason=f"retention of the {label} tier")
     kept = sorted(
         (s.name for s in own if s.name not in deleted),
-        key=lambda n: (layout.step_number(n) or -1, n),
+        key=lambda n: (step_names.order_number(n) or -1, n),
     )
     return Pruned(deleted, held, kept)
 

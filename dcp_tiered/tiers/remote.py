@@ -10,7 +10,8 @@ stale, and readers then list the root instead.
 
 Acts that un-commit or delete (quarantine, delete) act only on a marker that names this run
 (or a save the run adopted), and delete only keys of our exact name grammar; anything else
-under the prefix is left alone.
+under the prefix is left alone. Quarantine is :mod:`dcp_tiered.tiers.remote_quarantine`'s and
+the orphan sweep :mod:`dcp_tiered.tiers.orphans`', both parts of :class:`RemoteTier`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from typing import Any
 
 from ..backends.remote import RemoteBackend
 from ..errors import (
-    CheckpointExistsError,
     CheckpointNotFoundError,
     ForeignPathError,
     IntegrityError,
@@ -32,13 +32,14 @@ from ..errors import (
     TierError,
     UploadFailedError,
 )
-from ..policy import layout, manifest, records
+from ..policy import layout, manifest, records, step_names
 from ..policy.identity import Owner
 from ..policy.manifest import Manifest
 from ..policy.prefixes import PrefixStrategy
 from . import ownership
 from .local import LocalTier
 from .orphans import OrphanSweep
+from .remote_quarantine import RemoteQuarantine
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ class Durability(str, enum.Enum):
     PEER_COPIES = "copies"  # only partners' copies of some ranks' snapshots (peer replication)
 
 
-class RemoteTier(OrphanSweep):
+class RemoteTier(RemoteQuarantine, OrphanSweep):
     """The committed steps under one remote root (one :class:`RemoteBackend`), and the acts on
     them. Holds no state besides the backend: build one wherever a backend is at hand."""
 
@@ -222,7 +223,7 @@ class RemoteTier(OrphanSweep):
 
     def advance_latest(self, step: str, marker: dict[str, Any]) -> None:
         """Move the ``latest`` pointer to ``step`` unless it names a newer step (in
-        `layout.newest`'s order) that is committed, or about to be. Compare-and-set: two saves
+        `step_names.newest`'s order) that is committed, or about to be. Compare-and-set: two saves
         racing re-read and retry, so the pointer only ever moves forward. A pointer naming a
         step whose marker is another save's, or missing while no save of it is running, is
         replaced."""
@@ -233,7 +234,7 @@ class RemoteTier(OrphanSweep):
             if current is not None and current[0] is not None:
                 cur = current[0]
                 there = (str(cur["step"]), int(cur["marker"]["committed_at_ns"]))
-                if not layout.is_newer(step, int(marker["committed_at_ns"]), there):
+                if not step_names.is_newer(step, int(marker["committed_at_ns"]), there):
                     try:
                         found = self.marker(there[0])
                     except ManifestError as e:  # not a commit of that step: the pointer is stale
@@ -276,77 +277,7 @@ class RemoteTier(OrphanSweep):
             "one's objects were removed; give each job its own remote prefix."
         )
 
-    # ------------------------------------------------------------ quarantine and delete
-
-    def quarantined(self) -> list[tuple[str, str]]:
-        """``(step, save id)`` of every save quarantined on the remote."""
-        out = []
-        for key in self.backend.glob(f"*/{layout.REMOTE_QUARANTINE}/*.json"):
-            step, _, rest = key.partition("/")
-            sid = rest.rpartition("/")[2].removesuffix(".json")
-            if layout.is_step_name(step) and layout.is_save_id(sid):
-                out.append((step, sid))
-        return out
-
-    def quarantined_saves(self, step: str) -> set[str]:
-        prefix = f"{step}/{layout.REMOTE_QUARANTINE}/"
-        return {k[len(prefix) :].removesuffix(".json") for k in self.backend.sizes(prefix)}
-
-    def quarantine(self, step: str, *, reason: str, run_id: str | None) -> bool:
-        """Move the commit marker of ``step`` aside (its objects stay where they are), so that
-        ``latest``, retention and the step's immutability ignore it and the step can be saved
-        again. Returns whether a marker was there. ForeignPathError if it commits a save that
-        is not run ``run_id``'s (see :meth:`owner`): that is never touched."""
-        remote = self.backend
-        marker = self.marker(step)
-        if marker is None:
-            return False
-        sid = str(marker.get("save_id"))
-        if not layout.is_save_id(sid):
-            raise IntegrityError(
-                f"{self._marker_url(step)} names no valid save id; it was left in place"
-            )
-        self._require_ours(marker, step, run_id, "quarantined")
-        record = {**marker, "quarantined_at_ns": time.time_ns(), "reason": reason}
-        remote.put_bytes(layout.quarantine_record_key(step, sid), json.dumps(record).encode())
-        remote.remove(f"{step}/{layout.REMOTE_MARKER}", reason=f"quarantined: {reason}")
-        logger.warning(
-            "quarantined remote step %s (save %s) of %s: %s; its objects stay under %s",
-            step,
-            sid,
-            remote.config.url,
-            reason,
-            layout.quarantine_record_key(step, sid),
-        )
-        return True
-
-    def release(self, step: str, save_id: str, *, run_id: str) -> None:
-        """Undo :meth:`quarantine`: commit quarantined save ``save_id`` of ``step`` again (its
-        marker back, exclusively, then its quarantine record removed). Refused while the step
-        is committed by another save (saved again since), and for a save not run ``run_id``'s."""
-        remote = self.backend
-        key = layout.quarantine_record_key(step, save_id)
-        try:
-            record = records.quarantine_record(
-                remote.get_bytes(key), step=step, where=remote.url(key)
-            )
-            marker = {k: v for k, v in record.items() if k not in ("quarantined_at_ns", "reason")}
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(
-                f"no quarantined save {save_id} of {step} on {remote.config.url}"
-            ) from None
-        if marker.get("step") != step or marker.get("save_id") != save_id:
-            raise ManifestError(f"{remote.url(key)} names another save than {step}/{save_id}")
-        self._require_ours(marker, step, run_id, "released")
-        if not remote.create_exclusive(
-            f"{step}/{layout.REMOTE_MARKER}", json.dumps(marker).encode()
-        ):
-            raise CheckpointExistsError(
-                f"{step} is committed on {remote.config.url} by another save (saved again since "
-                f"the quarantine): quarantined save {save_id} was left aside"
-            )
-        remote.remove(key, reason=f"released from quarantine: {step} is save {save_id} again")
-        logger.warning("released remote step %s (save %s) of %s", step, save_id, remote.config.url)
+    # ------------------------------------------------------------ delete
 
     def delete(self, step: str, *, reason: str, run_id: str | None) -> None:
         """Remove a committed remote step: its marker first, so readers stop trusting it before
@@ -392,11 +323,3 @@ def durability(tier: LocalTier, remote: RemoteBackend | None, step: str) -> Dura
     if step in layout.unfinished_steps(tier.backend.list_names()):
         return Durability.STAGED
     raise CheckpointNotFoundError(f"step {step!r} is neither in {tier.root} nor remote")
-
-
-def quarantine_remote_step(
-    remote: RemoteBackend, step: str, *, reason: str, run_id: str | None
-) -> bool:
-    """Deprecated: :meth:`RemoteTier.quarantine`. Kept for ``lifecycle.py``, which is being
-    rewritten elsewhere; new code calls the method."""
-    return RemoteTier(remote).quarantine(step, reason=reason, run_id=run_id)

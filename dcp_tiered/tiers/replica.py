@@ -44,24 +44,24 @@ import torch.distributed as dist
 from .._priority import lower_this_thread
 from ..backends.local import LocalBackend
 from ..distributed import replication_group
-from ..errors import CheckpointNotFoundError, ConfigError, DcpTieredError, IntegrityError, describe
-from ..policy import memory_format as fmt
+from ..errors import ConfigError, DcpTieredError, IntegrityError, describe
 from ..policy.replication import Replication, Survey, node_of, rank_partners, sources
-from .memory import MemoryTier, fill_state, verify
+from ..policy.step_names import STEP
+from .memory import MemoryTier
+from .replica_restore import PREFIX, ReplicaRestore, source_of, wait_all
 
 logger = logging.getLogger(__name__)
 
-PREFIX = "replica-"
-# Message tags: background rounds and restore-time fetches never share one.
+# Message tags: background rounds and restore-time fetches (replica_restore._FETCH) never share
+# one.
 _META, _HEADER, _DATA = 1, 2, 3
-_FETCH = 10
 
 
 def _directory(rank: int) -> str:
     return f"{PREFIX}{rank}"
 
 
-class Replicator:
+class Replicator(ReplicaRestore):
     """The replication of one rank's memory tier; construct on every rank, in the same order."""
 
     def __init__(
@@ -215,7 +215,7 @@ class Replicator:
         agreed = torch.tensor([number], dtype=torch.int64)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group)
         step_number = int(agreed.item())
-        name = self._names.get(step_number, f"step-{step_number}")
+        name = self._names.get(step_number, STEP.build(step_number))
         if step_number == number:
             with contextlib.suppress(Exception):  # the save reports it; nothing to send
                 committed.result()
@@ -244,7 +244,7 @@ class Replicator:
         """Send this rank's snapshot to its partners, keep each source's copy of it."""
         meta = torch.tensor([len(header), data.numel()], dtype=torch.int64)
         incoming = {s: torch.zeros(2, dtype=torch.int64) for s in self.sources}
-        _wait(
+        wait_all(
             [dist.isend(meta, p, group=self.group, tag=tag) for p in self.partners]
             + [dist.irecv(m, s, group=self.group, tag=tag) for s, m in incoming.items()]
         )
@@ -258,7 +258,7 @@ class Replicator:
             length, size = (int(v) for v in m.tolist())
             if length:
                 self._keep(source, name, length, size, tag)
-        _wait(sends)
+        wait_all(sends)
         return bool(header)
 
     def _keep(self, source: int, name: str, length: int, size: int, tag: int) -> None:
@@ -291,111 +291,12 @@ class Replicator:
                 "replica_rejected", step=name, rank=self.rank, source=source, error=describe(e)
             )
 
-    # ------------------------------------------------------------ restore
-
-    def survey(self) -> Survey:
-        """Collective: every rank's own memory steps and the copies it holds, on every rank."""
-        self.drain()
-        held: dict[int, list[str]] = {}
-        for entry in LocalBackend(self.memory.root).list_names():
-            if entry.startswith(PREFIX) and entry[len(PREFIX) :].isdigit():
-                source = int(entry[len(PREFIX) :])
-                if source in self.sources or (self._node_first and source not in self._sent_here):
-                    held[source] = sorted(self.store(source).steps())
-        reports: list[Any] = [None] * self.world
-        dist.all_gather_object(reports, (sorted(self.memory.steps()), held), group=self.group)
-        self.survey_ = Survey([r[0] for r in reports], [r[1] for r in reports], self.nodes)
-        return self.survey_
-
-    def load(self, name: str, app_state: dict[str, Any]) -> str | None:
-        """Collective: load ``name`` into ``app_state`` from this rank's own memory or, failing
-        that, from the partners holding a copy, nearest first; None, or why it failed."""
-        assert self.survey_ is not None, "survey() first"
-        problems: list[str] = []
-        need = True
-        try:
-            self.memory.load(name, app_state)
-            need = False
-        except CheckpointNotFoundError:
-            pass
-        except (DcpTieredError, OSError) as e:
-            problems.append(f"own memory: {describe(e)}")
-        tried: set[int] = set()
-        while True:
-            holder = None
-            if need:
-                copies = self.survey_.copies(name, self.rank)
-                holder = next((h for h in copies if isinstance(h, int) and h not in tried), None)
-            plan: list[Any] = [None] * self.world
-            dist.all_gather_object(plan, holder, group=self.group)
-            if all(h is None for h in plan):
-                break
-            sends = [s for r, h in enumerate(plan) if h == self.rank for s in self._serve(name, r)]
-            if holder is not None:
-                why = self._fetch(name, holder, app_state)
-                tried.add(holder)
-                if why is None:
-                    need = False
-                    self._emit("restored_from_partner", step=name, rank=self.rank, holder=holder)
-                else:
-                    problems.append(why)
-                    logger.warning("rank %d cannot use a copy of %s: %s", self.rank, name, why)
-            _wait(sends)
-        if not need:
-            return None
-        return f"rank {self.rank}: " + ("; ".join(problems) or f"no copy of {name} anywhere")
-
-    def _serve(self, name: str, rank: int) -> list[Any]:
-        raw = self.store(rank).raw(name)
-        header, data = raw if raw is not None else (b"", torch.empty(0, dtype=torch.uint8))
-        meta = torch.tensor([len(header), data.numel()], dtype=torch.int64)
-        works = [dist.isend(meta, rank, group=self.group, tag=_FETCH)]
-        if header:
-            header_t = torch.frombuffer(bytearray(header), dtype=torch.uint8)
-            works.append(dist.isend(header_t, rank, group=self.group, tag=_FETCH + 1))
-            works.append(dist.isend(data, rank, group=self.group, tag=_FETCH + 2))
-        return works
-
-    def _fetch(self, name: str, holder: int, app_state: dict[str, Any]) -> str | None:
-        where = f"copy of rank {self.rank}'s {name} on rank {holder} (node {self.nodes[holder]})"
-        meta = torch.zeros(2, dtype=torch.int64)
-        dist.recv(meta, holder, group=self.group, tag=_FETCH)
-        length, size = (int(v) for v in meta.tolist())
-        if not length:
-            return f"{where}: gone since the survey"
-        header_t = torch.empty(length, dtype=torch.uint8)
-        dist.recv(header_t, holder, group=self.group, tag=_FETCH + 1)
-        data = torch.empty(size, dtype=torch.uint8)
-        dist.recv(data, holder, group=self.group, tag=_FETCH + 2)
-        try:
-            header = fmt.decode_header(header_t.numpy().tobytes(), where=where)
-            if header.rank != self.rank or header.step != name:
-                raise IntegrityError(f"{where}: it is rank {header.rank}'s {header.step}")
-            verify(header, data, where)
-            fill_state(header, data, app_state, where, allow_pickle=self.memory.allow_pickle)
-        except DcpTieredError as e:
-            return describe(e)
-        return None
-
-    def where(self) -> dict[str, dict[int, list[str | int]]]:
-        """Per step of the last survey: rank -> where its copies are ("own", holder ranks)."""
-        survey = self.survey_
-        if survey is None:
-            return {}
-        return {s: {r: survey.copies(s, r) for r in range(self.world)} for s in survey.steps()}
-
-
-def _wait(works: list[Any]) -> None:
-    for work in works:
-        work.wait()
-
 
 def list_copies(root: str | os.PathLike[str]) -> dict[str, list[int]]:
     """Step name -> ranks whose copies of it this memory root holds (for other nodes)."""
     found: dict[str, list[int]] = {}
     for entry in LocalBackend(root).list_names():
-        if entry.startswith(PREFIX) and entry[len(PREFIX) :].isdigit():
-            source = int(entry[len(PREFIX) :])
+        if (source := source_of(entry)) is not None:
             copies = MemoryTier(root, source, directory=entry)
             for step in copies.steps():
                 found.setdefault(step, []).append(source)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import DcpTieredError
-from ..policy import layout
+from ..policy import step_names
 from ..policy.replication import describe_lost
 from .memory import MemoryTier
 from .replica import Replicator
@@ -65,7 +65,7 @@ def report_lost(
     logger.warning("%s", message)
     emit(
         "lost",
-        steps=sorted(lost, key=lambda s: layout.step_number(s) or -1),
+        steps=sorted(lost, key=lambda s: step_names.order_number(s) or -1),
         ranks=sorted({r for ranks in lost.values() for r in ranks}),
         restored=what,
         reason=message,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from .. import _torch_compat
 from ..backends.local import LocalBackend
 from ..errors import CheckpointExistsError, ConfigError, ForeignPathError
-from ..policy import layout, manifest
+from ..policy import layout, manifest, manifest_build
 from ..tiers import commit
 from ..tiers.local import LocalTier
 from ..tiers.root import SaveReport, Tiers
@@ -65,7 +65,7 @@ def promote(tiers: Tiers, save: SaveInfo, report: SaveReport) -> None:
 def coordinate(
     tier: LocalTier,
     save: SaveInfo,
-    built: manifest.Built,
+    built: manifest_build.Built,
     metadata_bytes: bytes,
     config: WriterConfig,
 ) -> None:

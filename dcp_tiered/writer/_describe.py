@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from .. import _gc, _torch_compat
 from .._version import __version__
-from ..policy import manifest
+from ..policy import manifest, manifest_build
 from ._datafile import locations
 from ._plan import SaveInfo
 
@@ -40,7 +40,7 @@ def describe(
     results: list[list[WriteResult]],
     timings: dict[str, float] | None = None,
     kept: KeptMetadata | None = None,
-) -> tuple[manifest.Built, bytes]:
+) -> tuple[manifest_build.Built, bytes]:
     """The step's manifest and the bytes of its DCP ``.metadata``; ``timings`` (if given)
     gets the seconds of each (``manifest_build_s``, ``metadata_pickle_s``: benchmarks/scale.py
     reports them apart); ``kept``: the writer's last ``.metadata``, reused where it holds."""
@@ -58,7 +58,7 @@ def describe(
     started = time.perf_counter()
     where = locations(results)
     with _gc.paused():  # one object per item of every rank: see _gc
-        built = manifest.build(
+        built = manifest_build.build(
             step=save.step,
             save_id=save.save_id,
             world_size=save.world_size,

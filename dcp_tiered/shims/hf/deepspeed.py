@@ -31,6 +31,8 @@ from ... import RetentionPolicy
 from ...config import RemoteConfig
 from ...errors import CheckpointNotFoundError, DcpTieredError, TierUnavailableError
 from ...lifecycle.roots import (
+    DEEPSPEED,
+    HF,
     files_in,
     is_step_name,
     local_tier,
@@ -43,8 +45,6 @@ from .._common import Agreement, is_node_leader
 
 logger = logging.getLogger(__package__)  # one logger per adapter, as before its split
 
-_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
-_TAG = re.compile(r"^global_step(\d+)$")
 _RNG = re.compile(r"^rng_state(_\d+)?\.pth$")
 _WEIGHTS = re.compile(
     r"^(model|pytorch_model|adapter_model)(-\d+-of-\d+)?\.(safetensors|bin)"
@@ -76,7 +76,7 @@ def wrap_deepspeed(
         engine = trainer.model_wrapped.checkpoint_engine
         args, limit = trainer.args, trainer.args.save_total_limit
         run_dir = os.path.abspath(trainer._get_output_dir(trial=trial))
-        name = f"checkpoint-{trainer.state.global_step}"
+        name = HF.build(trainer.state.global_step)
         engine.wait()  # the previous save is committed (or failed, on every rank) first
         # Trainer writes its files into checkpoint-N before the step exists: the directory is
         # made pending first, so a crash leaves nothing a resume takes for a checkpoint, and
@@ -172,13 +172,12 @@ def prepare_resume(
                 "the paths."
             )
     else:
-        match = _CHECKPOINT.match(os.path.basename(os.path.normpath(str(wanted))))
-        if match is None:
+        number = HF.parse(os.path.basename(os.path.normpath(str(wanted))))
+        if number is None:
             return str(wanted)  # not Trainer's layout: Trainer says what is wrong with it
-        number = int(match.group(1))
-    step_dir = os.path.join(run_dir, f"checkpoint-{number}")
+    step_dir, tag = os.path.join(run_dir, HF.build(number)), DEEPSPEED.build(number)
     agree.by_node_leaders(
-        lambda: _rebuild(step_dir, f"global_step{number}", remote, storage_options),
+        lambda: _rebuild(step_dir, tag, remote, storage_options),
         f"rebuilding {step_dir}",
     )
     return step_dir
@@ -190,14 +189,16 @@ def _newest(
     """The newest N whose step is committed here or on the remote tier. A ``checkpoint-N``
     without its committed step is what a crash left mid-save: Trainer would pick it."""
     local = [
-        int(m.group(1))
+        number
         for n in (os.listdir(run_dir) if os.path.isdir(run_dir) else [])
-        if (m := _CHECKPOINT.match(n))
-        and local_tier(os.path.join(run_dir, n)).has_step(f"global_step{m[1]}")
+        if (number := HF.parse(n)) is not None
+        and local_tier(os.path.join(run_dir, n)).has_step(DEEPSPEED.build(number))
     ]
     backend = remote_backend(remote, storage_options)
     try:
-        on_remote = [int(m.group(1)) for n in remote_step_names(backend) if (m := _TAG.match(n))]
+        on_remote = [
+            number for n in remote_step_names(backend) if (number := DEEPSPEED.parse(n)) is not None
+        ]
     except DcpTieredError as e:
         raise TierUnavailableError(
             f"cannot list {backend.config.url if backend else remote}: {e}. Which steps exist "
@@ -244,7 +245,7 @@ def rotate(
     )
     return prune_step_roots(
         run_dir,
-        _CHECKPOINT,
+        HF,
         policy,
         remote,
         storage_options,

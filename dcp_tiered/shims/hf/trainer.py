@@ -9,7 +9,6 @@ import functools
 import json
 import logging
 import os
-import re
 import shutil
 import tempfile
 from collections.abc import Mapping
@@ -29,7 +28,7 @@ from ... import RetentionPolicy
 from ...config import RemoteConfig
 from ...errors import CheckpointNotFoundError, ConfigError
 from ...lifecycle import Conventions, Lifecycle, quiet_single_process
-from ...lifecycle.roots import committed_steps, local_tier, remote_backend
+from ...lifecycle.roots import HF, local_tier, numbered_steps, remote_backend
 from ...reader import TieredStorageReader
 from .._common import capture_rng, restore_rng
 
@@ -37,14 +36,12 @@ try:
     from transformers import Trainer
     from transformers.trainer import TRAINER_STATE_NAME
     from transformers.trainer_callback import ExportableState
-    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 except ImportError as e:  # pragma: no cover - exercised only without transformers
     raise ImportError("dcp_tiered.shims.hf needs transformers: pip install 'dcp-tiered[hf]'") from e
 
 logger = logging.getLogger(__package__)  # one logger per adapter, as before its split
 
 MODES = ("sync", "async")
-_STEP_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
 
 def wrap(
@@ -156,16 +153,14 @@ class TrainerTiers:
     def save_checkpoint(self, model: Any, trial: Any) -> None:
         """Replaces ``Trainer._save_checkpoint``; called on every rank."""
         tr = self.trainer
-        step = f"{PREFIX_CHECKPOINT_DIR}-{tr.state.global_step}"
+        step = HF.build(tr.state.global_step)
         if tr.hp_search_backend is None and trial is None:
             tr.store_flos()
         run_dir = os.path.abspath(tr._get_output_dir(trial=trial))
         self.wait()  # one save in flight; its failure surfaces here
         best = tr.state.best_global_step
-        if best and local_tier(run_dir).has_step(f"{PREFIX_CHECKPOINT_DIR}-{best}"):
-            tr.state.best_model_checkpoint = os.path.join(
-                run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best}"
-            )
+        if best and local_tier(run_dir).has_step(HF.build(best)):
+            tr.state.best_model_checkpoint = os.path.join(run_dir, HF.build(best))
         _export_callback_state(tr)
         state = self._state()
         limit, best_dir = tr.args.save_total_limit, tr.state.best_model_checkpoint
@@ -241,10 +236,7 @@ class TrainerTiers:
         """The committed ``checkpoint-N`` steps on any tier, oldest first. With ``strict``, a
         remote that cannot be read raises TierUnavailableError instead of being left out."""
         remote = remote_backend(self.remote, self.storage_options)
-        listed = committed_steps(self.root, remote, strict=strict)
-        steps = [s.name for s in listed if _STEP_RE.match(s.name)]
-        # Every name matched _STEP_RE just above.
-        return sorted(steps, key=lambda n: int(_STEP_RE.match(n).group(1)))  # type: ignore[union-attr]
+        return [s.name for _, s in numbered_steps(self.root, remote, HF, strict=strict)]
 
     def latest(self) -> str | None:
         """The step ``train(resume_from_checkpoint=True)`` resumes from, or None."""
@@ -257,7 +249,7 @@ class TrainerTiers:
         if wanted is True:
             if not steps:
                 raise CheckpointNotFoundError(
-                    f"no committed {PREFIX_CHECKPOINT_DIR}-N step in {where}: nothing to resume "
+                    f"no committed checkpoint-N step in {where}: nothing to resume "
                     "from. Train without resume_from_checkpoint, or check output_dir/remote."
                 )
             return steps[-1]

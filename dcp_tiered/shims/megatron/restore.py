@@ -20,7 +20,7 @@ from megatron.core.dist_checkpointing.utils import extract_sharded_base
 from ...errors import ConfigError
 from ...lifecycle import Lifecycle, attempt
 from ...lifecycle.memory import MemorySnapshots
-from ...lifecycle.roots import committed_steps, local_tier, remote_backend, step_number
+from ...lifecycle.roots import MEGATRON, local_tier, numbered_steps, remote_backend
 from .._common import is_node_leader
 from .load import load as load_through_tiers
 from .sidecars import remove_sidecars, write_sidecars
@@ -115,9 +115,8 @@ class Restoring:
         found = {(n, "memory") for n in (self.memory.numbers() if self.memory else [])}
         # Listing only: a writer on the load directory would sweep it and resume its uploads.
         remote = remote_backend(self.remote, self.storage_options) if with_remote else None
-        for s in committed_steps(root, remote, strict=True):
-            if s.name.startswith("iter_") and (n := step_number(s.name)) is not None:
-                found.add((n, "storage"))
+        for n, _ in numbered_steps(root, remote, MEGATRON, strict=True):
+            found.add((n, "storage"))
         return sorted(found, key=lambda c: (-c[0], c[1] != "memory"))
 
     def _load_memory(

@@ -10,13 +10,15 @@ import torch
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
+from ...lifecycle.roots import MEGATRON
+
 TRACKER = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0
 
 
 def iteration_dir(iteration: int) -> str:
     """Megatron-LM's directory name for an iteration."""
-    return f"iter_{iteration:07d}"
+    return MEGATRON.build(iteration)
 
 
 def state_dict(

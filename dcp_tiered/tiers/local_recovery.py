@@ -1,0 +1,106 @@
+"""Crash recovery of the local tier: what an interrupted save, overwrite or delete left."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from ..backends.local import LocalBackend
+from ..errors import ManifestError
+from ..policy import layout, manifest
+
+logger = logging.getLogger(__name__)
+
+# A temporary directory without a lock file may be one a rank has just created; only one older
+# than this is treated as abandoned.
+_UNLOCKED_GRACE_SECS = 300.0
+
+
+class CrashRecovery:
+    """Part of :class:`~dcp_tiered.tiers.local.LocalTier`: undoing and sweeping what crashed
+    saves, overwrites and deletes left under the root."""
+
+    backend: LocalBackend
+
+    if TYPE_CHECKING:
+
+        def has_step(self, name: str) -> bool: ...
+
+        def read_head(self, step: str) -> manifest.ManifestHead: ...
+
+    def recover_and_sweep(self) -> None:
+        """Undo interrupted overwrites and delete temporary directories of crashed saves.
+
+        A temporary directory is in use while any rank writing it, or the node leader until
+        it publishes, holds its lock; the kernel releases the lock of a process that dies.
+        """
+        for name in self.backend.list_names():
+            parsed = layout.parse_hidden_dir(name)
+            if parsed is None:
+                continue
+            if self.backend.is_link(name):  # not made by us: never followed, never deleted
+                logger.warning(
+                    "leaving %s/%s alone: a symbolic link named like our temporary entries, "
+                    "which are never links; remove it if it is not needed",
+                    self.backend.root,
+                    name,
+                )
+                continue
+            try:
+                self._recover_entry(name, *parsed)
+            except FileNotFoundError:
+                pass  # another rank or a retention pass removed it meanwhile
+
+    def undo_interrupted_overwrites(self) -> None:
+        """Give back its name to a step whose non-atomic overwrite a crash interrupted (only
+        the old, committed version exists, under a hidden name). Readers call this before
+        listing: otherwise that step, perhaps the newest, would not be found until a writer
+        recovers the root. Deletes nothing."""
+        for name in self.backend.list_names():
+            parsed = layout.parse_hidden_dir(name)
+            if (
+                parsed is not None
+                and parsed[2] == layout.OLD_SUFFIX
+                and self.backend.is_dir(name)
+                and not self.backend.is_link(name)
+            ):
+                self._undo_overwrite(name, parsed[0])
+
+    def _undo_overwrite(self, name: str, step: str) -> bool:
+        if self.backend.exists(step):
+            return False
+        # Crash between the two renames of a non-atomic overwrite: the old step is the last
+        # committed version, so it goes back under its name.
+        logger.warning("restoring %s/%s from interrupted overwrite", self.backend.root, step)
+        self.backend.rename(name, step)
+        return True
+
+    def _recover_entry(self, name: str, step: str, save_id: str, suffix: str) -> None:
+        if not self.backend.is_dir(name) or suffix == layout.QUARANTINE_SUFFIX:
+            return  # a quarantined step is an operator's to inspect and delete
+        if suffix == layout.DELETE_SUFFIX:
+            if self._abandoned(name):
+                self.backend.remove_tree(name, reason="finishing an interrupted delete")
+        elif suffix == layout.UPLOAD_SUFFIX:
+            if not self._upload_area_wanted(step, save_id):
+                self.backend.remove_tree(name, reason="upload records of an abandoned save")
+        elif suffix == layout.OLD_SUFFIX:
+            if not self._undo_overwrite(name, step):
+                self.backend.remove_tree(name, reason="replaced by a newer commit")
+        elif self._abandoned(name):
+            self.backend.remove_tree(name, reason="temporary directory of a crashed save")
+
+    def _upload_area_wanted(self, step: str, save_id: str) -> bool:
+        """Early-upload records matter while their save is in flight or awaits promotion."""
+        if self.backend.exists(layout.tmp_dir_name(step, save_id)):
+            return True
+        try:
+            return self.has_step(step) and self.read_head(step).save_id == save_id
+        except (ManifestError, OSError):
+            return False
+
+    def _abandoned(self, name: str) -> bool:
+        if self.backend.exists(name, layout.LOCK_NAME):
+            return not self.backend.is_locked(name)
+        return time.time() - self.backend.mtime(name) > _UNLOCKED_GRACE_SECS

@@ -1,0 +1,53 @@
+"""One committed step as a listing finds it, on whichever tiers hold it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..policy.identity import Owner, RunRecord
+
+
+@dataclass(frozen=True)
+class CommittedStep:
+    """A committed step: where it is, when it was committed, and which save of which run it
+    is by the record that committed it (its local manifest's head, else its remote marker).
+    A listing reads no more than that: the step's index is read by whatever loads it."""
+
+    name: str
+    committed_at_ns: int  # -1: its manifest cannot be read
+    verified_format: bool = True  # False: a vanilla DCP directory without our manifest
+    run_id: str | None = None  # the run that saved it (None: before run ids, or unread)
+    save_id: str = ""
+    as_saved: bool = True  # stored under the step name its manifest gives (not a copy)
+    local: bool = True  # a committed directory on the local tier
+    remote: bool = False  # a commit marker on the remote tier
+
+    def owner(self, record: RunRecord | None) -> Owner:
+        """Whose this step is for the run ``record`` (a root's): ours only when its record is
+        readable, names this step and the run (or the run adopted it)."""
+        if not self.verified_format or not self.as_saved or self.committed_at_ns < 0:
+            return Owner.FOREIGN
+        if record is None:
+            return Owner.UNOWNED if self.run_id is None else Owner.FOREIGN
+        return record.owner(self.run_id, self.name, self.save_id)
+
+    def whose(self, owner: Owner) -> str:
+        """``owner`` (this step's :meth:`owner`) in words, for an error message."""
+        if not self.verified_format or self.committed_at_ns < 0:
+            return "not a step of ours (no readable dcp_tiered manifest)"
+        if not self.as_saved:
+            return "a copy of another step (its manifest names another step)"
+        if owner == Owner.UNOWNED:
+            return "saved before run identities (no run id)"
+        return f"run {self.run_id!r}'s"
+
+    def also_remote(self, committed_at_ns: int) -> CommittedStep:
+        """This local step, found committed on the remote too (at ``committed_at_ns``)."""
+        return replace(
+            self, committed_at_ns=max(committed_at_ns, self.committed_at_ns), remote=True
+        )
+
+
+def remote_only(name: str, committed_at_ns: int, run_id: str | None = None) -> CommittedStep:
+    """A step committed on the remote tier (its marker's fields) that the local tier lacks."""
+    return CommittedStep(name, committed_at_ns, run_id=run_id, local=False, remote=True)
