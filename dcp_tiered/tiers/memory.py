@@ -32,13 +32,14 @@ from typing import Any
 
 import torch
 
-from .. import _torch_compat, batch_copy, host_copy
+from .. import _torch_compat, batch_copy
 from .._priority import lower_this_thread
 from ..backends.local import LocalBackend
 from ..errors import CheckpointNotFoundError, IntegrityError, ManifestError
 from ..policy import layout, memory_chunks
 from ..policy import memory_format as fmt
 from . import memory_copy, ownership
+from .memory_restore import fill_state, verify
 
 logger = logging.getLogger(__name__)
 
@@ -350,56 +351,6 @@ class MemoryTier:
         if self.run_id is not None and header.run_id != self.run_id:
             return False
         return self.world_size is None or header.world_size == self.world_size
-
-
-def verify(header: fmt.Header, buffer: torch.Tensor, where: str) -> None:
-    """Raises IntegrityError unless ``buffer`` matches the header's checksums (of its chunks,
-    or of each tensor in version-1 headers)."""
-    if buffer.numel() < header.data_size:
-        raise IntegrityError(f"{where}: {buffer.numel()} bytes, the header says {header.data_size}")
-    if header.chunk_bytes:
-        for chunk, expected in enumerate(header.chunk_checksums):
-            got = memory_chunks.checksum(
-                buffer, chunk, header.chunk_bytes, header.data_size, header.chunk_algorithm
-            )
-            if got != expected:
-                start = chunk * header.chunk_bytes
-                end = min(start + header.chunk_bytes, header.data_size)
-                hit = [
-                    r.key for r in header.regions if r.offset < end and r.offset + r.nbytes > start
-                ]
-                raise IntegrityError(
-                    f"{where}: the chunk of bytes {start}-{end} (tensors {hit[:5]}"
-                    f"{' ...' if len(hit) > 5 else ''}) fails its checksum"
-                )
-        return
-    actual = fmt.region_checksums(buffer, header.regions)
-    for region, expected, got in zip(header.regions, header.checksums, actual):
-        if got != expected:
-            raise IntegrityError(f"{where}: {region.key} fails its checksum")
-
-
-def fill_state(
-    header: fmt.Header,
-    buffer: torch.Tensor,
-    app_state: dict[str, Any],
-    where: str,
-    *,
-    allow_pickle: bool = False,
-) -> None:
-    """Load a verified snapshot into ``app_state`` (Stateful objects get ``load_state_dict``)."""
-    tensors = {r.key: v for r, v in zip(header.regions, fmt.views(buffer, header.regions))}
-    objects = fmt.decode_objects(header.objects, allow_pickle=allow_pickle, where=where)
-    for name, value in app_state.items():
-        stateful = hasattr(value, "state_dict") and hasattr(value, "load_state_dict")
-        filled, pairs = fmt.fill(
-            value.state_dict() if stateful else value, tensors, objects, where, (name,)
-        )
-        host_copy.copy_all([d for d, _ in pairs], [s for _, s in pairs])
-        if stateful:
-            value.load_state_dict(filled)
-        else:
-            app_state[name] = filled
 
 
 def read_headers(backend: LocalBackend) -> dict[int, fmt.Header]:

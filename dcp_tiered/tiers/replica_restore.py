@@ -17,7 +17,8 @@ from ..backends.local import LocalBackend
 from ..errors import CheckpointNotFoundError, DcpTieredError, IntegrityError, describe
 from ..policy import memory_format as fmt
 from ..policy.replication import Survey
-from .memory import MemoryTier, fill_state, verify
+from .memory import MemoryTier
+from .memory_restore import fill_state, verify
 
 logger = logging.getLogger(__name__)
 
