@@ -98,3 +98,15 @@ def test_the_owner_closes_the_tiers_it_gave_and_a_lone_writer_its_own(tmp_path):
     _save(alone, "step-1")
     alone.close()  # waits for its own upload
     assert alone.durability("step-1") == Durability.DURABLE_REMOTE
+
+
+def test_the_options_read_as_attributes_as_before_and_cannot_be_set(tmp_path):
+    """``writer.thread_count`` and the other options still read as before WriterConfig; setting
+    one, which would change nothing now, is refused."""
+    writer = TieredStorageWriter(tmp_path, thread_count=3, sync_files=False)
+    assert (writer.thread_count, writer.sync_files, writer.overwrite) == (3, False, False)
+    with pytest.raises(AttributeError, match="fixed when the writer is built"):
+        writer.thread_count = 5
+    assert writer.config.thread_count == 3
+    with pytest.raises(AttributeError, match="no_such_option"):
+        writer.no_such_option  # noqa: B018 - the attribute lookup is the test

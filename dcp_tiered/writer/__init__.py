@@ -54,6 +54,7 @@ from ._staging import StagingRole
 from ._tiers import TiersRole
 
 logger = logging.getLogger(__name__)
+_CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(WriterConfig))
 
 
 class TieredStorageWriter(StagingRole, TiersRole, StorageWriter):
@@ -77,6 +78,22 @@ class TieredStorageWriter(StagingRole, TiersRole, StorageWriter):
             prefix recording another run, or in use by another job, is refused with
             ForeignRunError. See :mod:`dcp_tiered.policy.identity`.
     """
+
+    def __getattr__(self, name: str) -> Any:
+        """The options the writer was built with, read as before :class:`WriterConfig` held
+        them (``writer.thread_count``); read-only: a writer's config is fixed."""
+        config = self.__dict__.get("config")  # absent while unpickling
+        if config is not None and name in _CONFIG_FIELDS:
+            return getattr(config, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _CONFIG_FIELDS:  # it would change nothing: the writer reads its config
+            raise AttributeError(
+                f"{name} is fixed when the writer is built: pass it to TieredStorageWriter(...)"
+                " or WriterConfig(...)"
+            )
+        super().__setattr__(name, value)
 
     def __init__(
         self,
