@@ -30,10 +30,16 @@ Segment = tuple[np.ndarray, np.ndarray]  # (destination bytes, source bytes)
 
 
 def copy_all(
-    dsts: list[torch.Tensor], srcs: list[torch.Tensor], *, non_blocking: bool = False
+    dsts: list[torch.Tensor],
+    srcs: list[torch.Tensor],
+    *,
+    non_blocking: bool = False,
+    split_small: bool = True,
 ) -> None:
     """Copy each source into its destination (same shapes). Copies to or from a GPU are
-    torch's, as one batch."""
+    torch's, as one batch. ``split_small=False``: tensors under :data:`MEMCPY_MIN_BYTES` all
+    on this thread (a batch of them so small that handing half to the helper costs more than
+    it saves); a megabyte or more of large ones is still split."""
     if not dsts:
         return
     if non_blocking or dsts[0].device.type != "cpu" or srcs[0].device.type != "cpu":
@@ -51,11 +57,12 @@ def copy_all(
         else:
             segments.append(segment)
             total += n
-    if total < _SPLIT_MIN_BYTES and len(small_d) < _SPLIT_MIN_TENSORS:
+    many_small = split_small and len(small_d) >= _SPLIT_MIN_TENSORS
+    if total < _SPLIT_MIN_BYTES and not many_small:
         _run(segments, small_d, small_s)
         return
     mine, theirs = _halves(segments, total)
-    half = len(small_d) // 2
+    half = len(small_d) // 2 if many_small else len(small_d)
     side_by_side(
         lambda: _run(mine, small_d[:half], small_s[:half]),
         lambda: _run(theirs, small_d[half:], small_s[half:]),

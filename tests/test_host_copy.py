@@ -33,11 +33,12 @@ def _states() -> dict[str, list[torch.Tensor]]:
     }
 
 
+@pytest.mark.parametrize("split_small", [True, False])
 @pytest.mark.parametrize("name", list(_states()))
-def test_every_kind_of_tensor_is_copied_bit_exact(name):
+def test_every_kind_of_tensor_is_copied_bit_exact(name, split_small):
     srcs = _states()[name]
     dsts = [torch.full_like(s.detach().resolve_conj(), 7) for s in srcs]
-    host_copy.copy_all(dsts, srcs)
+    host_copy.copy_all(dsts, srcs, split_small=split_small)
     for d, s in zip(dsts, srcs):
         assert torch.equal(d, s.detach().resolve_conj()), (name, s.dtype, s.shape)
 

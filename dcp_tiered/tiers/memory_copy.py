@@ -110,7 +110,8 @@ def copy_and_checksum(
     for first, end, ready in steps:
         one = end - first == 1 and ready
         if not (one and _by_chunks(buffer, size, dsts[first], srcs[first], base, futures)):
-            host_copy.copy_all(dsts[first:end], srcs[first:end])
+            # about a chunk (4 MiB): its small tensors on this thread, beside the hashing one
+            host_copy.copy_all(dsts[first:end], srcs[first:end], split_small=False)
         hand_over(ready)
     hand_over(len(futures))
     return [f for f in futures if f is not None]
