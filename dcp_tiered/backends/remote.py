@@ -7,6 +7,7 @@ or PermanentTierError (not retried; the message says what to fix).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -47,6 +48,11 @@ class RemoteBackend(TaggedObjects, Backend):
 
     def __repr__(self) -> str:
         return f"RemoteBackend({self.config.url!r})"
+
+    def with_one_attempt(self) -> RemoteBackend:
+        """The same store, tried once per request (no retry policy): for housekeeping and
+        probes that must never hold a job's start for the retry policy's minute."""
+        return RemoteBackend(dataclasses.replace(self.config, retry=RetryConfig(max_attempts=1)))
 
     @property
     def fs(self) -> Any:

@@ -10,7 +10,6 @@ a root in use is refused, naming the first; a crashed job's lock dies with its p
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import json
 import logging
@@ -23,7 +22,6 @@ from typing import Any, TypeVar
 
 from ..backends.local import LocalBackend
 from ..backends.remote import RemoteBackend
-from ..config import RetryConfig
 from ..errors import ForeignRunError, ManifestError, NotWritableError
 from ..policy import identity
 from ..policy.identity import RunRecord
@@ -189,7 +187,7 @@ def soon(remote: RemoteBackend, act: Callable[[RemoteBackend], T], within_secs: 
     (it goes on in the background): a start or a first save never waits long on a store that
     does not answer. Unknown if it did not answer in time or failed on the store; our own
     errors about what it holds (ManifestError, ForeignRunError) as themselves."""
-    once = RemoteBackend(dataclasses.replace(remote.config, retry=RetryConfig(max_attempts=1)))
+    once = remote.with_one_attempt()
     box: list[Any] = []
 
     def run() -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..backends.local import LocalBackend
 from ..backends.remote import RemoteBackend, remote_backend
-from ..config import RemoteConfig, RetryConfig
+from ..config import RemoteConfig
 from ..errors import DcpTieredError, ManifestError, TransientTierError, UploadFailedError
 from ..policy import layout, records
 from . import catalog, uploads
@@ -110,9 +110,7 @@ class Tiers:
         assert self.remote is not None
         if run_id is None:
             return  # no run recorded yet: nothing on the remote can be proven this run's
-        once = RemoteBackend(
-            dataclasses.replace(self.remote.config, retry=RetryConfig(max_attempts=1))
-        )
+        once = self.remote.with_one_attempt()
         try:
             pending = {
                 (s.name, s.save_id) for s in self.local.steps() if s.verified_format and s.save_id
