@@ -6,6 +6,7 @@ their node). One wiring of the memory tier and its Replicator, for the adapters.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -21,7 +22,8 @@ from .saves import settled
 class MemorySnapshots:
     """This rank's snapshots under ``root``; with ``replication``, each one is also copied to
     partner nodes' host memory in the background. Replication's events (replicated,
-    restored_from_partner, lost) go to the ``dcp_tiered.events`` logger."""
+    restored_from_partner, lost) go to ``emit`` (default: the ``dcp_tiered.events`` logger).
+    Collective with replication: build it on every rank, in the same order."""
 
     def __init__(
         self,
@@ -33,14 +35,15 @@ class MemorySnapshots:
         allow_pickle: bool,
         replication: Replication | None,
         timeout_secs: float,
+        emit: Callable[..., Any] | None = None,
     ) -> None:
         self.rank = rank
         self.tier = MemoryTier(
             root, rank, allow_pickle=allow_pickle, run_id=run_id, world_size=world_size
         )
-        self.events = EventLog(None)
+        self.emit = emit if emit is not None else EventLog(None).emit
         self.replica = (
-            Replicator(self.tier, replication, timeout_secs=timeout_secs, emit=self.events.emit)
+            Replicator(self.tier, replication, timeout_secs=timeout_secs, emit=self.emit)
             if replication is not None
             else None
         )
@@ -83,7 +86,7 @@ class MemorySnapshots:
 
     def report_lost(self, restored: int, what: str | None) -> None:
         """Warns (rank 0) about steps newer than ``restored`` lost with their node."""
-        snapshots.report_lost(self.replica, restored, what, rank=self.rank, emit=self.events.emit)
+        snapshots.report_lost(self.replica, restored, what, rank=self.rank, emit=self.emit)
 
     # ------------------------------------------------------------ ending
 

@@ -33,14 +33,13 @@ from typing_extensions import Self  # a dependency of torch itself
 from ..errors import ConfigError, DcpTieredError
 from ..events import EventLog
 from ..lifecycle import Conventions, Lifecycle
+from ..lifecycle.memory import MemorySnapshots
 from ..policy import cadence, layout
 from ..policy.admission import Admission
 from ..policy.cadence import Decision, SavePolicy
 from ..policy.outcomes import PENDING, SaveOutcome
 from ..policy.replication import Replication
 from ..policy.retention import Retention
-from ..tiers.memory import MemoryTier
-from ..tiers.replica import Replicator
 from . import _restore
 from ._events import SaveFacts, step_name
 from ._gate import Gate, Room, admitted, resolve
@@ -139,17 +138,6 @@ class CheckpointManager(Restoring):
         self._home = os.path.abspath(local)
         self.run_id = self._lifecycle.run_id
         self.allow_pickle = allow_pickle
-        self._memory = (
-            MemoryTier(
-                memory,
-                self.rank,
-                allow_pickle=allow_pickle,
-                run_id=self.run_id,
-                world_size=dist.get_world_size() if self._distributed else 1,
-            )
-            if memory is not None
-            else None
-        )
         self._tiers = self._lifecycle.writers.tiers(self._home)  # the lifecycle's, per root
         self._remote = self._tiers.remote
         # One process per directory applies retention: whoever holds its lock from now on.
@@ -157,16 +145,23 @@ class CheckpointManager(Restoring):
         self._events = EventLog(
             os.path.join(self._local.root, layout.EVENTS_LOG) if events == "default" else events
         )
-        self._replica = (
-            Replicator(
-                self._memory,
-                replication,
+        # The memory tier and its replication, wired as for every entry point (collective).
+        self._snapshots = (
+            MemorySnapshots(
+                memory,
+                self.rank,
+                world_size=dist.get_world_size() if self._distributed else 1,
+                run_id=self.run_id,
+                allow_pickle=allow_pickle,
+                replication=replication,
                 timeout_secs=collective_timeout_secs,
                 emit=self._events.emit,
             )
-            if replication is not None and self._memory is not None
+            if memory is not None
             else None
         )
+        self._memory = self._snapshots.tier if self._snapshots is not None else None
+        self._replica = self._snapshots.replica if self._snapshots is not None else None
         self._sources = _restore.Sources(
             self._local.root,
             self._tiers.local,
@@ -378,10 +373,8 @@ class CheckpointManager(Restoring):
             self._release()
 
     def _release(self) -> None:
-        if self._replica is not None:
-            self._replica.close(0)
-        if self._memory is not None:
-            self._memory.close()
+        if self._snapshots is not None:
+            self._snapshots.close()
         self._lifecycle.release()  # close() above waited (bounded) already; retention's pass
 
     def __enter__(self) -> Self:

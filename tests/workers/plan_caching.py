@@ -91,7 +91,10 @@ def main() -> None:
     if a.remote:
         writer.wait_durable(timeout_secs=120)
         dist.barrier()
-        durability = {f"step-{i}": writer.durability(f"step-{i}").value for i in (1, 2, 3, 5)}
+        try:
+            durability = {f"step-{i}": writer.durability(f"step-{i}").value for i in (1, 2, 3, 5)}
+        except Exception as e:  # the saves' own errors say why a step is missing
+            raise AssertionError(f"rank {rank}: {e}; the saves' errors: {errors}") from e
     writer.close(wait_durable=False)
     bad = []
     for i in (1, 2, 3, 5):  # each committed step loads back exactly
