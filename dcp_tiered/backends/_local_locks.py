@@ -96,3 +96,7 @@ class LocalLocks(LocalRoot):
     def is_locked(self, directory: str) -> bool:
         """True if some live process holds ``directory``'s lock."""
         return self._lock_held(self._child(directory, LOCK_FILE))
+
+    def is_locked_file(self, directory: str, name: str) -> bool:
+        """True if some live process holds lock file ``directory/name`` (creates nothing)."""
+        return self._lock_held(self._child(directory, name))

@@ -51,6 +51,13 @@ class CrashRecovery:
                 self._recover_entry(name, *parsed)
             except FileNotFoundError:
                 pass  # another rank or a retention pass removed it meanwhile
+            except OSError as e:  # housekeeping: a leftover kept for now fails no save
+                logger.warning(
+                    "could not finish %s/%s now (%s); the next save's sweep tries again",
+                    self.backend.root,
+                    name,
+                    e,
+                )
 
     def undo_interrupted_overwrites(self) -> None:
         """Give back its name to a step whose non-atomic overwrite a crash interrupted (only
@@ -92,8 +99,16 @@ class CrashRecovery:
             self.backend.remove_tree(name, reason="temporary directory of a crashed save")
 
     def _upload_area_wanted(self, step: str, save_id: str) -> bool:
-        """Early-upload records matter while their save is in flight or awaits promotion."""
+        """Early-upload records matter while their save is in flight or awaits promotion, and
+        while an upload holds a file's lock in them (a failed save's early upload ends on its
+        own: the next save never deletes the records under it)."""
         if self.backend.exists(layout.tmp_dir_name(step, save_id)):
+            return True
+        area = layout.upload_area_name(step, save_id)
+        if any(
+            name.endswith(".lock") and self.backend.is_locked_file(area, name)
+            for name in self.backend.list_files(area)
+        ):
             return True
         try:
             return self.has_step(step) and self.read_head(step).save_id == save_id

@@ -94,6 +94,12 @@ class Uploader:
     ) -> None:
         keys = RemoteTier(self.remote).keys(step, save_id)
         area = layout.upload_area_name(step, save_id)
+        backend = self.tier.backend
+        if not (backend.exists(layout.tmp_dir_name(step, save_id)) or backend.exists(step)):
+            # The save failed before this file's turn: the next save's sweep may be removing
+            # its upload area now, which this upload would make again.
+            logger.debug("early upload of %s/%s dropped: the save was abandoned", step, name)
+            return
         try:
             upload_locked(
                 self.tier,
