@@ -49,10 +49,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from .. import _torch_compat, runs
 from ..agreement import Agreement
 from ..distributed import checkpoint_process_group
-from ..errors import ConfigError, UploadFailedError
+from ..errors import UploadFailedError
 from ..planner import planner_for
 from ..policy import identity, layout
-from ..policy.memory_format import first_refused
 from ..policy.retention import RetentionPolicy
 from ..writer import SaveRequest, TieredStorageWriter
 from .failures import (
@@ -64,6 +63,7 @@ from .failures import (
 )
 from .finishing import Finishing
 from .reaping import Reaping
+from .restorable import refuse_unrestorable, unrestorable
 from .restore import (
     CORRUPT,
     OTHER,
@@ -258,16 +258,9 @@ class Lifecycle(Finishing, Reaping, Restoring):
         """Collective, before a save writes anything: unless ``allow_pickle``, raises
         ConfigError on every rank when a value of any rank's ``values`` would not load back
         with ``weights_only`` (it would save, and then never restore)."""
-        why = None if self.allow_pickle else first_refused(values, self.trusted_classes)
-        if not self.agree.any(why is not None):
-            return
-        rank, why = next((r, w) for r, w in enumerate(self.agree.gather(why)) if w)
-        raise ConfigError(
-            f"{self.conventions.framework} checkpoint {step!r} was not saved: on rank {rank}, "
-            f"{why}, so it could never be restored. Keep tensors, numbers, strings, lists and "
-            "dicts in the state, or pass allow_pickle=True only for checkpoints you trust "
-            "(non-tensor values then load with full pickle, which can run code)."
-        )
+        why = None if self.allow_pickle else unrestorable(values, self.trusted_classes)
+        checkpoint = f"{self.conventions.framework} checkpoint {step!r}"
+        refuse_unrestorable(self.agree, checkpoint, why)
 
     def track(
         self,

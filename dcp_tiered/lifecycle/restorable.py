@@ -15,7 +15,7 @@ from ..agreement import Agreement
 from ..errors import ConfigError
 from ..policy.memory_format import first_refused, refused_saved
 
-__all__ = ["refuse_unrestorable", "unrestorable", "unrestorable_file"]
+__all__ = ["refuse_unrestorable", "unrestorable", "unrestorable_error", "unrestorable_file"]
 
 
 def unrestorable(values: Any, trusted: Iterable[type] = ()) -> str | None:
@@ -34,8 +34,14 @@ def refuse_unrestorable(agree: Agreement, checkpoint: str, why: str | None) -> N
     would not load back (``checkpoint`` names what was not saved)."""
     if not agree.any(why is not None):
         return
-    rank, why = next((r, w) for r, w in enumerate(agree.gather(why)) if w)
-    raise ConfigError(
+    raise unrestorable_error(checkpoint, agree.gather(why))
+
+
+def unrestorable_error(checkpoint: str, whys: list[str | None]) -> ConfigError:
+    """The refusal of ``checkpoint``, from every rank's ``why`` (at least one set): the one
+    wording every entry point gives a state that would save and never restore."""
+    rank, why = next((r, w) for r, w in enumerate(whys) if w)
+    return ConfigError(
         f"{checkpoint} was not saved: on rank {rank}, {why}, so it could never be restored. "
         "Keep tensors, numbers, strings, lists and dicts in the state, or pass "
         "allow_pickle=True only for checkpoints you trust (non-tensor values then load with "

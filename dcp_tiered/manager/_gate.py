@@ -12,11 +12,11 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from ..agreement import Agreement
 from ..backends.local import available_memory_bytes
-from ..errors import ConfigError, InsufficientSpaceError, PeerLostError, ReplicationError
+from ..errors import InsufficientSpaceError, PeerLostError, ReplicationError
+from ..lifecycle.restorable import unrestorable, unrestorable_error
 from ..policy import cadence
 from ..policy.admission import Admission, Headroom, shortfall
 from ..policy.cadence import Decision
-from ..policy.memory_format import first_refused
 from ..policy.outcomes import SKIPPED
 from ..staging import state_bytes
 from ..tiers.local import LocalTier
@@ -89,12 +89,7 @@ class Gate:
                 raise
             raise ReplicationError(f"{e} {self.room.replica.describe_partners()}") from e
         if vote.refused:
-            why = next(w for w in self.agree.gather(refused) if w)
-            raise ConfigError(
-                f"step {step} was not saved: {why}, so it could never be restored. Keep "
-                "tensors, numbers, strings, lists and dicts in the state or, for checkpoints "
-                "you trust, construct CheckpointManager(..., allow_pickle=True)."
-            )
+            raise unrestorable_error(f"step {step}", self.agree.gather(refused))
         self.restorable = True
         return vote, short
 
@@ -166,7 +161,7 @@ def resolve(app_state: dict[str, Any]) -> dict[str, Any]:
 
 def refused_value(app_state: dict[str, Any]) -> str | None:
     """Why a value of ``app_state`` would not load back with ``weights_only`` (None: none)."""
-    return first_refused(resolve(app_state))
+    return unrestorable(resolve(app_state))
 
 
 def admitted(
