@@ -44,5 +44,16 @@ def checksum(
     return _HASHES[algorithm](data[start : min(start + chunk_bytes, size)])
 
 
+def streaming() -> xxhash.xxh3_64:
+    """An incremental hash of one chunk (this version's algorithm): ``update`` it with the
+    chunk's bytes in order, in pieces of any size; :func:`hex_digest` then equals
+    :func:`checksum` of the same bytes. Lets a copy hash each piece while it is in cache."""
+    return xxhash.xxh3_64()
+
+
+def hex_digest(hasher: xxhash.xxh3_64) -> str:
+    return f"{hasher.intdigest():016x}"
+
+
 def count(size: int, chunk_bytes: int) -> int:
     return -(-size // chunk_bytes)

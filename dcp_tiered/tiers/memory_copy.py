@@ -142,12 +142,31 @@ def _by_chunks(
 
     def copy(turn: list[tuple[int, int]]) -> None:
         for start, end in turn:
-            np.copyto(d[start:end], s[start:end])
-            if (offset + end) % chunk_bytes == 0:  # filled: this chunk's bytes before it were
-                chunk = (offset + end) // chunk_bytes - 1  # copied by earlier batches
+            whole = (offset + start) % chunk_bytes == 0 and end - start == chunk_bytes
+            digest = _copy_hashing(d, s, start, end) if whole else None
+            if not whole:
+                np.copyto(d[start:end], s[start:end])
+            if (offset + end) % chunk_bytes == 0:  # filled (the bytes of a chunk this tensor
+                chunk = (offset + end) // chunk_bytes - 1  # starts in were copied earlier)
                 done: Future[str] = Future()
-                done.set_result(memory_chunks.checksum(buffer, chunk, chunk_bytes, size))
+                done.set_result(digest or memory_chunks.checksum(buffer, chunk, chunk_bytes, size))
                 futures[chunk] = done
 
     host_copy.side_by_side(lambda: copy(pieces[::2]), lambda: copy(pieces[1::2]))
     return True
+
+
+# The copy's step within a chunk: a piece hashed right after its copy is still in the core's own
+# cache (L2), so the hash reads no memory the copy has not just touched (a 4 MiB chunk hashed
+# after its copy: 1.14x a plain copy; in 512 KiB pieces: no slower than the copy).
+_PIECE_BYTES = 512 * 2**10
+
+
+def _copy_hashing(d: np.ndarray, s: np.ndarray, start: int, end: int) -> str:
+    """Copy ``s[start:end]`` (one whole chunk of the slot) into ``d``, hashing as it goes."""
+    hasher = memory_chunks.streaming()
+    for a in range(start, end, _PIECE_BYTES):
+        b = min(a + _PIECE_BYTES, end)
+        np.copyto(d[a:b], s[a:b])
+        hasher.update(memoryview(d[a:b]))  # type: ignore[arg-type]  # a numpy buffer
+    return memory_chunks.hex_digest(hasher)
