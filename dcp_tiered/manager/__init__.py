@@ -19,7 +19,6 @@ others skipped.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -202,11 +201,12 @@ class CheckpointManager(Restoring):
             self._record_tiers(memory)
 
     def _record_tiers(self, memory: Any) -> None:
-        tiers = {
-            "memory": os.path.abspath(memory) if memory is not None else None,
-            "remote": self._remote.config.url if self._remote is not None else None,
-        }
-        self._tiers.local.backend.replace_root_file(layout.TIERS_RECORD, json.dumps(tiers).encode())
+        self._tiers.remember(
+            {
+                "memory": os.path.abspath(memory) if memory is not None else None,
+                "remote": self._remote.config.url if self._remote is not None else None,
+            }
+        )
 
     # ------------------------------------------------------------ save
 

@@ -127,7 +127,7 @@ class Tiers:
         """The process that owns these tiers takes the uploads on: the root records its remote,
         and committed steps that are not durable yet are enqueued again."""
         if self.remote is not None and self._queue is None:
-            self._remember_remote(self.remote.config.url)
+            self.remember({"remote": self.remote.config.url})
             self.upload_queue().resume()
 
     def upload_queue(self) -> uploads.Uploader:
@@ -148,9 +148,11 @@ class Tiers:
         """Enqueue the promotion of ``step``, just committed here."""
         return self.upload_queue().submit(step)
 
-    def _remember_remote(self, url: str) -> None:
-        """The root records its remote's URL (never its credentials), so that ``dcp-tiered
-        status ROOT`` finds the remote without being told."""
+    def remember(self, tiers: dict[str, str | None]) -> None:
+        """The root records where its other tiers are (the remote's URL, never its credentials;
+        the memory tier's directory), so that ``dcp-tiered status ROOT`` finds them without
+        being told: ``tiers`` replaces those entries of the record, whose other entries stay.
+        The one writer of the record."""
         backend = self.local.backend
         record: dict[str, Any] = {}
         try:
@@ -161,10 +163,8 @@ class Tiers:
             pass
         except (OSError, ManifestError) as e:  # our own file, unreadable: written anew
             logger.warning("replacing %s: %s", backend.path_of(layout.TIERS_RECORD), e)
-        if record.get("remote") != url:
-            backend.replace_root_file(
-                layout.TIERS_RECORD, json.dumps({**record, "remote": url}).encode()
-            )
+        if any(record.get(k) != v for k, v in tiers.items()):
+            backend.replace_root_file(layout.TIERS_RECORD, json.dumps({**record, **tiers}).encode())
 
     def close(self, timeout_secs: float | None = None, *, wait_durable: bool = True) -> None:
         """Wait (unless ``wait_durable`` is False) at most ``timeout_secs`` (default: the
