@@ -12,6 +12,7 @@ caller uses its general path.
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from operator import attrgetter, methodcaller
@@ -24,6 +25,9 @@ from . import host_copy
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _PLAIN_TENSOR_TYPES = frozenset(_PLAIN_TENSORS)
 _SIMPLE = (int, float, str, bytes, bool, type(None))
+# nn.Module.state_dict() returns an OrderedDict: the commonest state there is. Its buffers (and
+# this path's result) are plain dicts, as torch's own copy makes them.
+DICTS = (dict, OrderedDict)
 _size = methodcaller("size")
 _dtype = attrgetter("dtype")
 
@@ -81,8 +85,8 @@ def _pair(
         dsts.append(buf)
         srcs.append(obj)
         return buf
-    if kind is dict:
-        if type(buf) is not dict or len(buf) != len(obj):
+    if kind in DICTS:
+        if type(buf) not in DICTS or len(buf) != len(obj):
             raise Mismatch
         flat = _pair_tensor_dict(obj, buf, dsts, srcs, known)
         if flat is not None:

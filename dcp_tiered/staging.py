@@ -41,7 +41,7 @@ def _signature(obj: Any) -> Any:
     Computed on every save, so plain tensors (nearly every leaf) are tested first."""
     if type(obj) in _PLAIN_TENSORS:
         return ("T", obj.shape, obj.dtype)
-    if type(obj) is dict:
+    if type(obj) in batch_copy.DICTS:
         return tuple([(k, _signature(v)) for k, v in obj.items()])
     if isinstance(obj, DTensor):
         return ("D", tuple(obj.shape), obj.dtype, tuple(obj.to_local().shape), obj.placements)

@@ -189,6 +189,55 @@ def test_a_dict_of_tensors_is_checked_as_closely_as_the_general_walk():
     assert set(known) == {id(buf), id(other)}  # each dict described once, by its owner's cache
 
 
+def _trained_state() -> dict:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    return {"model": model.state_dict(), "optim": opt.state_dict()}  # an OrderedDict inside
+
+
+def test_a_modules_state_dict_takes_the_batched_paths(tmp_path, monkeypatch):
+    """``nn.Module.state_dict()`` is an OrderedDict, the commonest state there is: staging and
+    the memory tier copy it in one batch, not by torch's per-tensor walk (or a new plan every
+    snapshot), and what they copy is the state."""
+    from dcp_tiered.staging import DoubleBufferStager
+    from dcp_tiered.tiers import memory_copy
+    from dcp_tiered.tiers.memory import MemoryTier
+
+    state = _trained_state()
+    walked = []
+    monkeypatch.setattr(
+        _torch_compat, "copy_state_dict", lambda *a, **k: walked.append(1) or {}
+    )  # the general path: must not be taken
+    stager = DoubleBufferStager(share_memory=False, timeout_secs=10)
+    for _ in range(3):  # allocated, then reused from each of the two buffer sets
+        staged = stager.stage(state)
+        stager.after_execute()
+        assert not walked
+        assert torch.equal(staged["model"]["0.weight"], state["model"]["0.weight"])
+        assert staged["model"]["0.weight"] is not state["model"]["0.weight"]
+        assert staged["optim"]["param_groups"] == state["optim"]["param_groups"]
+    tier = MemoryTier(tmp_path / "shm", 0)
+    planned = []
+    real_plan = memory_copy.plan
+    monkeypatch.setattr(memory_copy, "plan", lambda *a: planned.append(p := real_plan(*a)) or p)
+    try:
+        for i in range(4):  # each slot planned once, then its plan reused
+            tier.save(f"step-{i}", state).result()
+        assert len(planned) == 2 and all(p is not None for p in planned)
+        back = {
+            "model": type(state["model"])(
+                (k, torch.zeros_like(v)) for k, v in state["model"].items()
+            ),
+            "optim": _trained_state()["optim"],
+        }
+        tier.load("step-3", back)
+    finally:
+        tier.close()
+    assert all(torch.equal(back["model"][k], v) for k, v in state["model"].items())
+
+
 def test_an_unchanged_structure_reuses_the_local_plan(tmp_path, monkeypatch):
     made = []
     real = default_planner.create_default_local_save_plan

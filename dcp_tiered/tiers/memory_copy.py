@@ -52,7 +52,7 @@ def plan(
 
 def _tree(obj: Any, path: fmt.Path, by_key: dict[str, torch.Tensor]) -> Any:
     kind = type(obj)
-    if kind is dict:
+    if kind in batch_copy.DICTS:
         return {k: _tree(v, (*path, k), by_key) for k, v in obj.items()}
     if kind is list or kind is tuple:
         return kind(_tree(v, (*path, i), by_key) for i, v in enumerate(obj))
