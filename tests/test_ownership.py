@@ -98,6 +98,7 @@ def test_a_second_job_on_a_root_in_use_is_refused_at_start_naming_the_first(tmp_
     assert digest(root / "step-3") == before  # the first job's steps are whole
     # Once the first job has ended, a job on the root is the same run going on.
     third = finished(tmp_path, "c", job(tmp_path, "c", root, "--value", "3", "--steps", "4"))
+    assert "error" not in third, third
     assert third["run_id"] == report["run_id"] and third["saved"] == [1, 2, 3, 4]
 
 
