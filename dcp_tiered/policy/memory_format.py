@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from .. import _gc
 from .._torch_compat import ShardedTensor
 from ..errors import ConfigError, IntegrityError, ManifestError
 from . import integrity, memory_chunks, records
@@ -262,6 +263,7 @@ class Header:
     chunk_algorithm: str = memory_chunks.CRC32C  # version 2's
 
 
+@_gc.paused_during  # one object per tensor: see _gc
 def decode_header(data: bytes, *, where: str) -> Header:
     body = records.load_json(data, where=where, max_bytes=records.MAX_MANIFEST_BYTES)
     try:

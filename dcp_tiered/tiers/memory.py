@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .. import _torch_compat, batch_copy
+from .. import _gc, _torch_compat, batch_copy
 from .._priority import lower_this_thread
 from ..backends.local import LocalBackend
 from ..errors import CheckpointNotFoundError, IntegrityError, ManifestError
@@ -313,6 +313,7 @@ class MemoryTier:
             out[h.step] = max(out.get(h.step, 0), h.committed_at_ns)
         return out
 
+    @_gc.paused_during  # both headers and the fill: objects per tensor, none in cycles
     def load(self, step: str, app_state: dict[str, Any]) -> None:
         """Verify ``step``'s snapshot and load it into ``app_state`` (Stateful objects get
         ``load_state_dict``); raises CheckpointNotFoundError or IntegrityError."""
