@@ -135,6 +135,47 @@ def test_manifest_round_trips_metadata(shapes):
     assert parsed.step == "step-3" and parsed.world_size == 2 and parsed.complete
 
 
+def test_whole_tensor_entries_decode_as_the_general_decoder_does():
+    """The index's common entry (a tensor saved whole by one rank) has a shorter decoder; it
+    gives what the general one gives, and hands every other entry (sharded, bytes, zero-size,
+    booleans for integers, a rank out of range) to the general decoder, which decides."""
+    shapes = [(), (7,), (3, 5), (2, 3, 4)]
+    sdm = {}
+    locs = {}
+    for i, shape in enumerate(shapes):
+        fqn = f"w{i}"
+        chunk = ChunkStorageMetadata(torch.Size([0] * len(shape)), torch.Size(shape))
+        dtype = torch.float32 if i % 2 else torch.bfloat16
+        sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(shape), [chunk])
+        locs[MetadataIndex(fqn, chunk.offsets)] = manifest.ItemLocation(
+            "__1_0.distcp", 100 * i, 100, "deadbeef", 1, 10**6, "cafef00d"
+        )
+    md = Metadata(sdm)
+    index = _build(md, locs).index
+    body = json.loads(index[: -len(b',"manifest_checksum":"01234567"}')] + b"}")
+    props = [manifest.decode_properties(p) for p in body["properties"]]
+    for fqn, entry, ranks in body["tensors"]:
+        whole = manifest._whole_tensor(entry, ranks, props, 2)
+        assert whole is not None, entry
+        assert whole == (manifest._decode_entry(entry, fqn, props, 10), [1])
+    assert _parse(_build(md, locs)).metadata.state_dict_metadata == sdm
+    one = {"type": "tensor", "props": 0, "size": [4], "grid": [[[4, 1]]]}
+    odd = [
+        (one, [[1, 0, 2]]),  # two chunks' writers
+        (one, [[True, 0, 1]]),
+        (one, [[0, False, 1]]),
+        (one, [[2, 0, 1]]),  # rank 2 of 2
+        (dict(one, size=[0], grid=[[[0, 1]]]), [[0, 0, 1]]),
+        (dict(one, size=[4], grid=[[[2, 2]]]), [[0, 0, 1]]),
+        (dict(one, props=1), [[0, 0, 1]]),
+        (dict(one, props=True), [[0, 0, 1]]),
+        (dict(one, type="bytes"), [[0, 0, 1]]),
+        ({"type": "tensor", "props": 0, "size": [], "chunks": [[0]]}, [[0, 0, 1]]),
+    ]
+    for entry, ranks in odd:
+        assert manifest._whole_tensor(entry, ranks, props[:1], 2) is None, (entry, ranks)
+
+
 def test_manifest_index_stays_small_as_ranks_grow():
     """A tensor sharded over N ranks costs the index the same few bytes whatever N (its
     grid of splits and its writers as one progression); the items are in the sections."""

@@ -156,6 +156,11 @@ def _decode_index(body: dict[str, Any]) -> Manifest:
     budget = _MAX_ITEMS  # chunks of every tensor together: counts are checked against it
     for fqn, entry, ranks in body["tensors"]:
         fqn = str(fqn)
+        whole = _whole_tensor(entry, ranks, props, world_size)
+        if whole is not None:  # most entries of a state: checked as strictly, in fewer steps
+            sdm[fqn], writers[fqn] = whole
+            budget -= 1
+            continue
         sdm[fqn] = _decode_entry(entry, fqn, props, budget)
         count = len(getattr(sdm[fqn], "chunks", [None]))
         budget -= count
@@ -202,6 +207,39 @@ def _run_id(value: Any) -> str | None:
     if value is None or identity.is_run_id(value):
         return value
     raise ManifestError(f"run_id {value!r} is not a run id")
+
+
+def _whole_tensor(
+    raw: Any, ranks: Any, props: list[TensorProperties], world_size: int
+) -> tuple[TensorStorageMetadata, list[int]] | None:
+    """The entry of a tensor saved whole by one rank (every tensor of a single-rank or
+    replicated state: most entries), decoded; None for anything else, which the general
+    decoder then checks and decodes. Its grid is one run per dimension covering it (a
+    0-d tensor: one chunk of no dimensions), its writers one progression of one rank."""
+    if type(raw) is not dict or raw.get("type") != "tensor" or type(ranks) is not list:
+        return None
+    size, which = raw.get("size"), raw.get("props")
+    if type(size) is not list or type(which) is not int or not 0 <= which < len(props):
+        return None
+    for n in size:
+        if type(n) is not int or n <= 0:
+            return None
+    grid = raw.get("grid")
+    if grid is not None:
+        if grid != [[[n, 1]] for n in size] or not size:
+            return None
+    elif size or raw.get("chunks") != [[]]:
+        return None
+    if len(ranks) != 1 or type(ranks[0]) is not list or len(ranks[0]) != 3:
+        return None
+    rank, step, count = ranks[0]
+    if not (type(rank) is type(step) is type(count) is int):  # not bool: True == 1
+        return None
+    if not 0 <= rank < world_size or step != 0 or count != 1:
+        return None
+    shape = torch.Size(size)
+    chunk = ChunkStorageMetadata(torch.Size([0] * len(size)), shape)
+    return TensorStorageMetadata(props[which], shape, [chunk]), [rank]
 
 
 def _decode_entry(
