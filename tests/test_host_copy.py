@@ -26,6 +26,7 @@ def _states() -> dict[str, list[torch.Tensor]]:
             torch.randint(0, 2, (big * 3,), generator=g).bool(),
             torch.randn(big, dtype=torch.complex64, generator=g),
             torch.randn(big // 8, dtype=torch.complex64, generator=g).conj(),
+            torch._neg_view(torch.randn(big, generator=g)),  # its bytes are not its values
             torch.nn.Parameter(torch.randn(big, generator=g)),  # requires grad
             torch.tensor(3.5),
             torch.empty(0),
@@ -37,7 +38,7 @@ def _states() -> dict[str, list[torch.Tensor]]:
 @pytest.mark.parametrize("name", list(_states()))
 def test_every_kind_of_tensor_is_copied_bit_exact(name, split_small):
     srcs = _states()[name]
-    dsts = [torch.full_like(s.detach().resolve_conj(), 7) for s in srcs]
+    dsts = [torch.full_like(s.detach().resolve_conj().resolve_neg(), 7) for s in srcs]
     host_copy.copy_all(dsts, srcs, split_small=split_small)
     for d, s in zip(dsts, srcs):
         assert torch.equal(d, s.detach().resolve_conj()), (name, s.dtype, s.shape)
