@@ -3,6 +3,7 @@ a root with many decodes one index (its own), and a listing decodes none."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -93,3 +94,39 @@ def test_a_manifest_rewritten_in_place_is_read_again(tmp_path):
     assert broken is not None and broken.committed_at_ns == -1  # unreadable, as listed before
     path.write_bytes(data)
     assert tier.info("step-1") == first
+
+
+def test_a_head_is_read_without_decoding_the_index(tmp_path, monkeypatch):
+    """A cold listing decodes each manifest's members before its tensors only: the index of
+    a 20,000-tensor step was decoded once for the head and once more for the restore."""
+    from dcp_tiered.policy import records
+
+    _saved(tmp_path, 2, monkeypatch)
+    decoded = []
+    load_json = records.load_json
+    monkeypatch.setattr(
+        records, "load_json", lambda *a, **k: decoded.append(1) or load_json(*a, **k)
+    )
+    listed = LocalTier(LocalBackend(tmp_path)).steps()
+    assert len(listed) == 2 and all(s.as_saved and s.committed_at_ns > 0 for s in listed)
+    assert decoded == []
+
+
+def test_a_head_member_repeated_after_the_index_is_refused(tmp_path, monkeypatch):
+    """JSON keeps the last of a repeated member, the head read the first: a manifest whose
+    head says one thing before its tensors and another after them (sealed again: the seal is
+    no secret) is refused by the full parse, so the two can never disagree unseen."""
+    from dcp_tiered.errors import ManifestError
+    from dcp_tiered.policy import integrity, manifest_codec
+
+    _saved(tmp_path, 1, monkeypatch)
+    path = tmp_path / "step-0" / "manifest.json"
+    data = path.read_bytes()
+    raw = data[: -manifest_codec._SEAL_LEN] + b',"run_id":"' + b"f" * 32 + b'"}'
+    crc = integrity.format_checksum(integrity.checksum(raw))
+    forged = raw[:-1] + f',"manifest_checksum":"{crc}"}}'.encode()
+    head = manifest.parse_head(forged, where="m")
+    assert head.step == "step-0" and head.run_id != "f" * 32
+    with pytest.raises(ManifestError, match="comes again with another value"):
+        manifest.parse(forged, where="m")
+    assert manifest.parse(data, where="m").step == "step-0"  # the original still parses

@@ -81,7 +81,7 @@ def parse_head(data: bytes, *, where: str) -> ManifestHead:
     whatever reads the step's data (a load, ``verify``, a promotion)."""
     if not manifest_codec.is_sealed(data):
         return _head_of(manifest_v1.parse(data, where=where))
-    body = _sealed_body(data, where)
+    body = _sealed_body(data, where, head_only=True)
     try:
         world_size = body["world_size"]
         if type(world_size) is not int or not 0 < world_size <= _MAX_RANKS:
@@ -104,11 +104,16 @@ def _head_of(m: Manifest) -> ManifestHead:
     return ManifestHead(m.step, m.save_id, m.run_id, m.committed_at_ns, m.world_size, m.promote)
 
 
-def _sealed_body(data: bytes, where: str) -> dict[str, Any]:
-    """The JSON object of a sealed (version-2) index, its seal, format and version checked."""
+def _sealed_body(data: bytes, where: str, *, head_only: bool = False) -> dict[str, Any]:
+    """The JSON object of a sealed (version-2) index, its seal, format and version checked.
+    ``head_only``: only its members before the tensors (where the writer puts them all), the
+    index itself never decoded: a cold listing of a 20,000-tensor step read the whole index
+    once for its head and once more for the restore. A member that comes again later with
+    another value is refused by :func:`parse`, so both always agree."""
     if not manifest_codec.unseal(data):
         raise ManifestError(f"{where}: manifest checksum mismatch (file was modified); {_HINT}")
-    body = _load(data, where)
+    head = _head_members(data, where) if head_only else None
+    body = head if head is not None else _load(data, where)
     if body.get("format") != FORMAT:
         raise ManifestError(f"{where}: not a dcp_tiered manifest; {_HINT}")
     if body.get("version") != VERSION:
@@ -126,12 +131,26 @@ def parse(data: bytes, *, where: str) -> Manifest:
     if not manifest_codec.is_sealed(data):
         return manifest_v1.parse(data, where=where)
     body = _sealed_body(data, where)
+    head = _head_members(data, where)
+    if head is not None and any(body.get(k) != v for k, v in head.items()):
+        raise ManifestError(
+            f"{where}: a member of the manifest's head comes again with another value; {_HINT}"
+        )
     try:
         return _decode_index(body)
     except ManifestError as e:
         raise ManifestError(f"{where}: {e}; {_HINT}") from e
     except (KeyError, TypeError, ValueError, IndexError, OverflowError, AttributeError) as e:
         raise ManifestError(f"{where}: malformed manifest ({e!r}); {_HINT}") from e
+
+
+def _head_members(data: bytes, where: str) -> dict[str, Any] | None:
+    try:
+        return records.load_json_members(
+            data, where=where, max_bytes=records.MAX_MANIFEST_BYTES, stop_at="tensors"
+        )
+    except ManifestError as e:
+        raise ManifestError(f"{e}; {_HINT}") from e
 
 
 def _load(data: bytes, where: str) -> dict[str, Any]:

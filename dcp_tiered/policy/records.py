@@ -264,3 +264,47 @@ def tiers_record(data: bytes, *, where: str) -> dict[str, str | None]:
             raise ManifestError(f"{where}: {name} {value!r} is not a path or URL")
         out[name] = value
     return out
+
+
+_DECODER = json.JSONDecoder(parse_float=_finite, parse_constant=_constant)
+_SPACE = re.compile(r"[ \t\n\r]*")
+
+
+def load_json_members(
+    data: bytes | bytearray | memoryview, *, where: str, max_bytes: int, stop_at: str
+) -> dict[str, Any] | None:
+    """The members of JSON object ``data`` that come before its member ``stop_at``, decoded
+    one by one and under :func:`load_json`'s guards, the rest never decoded: the head of a
+    manifest whose index of 20,000 tensors follows it. None where ``data`` is not an object
+    that has ``stop_at`` after members of its own (the whole then goes to :func:`load_json`);
+    ManifestError for what is no JSON."""
+    if len(data) > max_bytes:
+        raise ManifestError(
+            f"{where}: {len(data)} bytes, more than the {max_bytes} such a file of ours ever "
+            "holds; it was not parsed"
+        )
+    try:
+        text = bytes(data).decode()
+        at = _SPACE.match(text, 0).end()  # type: ignore[union-attr]  # matches empty text
+        if text[at : at + 1] != "{":
+            return None
+        out: dict[str, Any] = {}
+        at += 1
+        while True:
+            at = _SPACE.match(text, at).end()  # type: ignore[union-attr]
+            if text[at : at + 1] != '"':
+                return None  # no member name here ({} or broken): load_json judges
+            key, at = _DECODER.raw_decode(text, at)
+            at = _SPACE.match(text, at).end()  # type: ignore[union-attr]
+            if type(key) is not str or text[at : at + 1] != ":":
+                return None
+            if key == stop_at:
+                return out
+            at = _SPACE.match(text, at + 1).end()  # type: ignore[union-attr]
+            out[key], at = _DECODER.raw_decode(text, at)
+            at = _SPACE.match(text, at).end()  # type: ignore[union-attr]
+            if text[at : at + 1] != ",":
+                return None  # the object ended (or broke) before stop_at
+            at += 1
+    except (ValueError, RecursionError, UnicodeDecodeError) as e:
+        raise ManifestError(f"{where}: not valid JSON ({str(e)[:200]})") from e
