@@ -130,3 +130,21 @@ def test_a_head_member_repeated_after_the_index_is_refused(tmp_path, monkeypatch
     with pytest.raises(ManifestError, match="comes again with another value"):
         manifest.parse(forged, where="m")
     assert manifest.parse(data, where="m").step == "step-0"  # the original still parses
+
+
+def test_a_head_member_placed_after_the_index_is_still_read(tmp_path, monkeypatch):
+    """Another writer may put a head member after the tensors: the head read then decodes the
+    whole index rather than miss it (a head without its run id would be another run's)."""
+    from dcp_tiered.policy import integrity, manifest_codec
+
+    _saved(tmp_path, 1, monkeypatch)
+    data = (tmp_path / "step-0" / "manifest.json").read_bytes()
+    run_id = manifest.parse_head(data, where="m").run_id
+    assert run_id is not None
+    member = f'"run_id":"{run_id}",'.encode()
+    raw = data[: -manifest_codec._SEAL_LEN].replace(member, b"") + b"," + member[:-1] + b"}"
+    crc = integrity.format_checksum(integrity.checksum(raw))
+    moved = raw[:-1] + f',"manifest_checksum":"{crc}"}}'.encode()
+    assert moved.index(b'"run_id"') > moved.index(b'"tensors"')
+    assert manifest.parse_head(moved, where="m").run_id == run_id
+    assert manifest.parse(moved, where="m").run_id == run_id

@@ -113,6 +113,8 @@ def _sealed_body(data: bytes, where: str, *, head_only: bool = False) -> dict[st
     if not manifest_codec.unseal(data):
         raise ManifestError(f"{where}: manifest checksum mismatch (file was modified); {_HINT}")
     head = _head_members(data, where) if head_only else None
+    if head is not None and not _HEAD_KEYS <= head.keys():  # one after the index: read all
+        head = None
     body = head if head is not None else _load(data, where)
     if body.get("format") != FORMAT:
         raise ManifestError(f"{where}: not a dcp_tiered manifest; {_HINT}")
@@ -142,6 +144,12 @@ def parse(data: bytes, *, where: str) -> Manifest:
         raise ManifestError(f"{where}: {e}; {_HINT}") from e
     except (KeyError, TypeError, ValueError, IndexError, OverflowError, AttributeError) as e:
         raise ManifestError(f"{where}: malformed manifest ({e!r}); {_HINT}") from e
+
+
+# Every member a head is read from (this version's writer puts them all before the tensors)
+_HEAD_KEYS = frozenset(
+    ("format", "version", "step", "save_id", "world_size", "committed_at_ns", "promote", "run_id")
+)
 
 
 def _head_members(data: bytes, where: str) -> dict[str, Any] | None:
