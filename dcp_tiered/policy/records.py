@@ -77,6 +77,14 @@ def _constant(text: str) -> Any:
     raise ValueError(f"non-finite number {text}")
 
 
+def _check_size(data: bytes | bytearray | memoryview, where: str, max_bytes: int) -> None:
+    if len(data) > max_bytes:
+        raise ManifestError(
+            f"{where}: {len(data)} bytes, more than the {max_bytes} such a file of ours ever "
+            "holds; it was not parsed"
+        )
+
+
 def load_json(
     data: bytes | bytearray | memoryview,
     *,
@@ -88,11 +96,7 @@ def load_json(
     """Parse JSON ``data`` read from ``where``, or raise ManifestError saying why not."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ManifestError(f"{where}: expected bytes, got {type(data).__name__}")
-    if len(data) > max_bytes:
-        raise ManifestError(
-            f"{where}: {len(data)} bytes, more than the {max_bytes} such a file of ours ever "
-            "holds; it was not parsed"
-        )
+    _check_size(data, where, max_bytes)
     depth = 0
     if _count_opening(data) > max_depth:  # deeper than that cannot be: skip the count
         depth = nesting_depth(data)
@@ -270,6 +274,11 @@ _DECODER = json.JSONDecoder(parse_float=_finite, parse_constant=_constant)
 _SPACE = re.compile(r"[ \t\n\r]*")
 
 
+def _skip_space(text: str, at: int) -> int:
+    """The index of the first non-whitespace character of ``text`` from ``at``."""
+    return _SPACE.match(text, at).end()  # type: ignore[union-attr]  # * matches empty text
+
+
 def load_json_members(
     data: bytes | bytearray | memoryview, *, where: str, max_bytes: int, stop_at: str
 ) -> dict[str, Any] | None:
@@ -278,31 +287,26 @@ def load_json_members(
     manifest whose index of 20,000 tensors follows it. None where ``data`` is not an object
     that has ``stop_at`` after members of its own (the whole then goes to :func:`load_json`);
     ManifestError for what is no JSON."""
-    if len(data) > max_bytes:
-        raise ManifestError(
-            f"{where}: {len(data)} bytes, more than the {max_bytes} such a file of ours ever "
-            "holds; it was not parsed"
-        )
+    _check_size(data, where, max_bytes)
     try:
         text = bytes(data).decode()
-        at = _SPACE.match(text, 0).end()  # type: ignore[union-attr]  # matches empty text
+        at = _skip_space(text, 0)
         if text[at : at + 1] != "{":
             return None
         out: dict[str, Any] = {}
         at += 1
         while True:
-            at = _SPACE.match(text, at).end()  # type: ignore[union-attr]
+            at = _skip_space(text, at)
             if text[at : at + 1] != '"':
                 return None  # no member name here ({} or broken): load_json judges
             key, at = _DECODER.raw_decode(text, at)
-            at = _SPACE.match(text, at).end()  # type: ignore[union-attr]
+            at = _skip_space(text, at)
             if type(key) is not str or text[at : at + 1] != ":":
                 return None
             if key == stop_at:
                 return out
-            at = _SPACE.match(text, at + 1).end()  # type: ignore[union-attr]
-            out[key], at = _DECODER.raw_decode(text, at)
-            at = _SPACE.match(text, at).end()  # type: ignore[union-attr]
+            out[key], at = _DECODER.raw_decode(text, _skip_space(text, at + 1))
+            at = _skip_space(text, at)
             if text[at : at + 1] != ",":
                 return None  # the object ended (or broke) before stop_at
             at += 1
