@@ -22,7 +22,7 @@ import torch
 
 from . import host_copy
 
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_TENSORS = host_copy.PLAIN_TENSORS
 _PLAIN_TENSOR_TYPES = frozenset(_PLAIN_TENSORS)
 _SIMPLE = (int, float, str, bytes, bool, type(None))
 # nn.Module.state_dict() returns an OrderedDict: the commonest state there is. Its buffers (and

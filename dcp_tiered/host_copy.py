@@ -29,7 +29,7 @@ _SPLIT_MIN_TENSORS = 16
 _nbytes = attrgetter("nbytes")
 
 Segment = tuple[int, int, int]  # (destination address, source address, bytes)
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # not subclasses (DTensor, ...)
 _memmove = ctypes.memmove  # a foreign call: the GIL is released while it copies
 
 
@@ -92,7 +92,7 @@ def _as_segment(d: torch.Tensor, s: torch.Tensor) -> Segment | None:
     """Both tensors' addresses, where a memcpy copies one into the other: plain strided CPU
     tensors, contiguous, of one dtype and size, with no conjugate or negative bit (their
     bytes are not their values); anything else goes through copy_."""
-    if type(d) not in _PLAIN or type(s) not in _PLAIN:
+    if type(d) not in PLAIN_TENSORS or type(s) not in PLAIN_TENSORS:
         return None
     if d.device.type != "cpu" or s.device.type != "cpu" or d.layout != torch.strided:
         return None

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import _torch_compat, batch_copy
+from . import _torch_compat, batch_copy, host_copy
 from ._torch_compat import ShardedTensor
 from .errors import StagingError
 
@@ -33,7 +33,7 @@ _PROCESS_EXECUTOR = "ThreadPoolExecutor"
 _POOL_THREAD = re.compile(r"^ThreadPoolExecutor-(\d+)_\d+$")
 
 
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_TENSORS = host_copy.PLAIN_TENSORS
 
 
 def _signature(obj: Any) -> Any:
