@@ -13,7 +13,8 @@ plan caching with ``enable_plan_caching=True``) with two changes on the coordina
 and one on every rank: a save of the same structure as the last one (the same keys, shapes,
 dtypes and nesting, plain tensors and values only) reuses the last local plan instead of
 making one item per tensor again. With ``enable_plan_caching=True`` DCP then finds it
-unchanged by identity and skips the plan exchange and the global planning as well.
+unchanged by identity and skips the plan exchange and the global planning as well; the plans
+DCP keeps for that are made of one set of objects where they are equal (see ``_sharing``).
 ``cache_key`` keeps the plan caches of different writers in one process apart (DCP keeps one
 per planner class otherwise).
 
@@ -62,6 +63,33 @@ def _structure(state: dict[str, Any], is_coordinator: bool) -> list[Any] | None:
     return out
 
 
+# DCP's plan caching keeps, for the life of the process, the local plan, every rank's local
+# plan as the coordinator received it, the global plan and the final plan: each an unpickled
+# copy with objects of its own for every item (20,000 tensors: 1.2 million objects in all).
+# The garbage collector walks them all at each full collection (about a second), and the
+# copies are equal: where they are, the coordinator's and every rank's later copies are made
+# of the objects of the earlier ones (tests/test_plan_caching.py counts them).
+
+
+def _same_items(a: list[Any], b: list[Any]) -> bool:
+    """Equal write items, index hints included (``MetadataIndex``'s ``==`` leaves them out)."""
+    return (
+        len(a) == len(b)
+        and (not a or (a[0] == b[0] and a[-1] == b[-1]))
+        and a == b
+        and all(x.index.index == y.index.index for x, y in zip(a, b))
+    )
+
+
+def _sharing(plan: SavePlan, own: SavePlan) -> SavePlan:
+    """``plan`` (a rank's local plan as the coordinator received it) with the items and
+    planner data of ``own`` (the coordinator's local plan) where they are equal."""
+    if plan.items is own.items or not _same_items(plan.items, own.items):
+        return plan
+    data = own.planner_data if plan.planner_data == own.planner_data else plan.planner_data
+    return dataclasses.replace(plan, items=own.items, planner_data=data)
+
+
 class TieredSavePlanner(DefaultSavePlanner):
     """``DefaultSavePlanner`` whose global planning (coordinator only) checks grid-sharded
     tensors in linear time and pauses the garbage collector, and which reuses its local plan
@@ -105,7 +133,35 @@ class TieredSavePlanner(DefaultSavePlanner):
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         with _gc.paused():
+            own = getattr(self, "plan", None)
+            if own is not None:
+                all_plans = [_sharing(p, own) for p in all_plans]
             return super().create_global_plan(all_plans)
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        with _gc.paused():
+            return super().finish_plan(self._sharing_final(new_plan))
+
+    def _sharing_final(self, plan: SavePlan) -> SavePlan:
+        """``plan`` (this rank's final plan, as DCP's scatter unpickled it) built from objects
+        this planner already holds where they are equal: the coordinator's global plan for
+        this rank, else the local plan's tensor data (only the index hints differ)."""
+        if not getattr(plan, "usable", True) or not plan.items:
+            return plan  # DCP replays its cached final plan
+        for planned in getattr(self, "global_plan", None) or ():  # the coordinator's
+            if planned.items is plan.items or _same_items(planned.items, plan.items):
+                return dataclasses.replace(plan, items=planned.items)
+        own = getattr(self, "plan", None)
+        if own is None:
+            return plan
+        data = {(i.index.fqn, i.index.offset): i.tensor_data for i in own.items}
+        items = []
+        for item in plan.items:
+            known = data.get((item.index.fqn, item.index.offset))
+            if known is not None and known is not item.tensor_data and known == item.tensor_data:
+                item = dataclasses.replace(item, tensor_data=known)
+            items.append(item)
+        return dataclasses.replace(plan, items=items)
 
     # DefaultSavePlanner's own steps (torch 2.13-2.15: dedup, global plan, planner data),
     # but for the check. Both the uncached and the plan-caching paths call this.
