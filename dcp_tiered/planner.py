@@ -112,6 +112,10 @@ class TieredSavePlanner(DefaultSavePlanner):
             super().set_up_planner(state_dict, storage_meta, is_coordinator)
 
     def create_local_plan(self) -> SavePlan:
+        with _gc.paused():  # objects per item (the structure, a new plan), none in cycles
+            return self._local_plan()
+
+    def _local_plan(self) -> SavePlan:
         shape = _structure(self.state_dict, self.is_coordinator)
         kept = _LOCAL_PLANS.get(self._cached_plans_key)
         if (
