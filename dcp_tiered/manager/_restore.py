@@ -184,39 +184,27 @@ def load_dcp(
     rank: int,
 ) -> str | None:
     """Loads disk step ``name`` into ``app_state``: None, or why it failed (on every rank)."""
+    reader = TieredStorageReader(
+        root, remote=remote.config if remote is not None else None, allow_pickle=allow_pickle
+    )
     try:
         # No collection from the first read to the last copy: the load's objects (a few per
-        # item, none in cycles) all die with it, reader and planner included. Paused only in
+        # item, none in cycles) all die with it, the reader's index included. Paused only in
         # parts, the young collections between the parts moved them on, and they set off full
         # collections over every live object: 20,000 tensors, a second each, one load in two
         # or three.
         with _gc.paused():
-            _load(root, remote, name, app_state, allow_pickle=allow_pickle, group=group, rank=rank)
+            dcp.load(
+                _loadable(app_state, reader, name, rank),
+                checkpoint_id=name,
+                storage_reader=reader,
+                planner=TieredLoadPlanner(reader=reader),
+                process_group=group,
+            )
+            del reader
     except (CheckpointException, DcpTieredError) as e:  # DCP told every rank already
         return LoadFailure.of(e, describe(e))
     return None
-
-
-def _load(
-    root: str,
-    remote: RemoteBackend | None,
-    name: str,
-    app_state: dict[str, Any],
-    *,
-    allow_pickle: bool,
-    group: Any,
-    rank: int,
-) -> None:
-    reader = TieredStorageReader(
-        root, remote=remote.config if remote is not None else None, allow_pickle=allow_pickle
-    )
-    dcp.load(
-        _loadable(app_state, reader, name, rank),
-        checkpoint_id=name,
-        storage_reader=reader,
-        planner=TieredLoadPlanner(reader=reader),
-        process_group=group,
-    )
 
 
 def _loadable(
