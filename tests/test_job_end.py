@@ -142,6 +142,39 @@ def test_writers_built_and_closed_in_a_loop_leave_no_threads_behind(tmp_path):
     assert left == [], f"threads left after 6 writers were closed: {left}"
 
 
+def test_a_writer_closed_while_its_upload_runs_leaves_no_thread_once_it_ends(tmp_path, monkeypatch):
+    """``close(wait_durable=False)`` with a promotion still running lets it finish; its
+    threads then end. They were left waiting for work for good (CI saw the manager loop below
+    keep one for more than 10 s)."""
+    from dcp_tiered.tiers import uploads
+
+    may_go = threading.Event()
+    promote = uploads.Uploader._promote
+
+    def held(self, step):  # the upload itself is real; it only starts when the test says
+        assert may_go.wait(30)
+        return promote(self, step)
+
+    monkeypatch.setattr(uploads.Uploader, "_promote", held)
+
+    before = set(threading.enumerate())  # other tests' writers may have left theirs
+
+    def ours() -> list[str]:  # the upload pools' threads (others live as long as the process)
+        new = set(threading.enumerate()) - before
+        return sorted(t.name for t in new if t.name.startswith("dcp-tiered-upload"))
+
+    writer = TieredStorageWriter(tmp_path / "ck", remote=f"file://{tmp_path / 'remote'}")
+    dcp.save({"w": torch.ones(8)}, checkpoint_id="step-1", storage_writer=writer, no_dist=True)
+    writer.close(wait_durable=False)
+    assert "dcp-tiered-upload_0" in ours()  # still promoting step-1
+    may_go.set()
+    deadline = time.monotonic() + 10
+    while ours() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ours() == []
+    assert (tmp_path / "remote" / "step-1" / "_COMMITTED.json").exists()
+
+
 def test_managers_built_and_closed_in_a_loop_return_to_the_baseline(tmp_path, shm):
     """A long-lived process that builds, uses and closes managers (every tier, save and
     restore) and readers comes back to its threads, descriptors and shared-memory entries."""

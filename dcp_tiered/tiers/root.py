@@ -169,9 +169,9 @@ class Tiers:
     def close(self, timeout_secs: float | None = None, *, wait_durable: bool = True) -> None:
         """Wait (unless ``wait_durable`` is False) at most ``timeout_secs`` (default: the
         remote's ``durable_timeout_secs``) for the uploads enqueued here, then stop the queue
-        once nothing is pending (what still is goes on, and is abandoned with a warning at
-        exit). UploadFailedError names each step that is not durable. Closing twice is
-        harmless."""
+        once nothing is pending (what still is goes on, its threads ending after it, and is
+        abandoned with a warning at exit). UploadFailedError names each step that is not
+        durable. Closing twice is harmless."""
         with self._lock:
             up, self._queue = self._queue, None
         if up is None:
@@ -182,8 +182,7 @@ class Tiers:
         try:
             problems = up.wait(timeout_secs) if wait_durable else {}
         finally:
-            if not up.busy():
-                up.shutdown()
+            up.shutdown_when_idle()
         if problems:
             raise UploadFailedError(
                 f"not durable on {self.remote.config.url}: "

@@ -199,12 +199,37 @@ class Uploader:
         """Whether a promotion is still queued or running."""
         return any(not f.done() for f in self.futures())
 
-    def shutdown(self, *, cancel: bool = False) -> None:
-        self._steps.shutdown(wait=not cancel, cancel_futures=cancel)
-        self._files.shutdown(wait=not cancel, cancel_futures=cancel)
-        if self._resume_lock is not None:  # the next uploader on this root resumes, even ours
-            self.tier.backend.unlock(self._resume_lock)
-            self._resume_lock = None
+    def shutdown_when_idle(self) -> None:
+        """Stop the pools once every promotion enqueued so far has ended (now, if none is
+        pending): what is queued or running goes on, and no thread is left waiting for work
+        that will never come (a writer closed while an upload ran kept one for good)."""
+        pending = [f for f in self.futures() if not f.done()]
+        left = [len(pending)]
+
+        def ended(_: Future[tuple[float, float]]) -> None:
+            # on the thread that ended it (a pool's own, or the exit hook's that cancelled
+            # it): the threads are told to end, not waited for
+            with self._lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                self.shutdown(wait=False)
+
+        if not pending:
+            self.shutdown()
+        for fut in pending:
+            fut.add_done_callback(ended)
+
+    def shutdown(self, *, cancel: bool = False, wait: bool | None = None) -> None:
+        """Stop both pools: queued work is cancelled (``cancel``) or still done; the threads
+        are joined unless ``wait`` is False (default: unless cancelling)."""
+        wait = not cancel if wait is None else wait
+        self._steps.shutdown(wait=wait, cancel_futures=cancel)
+        self._files.shutdown(wait=wait, cancel_futures=cancel)
+        with self._lock:
+            lock, self._resume_lock = self._resume_lock, None
+        if lock is not None:  # the next uploader on this root resumes, even ours
+            self.tier.backend.unlock(lock)
 
     def resume(self) -> None:
         """Re-enqueue committed local steps that are not durable yet (one process per root)."""

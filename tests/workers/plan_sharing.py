@@ -66,7 +66,7 @@ def main() -> None:
     found: dict[str, dict] = {}
     for name in ("alike", "mixed"):
         writer = TieredStorageWriter(f"{a.root}/{name}")
-        planner = planner_for(writer)
+        key = planner_for(writer)._cached_plans_key  # a new planner per save, as the manager
         for i in range(3):
             dcp.save(
                 states(rank, i)[name],
@@ -83,7 +83,7 @@ def main() -> None:
             )
             want = states(rank, i)[name]
             assert all(torch.equal(got[k], want[k]) for k in want), (name, i)
-        found[name] = report(planner._cached_plans_key)
+        found[name] = report(key)
         writer.close()
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, found)
