@@ -195,10 +195,6 @@ class Uploader:
             for s, why in problems.items()
         }
 
-    def busy(self) -> bool:
-        """Whether a promotion is still queued or running."""
-        return any(not f.done() for f in self.futures())
-
     def shutdown_when_idle(self) -> None:
         """Stop the pools once every promotion enqueued so far has ended (now, if none is
         pending): what is queued or running goes on, and no thread is left waiting for work
