@@ -114,8 +114,10 @@ class Placed:
 class DataFile:
     """Writes items one after another into ``f`` (opened by ``LocalBackend.open_write``)."""
 
-    def __init__(self, f: BinaryIO) -> None:
+    def __init__(self, f: BinaryIO, *, writeback: bool = False) -> None:
         self._f = f
+        self._writeback = writeback  # start each batch's way to the disk once it is written
+        self._written = 0  # bytes written to the file so far
         self.position = 0  # bytes added so far
         self.file_crc = 0  # CRC32C of the bytes sealed so far (all of them after close)
         self._small = bytearray()  # bytes not yet sealed into a batch buffer
@@ -201,6 +203,7 @@ class DataFile:
         self.file_crc = integrity.combine(self.file_crc, crc, out.position)
         self.placed.append(Placed(index, self.position, out.position, crc, raw_offset))
         self.position += out.position
+        self._wrote(out.position)
 
     # ------------------------------------------------------------ batching
 
@@ -222,7 +225,14 @@ class DataFile:
     def _write_batch(self) -> None:
         if self._batch:
             LocalBackend.write_vectors(self._f, self._batch)
+            self._wrote(self._batch_bytes)
         self._batch, self._keep, self._batch_bytes = [], [], 0
+
+    def _wrote(self, nbytes: int) -> None:
+        """``nbytes`` more of the file are written: start them to the disk if asked to."""
+        if self._writeback:
+            LocalBackend.start_writeback(self._f, self._written, nbytes)
+        self._written += nbytes
 
     def close(self) -> None:
         """Write what is pending; ``file_crc`` and ``position`` then cover the whole file."""
@@ -242,10 +252,16 @@ class _Passthrough:
 
 
 def write_items(
-    f: BinaryIO, items: Sequence[WriteItem], resolve: Callable[[WriteItem], Any]
+    f: BinaryIO,
+    items: Sequence[WriteItem],
+    resolve: Callable[[WriteItem], Any],
+    *,
+    writeback: bool = False,
 ) -> DataFile:
-    """Write ``items`` (their data from ``resolve``, DCP's ``planner.resolve_data``) into ``f``."""
-    out = DataFile(f)
+    """Write ``items`` (their data from ``resolve``, DCP's ``planner.resolve_data``) into ``f``;
+    ``writeback``: for a file fsynced at its end, start each batch's writing to the disk at
+    once (``LocalBackend.start_writeback``)."""
+    out = DataFile(f, writeback=writeback)
     for item in items:
         out.add(item, resolve(item))
     out.close()

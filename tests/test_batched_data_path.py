@@ -6,6 +6,7 @@ structure."""
 from __future__ import annotations
 
 import io
+import os
 
 import pytest
 import torch
@@ -22,7 +23,9 @@ from dcp_tiered import (
     batch_copy,
 )
 from dcp_tiered import _torch_compat, item_frame, item_writer
+from dcp_tiered.backends import _local_reads
 from dcp_tiered.item_frame import Framer
+from dcp_tiered.writer import _datafile
 from tests.test_save_load import failure
 
 FRAMED_DTYPES = [
@@ -137,6 +140,79 @@ def test_a_short_write_fails_the_save_and_keeps_the_previous_step(tmp_path, monk
         dcp.save(src, checkpoint_id="step-2", storage_writer=writer, no_dist=True)
     assert isinstance(failure(e), OSError) and failure(e).errno == 28
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["step-1"]
+
+
+@pytest.mark.parametrize("sync_files", [True, False])
+def test_data_files_start_to_the_disk_as_written_and_are_fsynced_once_all_are(
+    tmp_path, monkeypatch, sync_files
+):
+    """Each batch of a data file is handed to the kernel's writeback as soon as it is written
+    (the whole file, in order, nothing twice), and no data file is fsynced before every one of
+    the rank's files is written: on ext4 one file's fsync commits the journal and stalls the
+    other threads' writes. Without sync_files neither happens."""
+    monkeypatch.setattr(item_writer, "_BATCH_BYTES", 2**20)  # many batches from a small state
+    monkeypatch.setitem(item_frame.FRAMER._dtypes, torch.float64, None)  # torch's writer too
+    monkeypatch.setattr(item_frame.FRAMER, "_frames", {})
+    g = torch.Generator().manual_seed(5)
+    src = _state()
+    src.update({f"w{i}": torch.randn(100_000 + 999 * i, generator=g) for i in range(12)})
+    src.update({f"s{i}": torch.randn(3_000, generator=g) for i in range(300)})
+    events: list[tuple[str, str, int, int]] = []
+
+    def name_of(fd: int) -> str:
+        return os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+
+    real_writeback = _local_reads.start_writeback
+    monkeypatch.setattr(
+        _local_reads,
+        "start_writeback",
+        lambda fd, offset, n: (
+            events.append(("writeback", name_of(fd), offset, n)),
+            real_writeback(fd, offset, n),
+        ),
+    )
+    real_fsync = os.fsync
+    monkeypatch.setattr(
+        os, "fsync", lambda fd: (events.append(("fsync", name_of(fd), 0, 0)), real_fsync(fd))
+    )
+    real_write = _datafile.write_file
+
+    def write_file(save, f, *args):
+        out = real_write(save, f, *args)
+        events.append(("written", name_of(f.fileno()), 0, out.position))
+        return out
+
+    monkeypatch.setattr(_datafile, "write_file", write_file)
+    writer = TieredStorageWriter(tmp_path, thread_count=2, sync_files=sync_files)
+    dcp.save(src, checkpoint_id="step-1", storage_writer=writer, no_dist=True)
+    written = {name: size for kind, name, _, size in events if kind == "written"}
+    assert len(written) == 2
+    for name, size in written.items():
+        assert (tmp_path / "step-1" / name).stat().st_size == size
+    data_events = [e for e in events if e[1] in written]
+    if not sync_files:
+        assert [e[0] for e in data_events] == ["written", "written"]
+    else:
+        for name, size in written.items():
+            ranges = [
+                (offset, n) for kind, f, offset, n in events if (kind, f) == ("writeback", name)
+            ]
+            assert len(ranges) >= 3, ranges
+            at = 0
+            for offset, n in ranges:  # in order, each byte once, up to the file's end
+                assert offset == at and n > 0, ranges
+                at += n
+            assert at == size
+        last_write = max(k for k, e in enumerate(data_events) if e[0] == "written")
+        syncs = [k for k, e in enumerate(data_events) if e[0] == "fsync"]
+        assert sorted(data_events[k][1] for k in syncs) == sorted(written)
+        assert min(syncs) > last_write
+    out = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in src.items()}
+    dcp.load(out, storage_reader=FileSystemReader(tmp_path / "step-1"), no_dist=True)
+    assert all(
+        torch.equal(out[k], v) if isinstance(v, torch.Tensor) else out[k] == v
+        for k, v in src.items()
+    )
 
 
 def test_batch_copy_copies_all_or_nothing():

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import BinaryIO
 
 from ..policy import integrity
-from ._local_fs import FileVersion, LocalRoot, version_of
+from ._local_fs import FileVersion, LocalRoot, start_writeback, version_of
 
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
 _READ_CHUNK_BYTES = 16 * 2**20
@@ -124,6 +124,13 @@ class LocalReads(LocalRoot):
                     batch = batch[1:]
                 if batch and done:
                     batch[0] = batch[0][done:]
+
+    @staticmethod
+    def start_writeback(f: BinaryIO, offset: int, nbytes: int) -> None:
+        """Start writing bytes of ``f`` just written to the disk, not waiting (see
+        :func:`~dcp_tiered.backends._local_fs.start_writeback`): the fsync at its end then
+        waits for the last of them only."""
+        start_writeback(f.fileno(), offset, nbytes)
 
     def file_checksum(self, *names: str, progress: Callable[[int], object] | None = None) -> str:
         """CRC32C of a whole file, read in large chunks."""

@@ -4,10 +4,11 @@ fails. The bytes themselves are :mod:`dcp_tiered.item_writer`'s."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, BinaryIO
 
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem
@@ -36,43 +37,58 @@ def write_items(
     sync: bool,
 ) -> list[WriteResult]:
     """This rank's ``items`` in up to ``thread_count`` files of about equal size, written by
-    one thread each (checksumming and torch.save framing are CPU-bound)."""
+    one thread each (checksumming and torch.save framing are CPU-bound), then fsynced.
+
+    Every file is fsynced only once all of them are written: on ext4 (data=ordered) one file's
+    fsync commits the journal, which waits for the blocks of every file being written, and
+    holds up the other threads' writes until it is done. Fsynced as each thread ended, two
+    files of 128 MiB took 0.4-0.6 s; fsynced together, 0.12-0.14 s."""
     buckets = item_writer.split_by_size(items, thread_count, planned_bytes)
     jobs = [
         (layout.data_file_name(save.rank, i), bucket) for i, bucket in enumerate(buckets) if bucket
     ]
-    if len(jobs) <= 1:
-        return [r for name, b in jobs for r in write_file(tiers, save, name, b, planner, sync)]
-    with ThreadPoolExecutor(
-        len(jobs), thread_name_prefix="dcp-tiered-write", initializer=lower_this_thread
-    ) as pool:
-        futures = [pool.submit(write_file, tiers, save, n, b, planner, sync) for n, b in jobs]
-        return [r for f in futures for r in f.result()]
+    backend = tiers.local.backend
+
+    def write(f: BinaryIO, bucket: Sequence[WriteItem]) -> item_writer.DataFile:
+        return write_file(save, f, bucket, planner, sync)  # looked up per call (tests hook it)
+
+    with contextlib.ExitStack() as files:  # each closed, fsynced first if all went well
+        opened = [files.enter_context(backend.open_write(save.tmp, n, sync=sync)) for n, _ in jobs]
+        if len(jobs) <= 1:
+            outs = [write(f, b) for f, (_, b) in zip(opened, jobs)]
+        else:
+            with ThreadPoolExecutor(
+                len(jobs), thread_name_prefix="dcp-tiered-write", initializer=lower_this_thread
+            ) as pool:
+                futures = [pool.submit(write, f, b) for f, (_, b) in zip(opened, jobs)]
+                outs = [f.result() for f in futures]
+    return [_file_written(tiers, save, name, out) for (name, _), out in zip(jobs, outs)]
 
 
 def write_file(
-    tiers: Tiers,
-    save: SaveInfo,
-    name: str,
-    items: Sequence[WriteItem],
-    planner: SavePlanner,
-    sync: bool,
-) -> list[WriteResult]:
-    with tiers.local.backend.open_write(save.tmp, name, sync=sync) as f:
-        out = item_writer.write_items(f, items, planner.resolve_data)
+    save: SaveInfo, f: BinaryIO, items: Sequence[WriteItem], planner: SavePlanner, sync: bool
+) -> item_writer.DataFile:
+    """Write ``items`` into data file ``f`` of ``save`` (opened, fsynced and closed by the
+    caller); ``sync``: start each batch's way to the disk as soon as it is written."""
+    return item_writer.write_items(f, items, planner.resolve_data, writeback=sync)
+
+
+def _file_written(
+    tiers: Tiers, save: SaveInfo, name: str, out: item_writer.DataFile
+) -> WriteResult:
+    """The one WriteResult of data file ``name``, written and fsynced; its early upload
+    started where the step goes to the remote tier."""
     placed = item_writer.FileItems.of(name, save.rank, out)
     if tiers.remote is not None and save.promote:
         tiers.upload_early(
             save.step, save.save_id, name, placed.file_checksum, save.node, save.run_id
         )
     # One result for the whole file (see FileItems); finish() reads it back per item.
-    return [
-        WriteResult(
-            index=MetadataIndex(f"{FILE_RESULT}{name}"),
-            size_in_bytes=out.position,
-            storage_data=placed,
-        )
-    ]
+    return WriteResult(
+        index=MetadataIndex(f"{FILE_RESULT}{name}"),
+        size_in_bytes=out.position,
+        storage_data=placed,
+    )
 
 
 def locations(results: list[list[WriteResult]]) -> dict[Any, manifest.ItemLocation]:

@@ -86,9 +86,9 @@ def die_while_writing(step: str) -> None:
 
     original = _datafile.write_file
 
-    def write_or_die(tiers, save, *args, **kwargs):
+    def write_or_die(save, *args, **kwargs):
         if save.step == step:
             os.kill(os.getpid(), signal.SIGKILL)
-        return original(tiers, save, *args, **kwargs)
+        return original(save, *args, **kwargs)
 
     _datafile.write_file = write_or_die
