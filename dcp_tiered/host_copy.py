@@ -54,7 +54,7 @@ def copy_all(
     segments: list[Segment] = []
     total = 0
     for d, s, n in zip(dsts, srcs, map(_nbytes, dsts)):
-        segment = _as_segment(d, s) if n >= MEMCPY_MIN_BYTES else None
+        segment = as_segment(d, s) if n >= MEMCPY_MIN_BYTES else None
         if segment is None:
             small_d.append(d)
             small_s.append(s)
@@ -88,7 +88,7 @@ def as_bytes(t: torch.Tensor) -> np.ndarray:
     return t.detach().reshape(-1).view(torch.uint8).numpy()
 
 
-def _as_segment(d: torch.Tensor, s: torch.Tensor) -> Segment | None:
+def as_segment(d: torch.Tensor, s: torch.Tensor) -> Segment | None:
     """Both tensors' addresses, where a memcpy copies one into the other: plain strided CPU
     tensors, contiguous, of one dtype and size, with no conjugate or negative bit (their
     bytes are not their values); anything else goes through copy_."""

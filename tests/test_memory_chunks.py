@@ -14,7 +14,7 @@ import torch
 from dcp_tiered.errors import IntegrityError, ManifestError
 from dcp_tiered.policy import memory_chunks
 from dcp_tiered.policy import memory_format as fmt
-from dcp_tiered.tiers import memory_copy
+from dcp_tiered.tiers import chunk_copy, memory_copy
 from dcp_tiered.tiers.memory import MemoryTier
 
 CHUNK = memory_chunks.CHUNK_BYTES
@@ -132,3 +132,76 @@ def test_a_chunk_hash_this_version_does_not_know_is_a_manifest_error(tmp_path):
     _rewrite(header_path, lambda body: body.update(chunk_algorithm="blake3"))
     with pytest.raises(ManifestError, match="'blake3'.*newer dcp_tiered"):
         fmt.decode_header(header_path.read_bytes(), where=str(header_path))
+
+
+def test_the_copy_by_chunks_splits_at_chunk_ends_and_groups_small_tensors():
+    buffer = torch.zeros(3 * CHUNK, dtype=torch.uint8)
+    small = [buffer[k * 64 : k * 64 + 40] for k in range(3)]  # one run
+    big = buffer[CHUNK - 100 : 2 * CHUNK + 100]  # over two chunk ends: three pieces
+    straddling = buffer[3 * CHUNK - 8 - 50 : 3 * CHUNK - 8]  # small, inside the last chunk
+    chunks = chunk_copy.plan([big, *small, straddling], buffer.data_ptr(), 3 * CHUNK)
+    assert chunks is not None and [(c.start, c.end) for c in chunks] == [
+        (0, CHUNK),
+        (CHUNK, 2 * CHUNK),
+        (2 * CHUNK, 3 * CHUNK),
+    ]
+    run, first = chunks[0].parts
+    assert isinstance(run, chunk_copy.Run) and run.tensors == [1, 2, 3]
+    assert (run.start, run.end) == (0, 128 + 40)
+    assert first == chunk_copy.Piece(0, 0, CHUNK - 100, 100)
+    assert chunks[1].parts == (chunk_copy.Piece(0, 100, CHUNK, CHUNK),)
+    assert chunks[2].parts[0] == chunk_copy.Piece(0, CHUNK + 100, 2 * CHUNK, 100)
+    assert isinstance(chunks[2].parts[1], chunk_copy.Run)
+    overlapping = [buffer[:100], buffer[50:150]]
+    assert chunk_copy.plan(overlapping, buffer.data_ptr(), 3 * CHUNK) is None
+    assert chunk_copy.plan([buffer[-10:]], buffer.data_ptr(), 3 * CHUNK - 20) is None
+
+
+def _state_of_every_size(g: torch.Generator) -> dict:
+    sizes = [1, 7, 1000, 16_383, 16_384, 16_385, 300_000, 1_048_575, 1_048_577, 3]
+    state = {f"t{i}": torch.randn(n, generator=g) for i, n in enumerate(sizes)}
+    state.update({f"s{i}": torch.randn(1 + 97 * i, generator=g) for i in range(400)})
+    state["bf"] = torch.randn(999, 77, generator=g).to(torch.bfloat16)
+    state["zero"] = torch.tensor(4.0)
+    state["empty"] = torch.ones(0, 5)
+    state["i8"] = torch.randint(-9, 9, (2 * CHUNK + 5,), generator=g, dtype=torch.int8)
+    state["small_nc"] = torch.randn(30, 20, generator=g).t()  # small: copied by torch
+    return state
+
+
+@pytest.mark.parametrize("large_not_contiguous", [False, True])
+def test_a_snapshot_copied_by_chunks_restores_bit_exact_with_the_slots_own_hashes(
+    tmp_path, monkeypatch, large_not_contiguous
+):
+    """Tensors of every size around the memcpy threshold, the hashing step and a chunk, over
+    both slots twice: bit-exact, and each chunk's hash is the slot's own bytes' hash. A large
+    non-contiguous tensor (no memcpy) sends the whole save the tensor-by-tensor way."""
+    g = torch.Generator().manual_seed(7)
+    state = _state_of_every_size(g)
+    if large_not_contiguous:
+        state["nc"] = torch.randn(700, 900, generator=g).t()
+    calls = []
+    real = chunk_copy.copy_and_checksum
+    monkeypatch.setattr(
+        chunk_copy, "copy_and_checksum", lambda *a: calls.append(r := real(*a)) or r
+    )
+    tier = MemoryTier(tmp_path / "shm", 0)
+    try:
+        for n in range(4):
+            now = {k: v + n if v.is_floating_point() else v for k, v in state.items()}
+            tier.save(f"step-{n}", {"model": now}).result()
+            out = {"model": {k: torch.zeros_like(v) for k, v in state.items()}}
+            tier.load(f"step-{n}", out)
+            assert all(torch.equal(out["model"][k], v) for k, v in now.items())
+    finally:
+        tier.close()
+    assert len(calls) == 4
+    assert all((c is None) == large_not_contiguous for c in calls)
+    for header_path in (tmp_path / "shm" / "rank-0").glob("slot-*.json"):
+        header = json.loads(header_path.read_bytes())
+        size = header["data_size"]
+        data = torch.from_file(str(header_path.with_suffix(".data")), size=size, dtype=torch.uint8)
+        assert header["chunk_checksums"] == [
+            memory_chunks.checksum(data, i, CHUNK, size)
+            for i in range(memory_chunks.count(size, CHUNK))
+        ]

@@ -38,7 +38,7 @@ from ..backends.local import LocalBackend
 from ..errors import CheckpointNotFoundError, IntegrityError, ManifestError
 from ..policy import layout, memory_chunks
 from ..policy import memory_format as fmt
-from . import memory_copy, ownership
+from . import chunk_copy, memory_copy, ownership
 from .memory_restore import fill_state, verify
 
 logger = logging.getLogger(__name__)
@@ -129,8 +129,16 @@ class MemoryTier:
             dsts, srcs = found
         regions, size, buffer, _ = self._buffers[slot][1]
         plan = self._plans.get(slot)
-        steps = plan.batches if plan is not None else memory_copy.batches(dsts, buffer.data_ptr())
-        chunks = memory_copy.copy_and_checksum(buffer, size, dsts, srcs, steps, self._pool.submit)
+        chunks = None
+        if plan is not None and plan.chunks is not None:
+            chunks = chunk_copy.copy_and_checksum(buffer, dsts, srcs, plan.chunks)
+        if chunks is None:  # tensors a memcpy cannot copy, or a structure the plan cannot hold
+            steps = (
+                plan.batches if plan is not None else memory_copy.batches(dsts, buffer.data_ptr())
+            )
+            chunks = memory_copy.copy_and_checksum(
+                buffer, size, dsts, srcs, steps, self._pool.submit
+            )
         blob = fmt.encode_objects(objects)  # values may change once we return
         self.last_copy_secs = time.perf_counter() - started
         self.last_bytes = sum(r.nbytes for r in regions)

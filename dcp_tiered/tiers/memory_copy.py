@@ -21,6 +21,7 @@ import torch
 from .. import batch_copy, host_copy
 from ..policy import memory_chunks
 from ..policy import memory_format as fmt
+from . import chunk_copy
 
 
 @dataclass
@@ -29,6 +30,7 @@ class CopyPlan:
 
     tree: Any  # the state's structure, its slot views at the tensors, keys at the values
     batches: list[tuple[int, int, int]]  # (first, end) tensors, chunks complete after them
+    chunks: list[chunk_copy.Chunk] | None  # the copy by chunks (chunk_copy), where it can run
     # batch_copy's descriptions of the tree's dicts of views (dropped with the plan)
     described: batch_copy.Descriptions = field(default_factory=batch_copy.new_descriptions)
 
@@ -47,7 +49,8 @@ def plan(
         _, dsts, _ = batch_copy.pair(state, tree, on_value=lambda key, value: value)
     except (batch_copy.Mismatch, KeyError):
         return None
-    return CopyPlan(tree, batches(dsts, buffer.data_ptr()))
+    base = buffer.data_ptr()
+    return CopyPlan(tree, batches(dsts, base), chunk_copy.plan(dsts, base, buffer.nbytes))
 
 
 def _tree(obj: Any, path: fmt.Path, by_key: dict[str, torch.Tensor]) -> Any:
