@@ -5,14 +5,14 @@ structure."""
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.distributed.checkpoint.default_planner as default_planner
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, default_planner
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_tiered import (
@@ -20,11 +20,15 @@ from dcp_tiered import (
     TieredSavePlanner,
     TieredStorageReader,
     TieredStorageWriter,
+    _torch_compat,
     batch_copy,
+    item_frame,
+    item_writer,
 )
-from dcp_tiered import _torch_compat, item_frame, item_writer
 from dcp_tiered.backends import _local_reads
+from dcp_tiered.errors import InsufficientSpaceError
 from dcp_tiered.item_frame import Framer
+from dcp_tiered.policy import layout
 from dcp_tiered.writer import _datafile
 from tests.test_save_load import failure
 
@@ -393,3 +397,27 @@ def test_a_batched_copy_keeps_no_buffers_alive():
     del buf, known
     gc.collect()
     assert gone() is None
+
+
+def test_a_full_disk_while_writing_one_data_file_names_that_file(tmp_path, monkeypatch):
+    """The files are written side by side and closed together: the typed error still names
+    the file whose write failed, not the last one opened."""
+    src = _state()
+    src.update({f"w{i}": torch.randn(100_000) for i in range(4)})
+    writer = TieredStorageWriter(tmp_path, thread_count=2)
+    real_write = _datafile.write_file
+
+    def first_file_full(save, f, *args):
+        if os.path.basename(f.name) == layout.data_file_name(0, 0):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(save, f, *args)
+
+    monkeypatch.setattr(_datafile, "write_file", first_file_full)
+    with pytest.raises(CheckpointException) as e:
+        dcp.save(src, checkpoint_id="step-1", storage_writer=writer, no_dist=True)
+    error = failure(e)
+    assert isinstance(error, InsufficientSpaceError), error
+    names = sorted(p.name for p in (tmp_path).rglob("*.distcp"))
+    assert names == []  # the temporary directory is gone with both files
+    assert layout.data_file_name(0, 0) in str(error)
+    assert layout.data_file_name(0, 1) not in str(error)

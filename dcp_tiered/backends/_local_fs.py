@@ -188,6 +188,12 @@ class LocalRoot:
                 raise
             raise typed from e
 
+    def write_errors(self, *names: str) -> contextlib.AbstractContextManager[None]:
+        """Typed errors naming file ``names`` for what fails in the block: for a file that
+        :meth:`open_write` opened, written in a block of another's (files written side by
+        side on threads, closed together)."""
+        return self._writing("write", self._child(*names))
+
     def _child(self, *names: str) -> Path:
         path = self.root
         for name in names:

@@ -41,26 +41,29 @@ def write_items(
 
     Every file is fsynced only once all of them are written: on ext4 (data=ordered) one file's
     fsync commits the journal, which waits for the blocks of every file being written, and
-    holds up the other threads' writes until it is done. Fsynced as each thread ended, two
-    files of 128 MiB took 0.4-0.6 s; fsynced together, 0.12-0.14 s."""
+    holds up the other threads' writes until it is done. With the writeback started batch by
+    batch (``item_writer``), 2,000 tensors (256 MiB), 15 saves each: median time to committed
+    0.53 s before both, 0.41 s with both. A data file's early upload now starts once all are
+    fsynced."""
     buckets = item_writer.split_by_size(items, thread_count, planned_bytes)
     jobs = [
         (layout.data_file_name(save.rank, i), bucket) for i, bucket in enumerate(buckets) if bucket
     ]
     backend = tiers.local.backend
 
-    def write(f: BinaryIO, bucket: Sequence[WriteItem]) -> item_writer.DataFile:
-        return write_file(save, f, bucket, planner, sync)  # looked up per call (tests hook it)
+    def write(f: BinaryIO, name: str, bucket: Sequence[WriteItem]) -> item_writer.DataFile:
+        with backend.write_errors(save.tmp, name):  # naming this file, not the last opened
+            return write_file(save, f, bucket, planner, sync)  # looked up per call (tests)
 
     with contextlib.ExitStack() as files:  # each closed, fsynced first if all went well
         opened = [files.enter_context(backend.open_write(save.tmp, n, sync=sync)) for n, _ in jobs]
         if len(jobs) <= 1:
-            outs = [write(f, b) for f, (_, b) in zip(opened, jobs)]
+            outs = [write(f, n, b) for f, (n, b) in zip(opened, jobs)]
         else:
             with ThreadPoolExecutor(
                 len(jobs), thread_name_prefix="dcp-tiered-write", initializer=lower_this_thread
             ) as pool:
-                futures = [pool.submit(write, f, b) for f, (_, b) in zip(opened, jobs)]
+                futures = [pool.submit(write, f, n, b) for f, (n, b) in zip(opened, jobs)]
                 outs = [f.result() for f in futures]
     return [_file_written(tiers, save, name, out) for (name, _), out in zip(jobs, outs)]
 
