@@ -130,7 +130,8 @@ class MemoryTier:
         regions, size, buffer, _ = self._buffers[slot][1]
         plan = self._plans.get(slot)
         chunks = None
-        if plan is not None and plan.chunks is not None:
+        on_gpu = self._buffers[slot][0][0] is True  # as planned: device copies go in one batch
+        if plan is not None and plan.chunks is not None and not on_gpu:
             chunks = chunk_copy.copy_and_checksum(buffer, dsts, srcs, plan.chunks)
         if chunks is None:  # tensors a memcpy cannot copy, or a structure the plan cannot hold
             steps = (
