@@ -6,6 +6,11 @@ does. The copy runs in batches of about a chunk, in the slot's byte order, and a
 chunk or more a chunk at a time; as soon as a chunk is filled, the background thread hashes it
 (from the CPU's cache) while the caller copies the next one. A snapshot is then valid about
 when its copy ends. Restores verify the same chunks.
+
+A state whose large tensors a memcpy may copy (plain contiguous CPU tensors, the usual case)
+goes chunk by chunk instead (``chunk_copy``: each chunk copied and hashed by one thread); this
+tensor-by-tensor copy is for the rest (GPU states, large non-contiguous tensors), and makes
+the plan both use.
 """
 
 from __future__ import annotations
