@@ -70,9 +70,14 @@ def test_a_snapshot_equals_its_state_whatever_crosses_batches_and_chunks(tmp_pat
     state["nc"] = torch.randn(700, 900, generator=g).t()
     state["zero"] = torch.tensor(4.0)
     state["i8"] = torch.randint(-9, 9, (2 * CHUNK + 5,), generator=g, dtype=torch.int8)
+    _saved_and_restored_four_times(tmp_path, state)
+
+
+def _saved_and_restored_four_times(tmp_path: Path, state: dict) -> None:
+    """Saved to both slots twice (the copy plans reused), each restored bit-exact."""
     tier = MemoryTier(tmp_path / "shm", 0)
     try:
-        for n in range(4):  # both slots, twice: the copy plans reused
+        for n in range(4):
             now = {k: v + n if v.is_floating_point() else v for k, v in state.items()}
             tier.save(f"step-{n}", {"model": now}).result()
             out = {"model": {k: torch.zeros_like(v) for k, v in state.items()}}
@@ -185,16 +190,7 @@ def test_a_snapshot_copied_by_chunks_restores_bit_exact_with_the_slots_own_hashe
     monkeypatch.setattr(
         chunk_copy, "copy_and_checksum", lambda *a: calls.append(r := real(*a)) or r
     )
-    tier = MemoryTier(tmp_path / "shm", 0)
-    try:
-        for n in range(4):
-            now = {k: v + n if v.is_floating_point() else v for k, v in state.items()}
-            tier.save(f"step-{n}", {"model": now}).result()
-            out = {"model": {k: torch.zeros_like(v) for k, v in state.items()}}
-            tier.load(f"step-{n}", out)
-            assert all(torch.equal(out["model"][k], v) for k, v in now.items())
-    finally:
-        tier.close()
+    _saved_and_restored_four_times(tmp_path, state)
     assert len(calls) == 4
     assert all((c is None) == large_not_contiguous for c in calls)
     for header_path in (tmp_path / "shm" / "rank-0").glob("slot-*.json"):
