@@ -7,10 +7,9 @@ moments, so its hash had to wait until the last of them was in, and then read th
 by chunk instead: every chunk's pieces of tensors, in the slot's byte order, copied by one
 thread, which hashes each stretch of half a megabyte right after copying it, while it is still
 in the core's own cache. Two threads take alternate chunks, so both cores copy and hash, and a
-snapshot is valid when its copy ends. Until valid, measured on the development VM (medians):
+snapshot is valid when its copy ends. Until valid, medians of an A/B on the development VM:
 the training benchmark's state (48 tensors, 72 MiB, its 4 MiB tensors each across two chunks)
-20 ms -> 15 ms; 20,000 tensors (256 MiB) 0.09-0.15 s -> 0.07-0.09 s; 2,000 tensors 0.054-0.075
-s -> 0.048-0.056 s.
+20.0 -> 11.1 ms; 2,000 tensors (261 MiB) 55.1 -> 38.4 ms; 20,000 tensors 94.5 -> 68.8 ms.
 
 Large tensors are copied by memcpy, so only where ``host_copy`` allows one (plain contiguous
 CPU tensors); a state with any other large tensor (on a GPU, not contiguous) goes the

@@ -42,8 +42,8 @@ def write_items(
     Every file is fsynced only once all of them are written: on ext4 (data=ordered) one file's
     fsync commits the journal, which waits for the blocks of every file being written, and
     holds up the other threads' writes until it is done. With the writeback started batch by
-    batch (``item_writer``), 2,000 tensors (256 MiB), 15 saves each: median time to committed
-    0.53 s before both, 0.41 s with both. A data file's early upload now starts once all are
+    batch (``item_writer``), 2,000 tensors (261 MiB), 10 saves each: median time to committed
+    0.652 s before both, 0.412 s fsynced together, 0.347 s with both (dd: 0.203 s). A data file's early upload now starts once all are
     fsynced."""
     buckets = item_writer.split_by_size(items, thread_count, planned_bytes)
     jobs = [
