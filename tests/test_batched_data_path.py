@@ -301,7 +301,9 @@ def test_a_modules_state_dict_takes_the_batched_paths(tmp_path, monkeypatch):
     tier = MemoryTier(tmp_path / "shm", 0)
     planned = []
     real_plan = memory_copy.plan
-    monkeypatch.setattr(memory_copy, "plan", lambda *a: planned.append(p := real_plan(*a)) or p)
+    monkeypatch.setattr(
+        memory_copy, "plan", lambda *a, **k: planned.append(p := real_plan(*a, **k)) or p
+    )
     try:
         for i in range(4):  # each slot planned once, then its plan reused
             tier.save(f"step-{i}", state).result()

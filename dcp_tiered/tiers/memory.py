@@ -123,15 +123,16 @@ class MemoryTier:
             regions, size, buffer, views = self._buffer(
                 slot, sig, lambda: fmt.layout(tensors), pin=on_gpu
             )
-            self._plans[slot] = memory_copy.plan(state, regions, views, buffer)
+            self._plans[slot] = memory_copy.plan(
+                state, regions, views, buffer, by_chunks=not on_gpu
+            )
             dsts, srcs = views, [t for _, t in tensors]
         else:
             dsts, srcs = found
         regions, size, buffer, _ = self._buffers[slot][1]
         plan = self._plans.get(slot)
         chunks = None
-        on_gpu = self._buffers[slot][0][0] is True  # as planned: device copies go in one batch
-        if plan is not None and plan.chunks is not None and not on_gpu:
+        if plan is not None and plan.chunks is not None:
             chunks = chunk_copy.copy_and_checksum(buffer, dsts, srcs, plan.chunks)
         if chunks is None:  # tensors a memcpy cannot copy, or a structure the plan cannot hold
             steps = (

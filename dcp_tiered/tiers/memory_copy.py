@@ -45,9 +45,12 @@ def plan(
     regions: list[fmt.Region],
     views: list[torch.Tensor],
     buffer: torch.Tensor,
+    *,
+    by_chunks: bool = True,
 ) -> CopyPlan | None:
     """The plan for ``state`` (whose tensors ``views`` hold, in order), or None where it holds
-    distributed tensors or containers other than dicts, lists and tuples."""
+    distributed tensors or containers other than dicts, lists and tuples. ``by_chunks=False``
+    (a state on a GPU: its device copies go in one batch): no copy by chunks."""
     by_key = {r.key: v for r, v in zip(regions, views)}
     try:
         tree = _tree(state, (), by_key)
@@ -55,7 +58,8 @@ def plan(
     except (batch_copy.Mismatch, KeyError):
         return None
     base = buffer.data_ptr()
-    return CopyPlan(tree, batches(dsts, base), chunk_copy.plan(dsts, base, buffer.nbytes))
+    chunks = chunk_copy.plan(dsts, base, buffer.nbytes) if by_chunks else None
+    return CopyPlan(tree, batches(dsts, base), chunks)
 
 
 def _tree(obj: Any, path: fmt.Path, by_key: dict[str, torch.Tensor]) -> Any:
