@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.default_planner import (
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan
 
-from . import _gc, _torch_compat
+from . import _gc, _torch_compat, metadata_broadcast
 from .policy.chunk_grid import plan_errors
 
 # planner cache key -> (structure, flattening map, local plan) of its last save
@@ -140,7 +140,9 @@ class TieredSavePlanner(DefaultSavePlanner):
             own = getattr(self, "plan", None)
             if own is not None:
                 all_plans = [_sharing(p, own) for p in all_plans]
-            return super().create_global_plan(all_plans)
+            plans, metadata = super().create_global_plan(all_plans)
+        metadata_broadcast.forget(metadata)  # a cached one still holds the last save's bytes
+        return plans, metadata
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         with _gc.paused():
@@ -180,7 +182,8 @@ class TieredSavePlanner(DefaultSavePlanner):
             if len(summary) > 500:
                 summary = summary[:500] + "... (truncated)"
             raise ValueError(f"Failed to validate global plan: {summary}")
-        return global_plan, metadata
+        # what dcp.save broadcasts at the end of each save: see metadata_broadcast
+        return global_plan, metadata_broadcast.broadcastable(metadata)
 
 
 def planner_for(writer: Any) -> TieredSavePlanner:

@@ -3,14 +3,16 @@ the step's name written anew: every step stays a vanilla DCP checkpoint that nam
 
 from __future__ import annotations
 
+import copy
 import pickle
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata
 
 from dcp_tiered import TieredStorageWriter
-from dcp_tiered.planner import planner_for
+from dcp_tiered.planner import TieredSavePlanner, planner_for
 from dcp_tiered.writer import _describe
 
 
@@ -81,3 +83,39 @@ def test_the_step_name_is_the_only_difference_from_a_fresh_pickle(tmp_path):
     assert reused.state_dict_metadata == fresh.state_dict_metadata
     assert reused.storage_data == fresh.storage_data
     assert reused.planner_data == fresh.planner_data and reused.version == fresh.version
+
+
+def test_the_metadata_dcp_save_returns_pickles_as_the_steps_metadata_file(tmp_path):
+    """DCP pickles the global metadata once more at the end of every save (it broadcasts it,
+    in a world of one too): it pickles as the step's ``.metadata`` bytes, not item by item,
+    and unpickles as a plain ``Metadata``; copies are of its fields only. The file itself names
+    nothing of ours, so vanilla DCP reads it without dcp_tiered."""
+    with TieredStorageWriter(tmp_path) as writer:
+        planner = planner_for(writer)
+        for step in ("step-1", "step-2"):
+            md = dcp.save(_state(1.0), checkpoint_id=step, storage_writer=writer, planner=planner)
+            on_disk = (tmp_path / step / ".metadata").read_bytes()
+            sent = pickle.dumps(md)
+            assert on_disk in sent and len(sent) < len(on_disk) + 64  # the file's bytes, once
+            assert b"dcp_tiered" not in on_disk
+            back = pickle.loads(pickle.dumps(md))
+            assert type(back) is Metadata and back.storage_meta.checkpoint_id == step
+            assert (
+                back.storage_data == FileSystemReader(tmp_path / step).read_metadata().storage_data
+            )
+        for made in (copy.copy(md), copy.deepcopy(md)):
+            assert made.state_dict_metadata == md.state_dict_metadata
+            fields = pickle.loads(pickle.dumps(made))  # field by field, as any Metadata
+            assert type(fields) is Metadata and fields.storage_data is None
+            assert fields.state_dict_metadata == md.state_dict_metadata
+
+
+def test_another_writer_with_our_planner_gets_the_metadata_pickled_field_by_field(tmp_path):
+    planner = TieredSavePlanner(enable_plan_caching=True, cache_key="vanilla-writer")
+    for step in ("a", "b"):
+        md = dcp.save(
+            _state(2.0), storage_writer=FileSystemWriter(tmp_path / step), planner=planner
+        )
+        back = pickle.loads(pickle.dumps(md))
+        assert type(back) is Metadata and back.state_dict_metadata == md.state_dict_metadata
+        assert back.storage_data == md.storage_data  # what DCP's own writer set on it

@@ -58,14 +58,21 @@ def test_cached_plans_commit_every_step_exactly(tmp_path, mode, nodes, remote):
         }
 
 
-def test_cached_plans_are_kept_once_on_every_rank(tmp_path):
+@pytest.fixture(scope="module")
+def sharing(tmp_path_factory):
+    """Three saves of two states with the manager's planner on 2 gloo ranks (one run)."""
+    tmp = tmp_path_factory.mktemp("sharing")
+    out = tmp / "out.json"
+    torchrun("plan_sharing.py", 2, "--root", str(tmp / "ck"), "--out", str(out), timeout=300)
+    return read_json(out)
+
+
+def test_cached_plans_are_kept_once_on_every_rank(sharing):
     """DCP's plan caching keeps four plans for the life of the process (the local plan, every
     rank's local plan on the coordinator, the global plan, the final plan), each a copy
     unpickled from its collective: 1.2 million objects for 20,000 tensors, which every full
     garbage collection walks. Equal plans are kept as one set of objects."""
-    out = tmp_path / "out.json"
-    torchrun("plan_sharing.py", 2, "--root", str(tmp_path / "ck"), "--out", str(out), timeout=300)
-    alike, mixed = zip(*((r["alike"], r["mixed"]) for r in read_json(out)))
+    alike, mixed = zip(*((r["alike"], r["mixed"]) for r in sharing))
     for report in alike + mixed:  # every final plan's tensor data is the local plan's
         assert report["final_data_from_local"] == report["final_items"] > 0, report
     # 40 tensors every rank holds alike: one set of tensor data on each rank (was 140, 60);
@@ -76,3 +83,15 @@ def test_cached_plans_are_kept_once_on_every_rank(tmp_path):
     assert [r["distinct_tensor_data"] for r in mixed] == [140, 70]
     # the coordinator's final plan is its global plan: no items beyond local and global
     assert alike[0]["distinct_items"] == 40 + 40 and mixed[0]["distinct_items"] == 140 + 100
+
+
+def test_every_rank_gets_the_steps_own_metadata_from_dcp_save(sharing):
+    """At the end of a save DCP broadcasts the coordinator's metadata (the plan cache's, the
+    same object every save). It is sent as the bytes of the step's ``.metadata``: the other
+    rank gets a plain ``Metadata`` naming this step, with every item's storage data (the
+    cached object named the first save's step and had none)."""
+    for name, items in (("alike", 40), ("mixed", 100)):
+        coordinator, other = (r[name]["returned"] for r in sharing)
+        assert other == [["Metadata", f"step-{i}", items, items] for i in range(3)], other
+        # the coordinator's own: the planner's cached object (a Metadata), as before
+        assert [r[0] for r in coordinator] == ["BroadcastMetadata"] * 3

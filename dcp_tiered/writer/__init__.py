@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 from typing_extensions import Self  # a dependency of torch itself
 
-from .. import _gc, _torch_compat
+from .. import _gc, _torch_compat, metadata_broadcast
 from .._collective_watch import CollectiveWatch
 from .._priority import lower_this_thread
 from ..backends.local import LocalBackend
@@ -374,5 +374,6 @@ class TieredStorageWriter(StagingRole, TiersRole, StorageWriter):
             raise
         self._leading = None
         LocalBackend.unlock(lock)
+        metadata_broadcast.remember(metadata, metadata_bytes)  # what DCP broadcasts next
         report.commit_s = time.perf_counter() - started
         _commit.promote(self._tiers, save, report)

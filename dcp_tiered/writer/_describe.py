@@ -13,7 +13,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.storage import WriteResult
 
-from .. import _gc, _torch_compat
+from .. import _gc, _torch_compat, metadata_broadcast
 from .._version import __version__
 from ..policy import manifest, manifest_build
 from ._datafile import locations
@@ -149,4 +149,6 @@ def _vanilla(
         storage_data[key] = _torch_compat.StorageInfo(
             shared(loc.relative_path), loc.offset, loc.length
         )
-    return dataclasses.replace(metadata, storage_data=storage_data, storage_meta=storage_meta)
+    return dataclasses.replace(
+        metadata_broadcast.plain(metadata), storage_data=storage_data, storage_meta=storage_meta
+    )

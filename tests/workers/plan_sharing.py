@@ -1,7 +1,8 @@
 """Three saves with the manager's planner (DCP's plan caching on) to two roots: one of a state
 every rank holds alike, one with tensors of each rank's own. Each rank then reports how many
-distinct objects DCP's plan caches and ours hold for the items, and that every step loads back;
-rank 0 writes the reports to --out."""
+distinct objects DCP's plan caches and ours hold for the items, what ``dcp.save`` returned
+(``returned``: DCP broadcasts the coordinator's metadata to the other ranks), and that every
+step loads back; rank 0 writes the reports to --out."""
 
 from __future__ import annotations
 
@@ -67,12 +68,21 @@ def main() -> None:
     for name in ("alike", "mixed"):
         writer = TieredStorageWriter(f"{a.root}/{name}")
         key = planner_for(writer)._cached_plans_key  # a new planner per save, as the manager
+        returned = []
         for i in range(3):
-            dcp.save(
+            md = dcp.save(
                 states(rank, i)[name],
                 checkpoint_id=f"step-{i}",
                 storage_writer=writer,
                 planner=planner_for(writer),
+            )
+            returned.append(
+                [
+                    type(md).__name__,
+                    md.storage_meta.checkpoint_id if md.storage_meta else None,
+                    len(md.storage_data or {}),
+                    len(md.state_dict_metadata),
+                ]
             )
             got = {k: torch.zeros_like(v) for k, v in states(rank, i)[name].items()}
             dcp.load(
@@ -83,7 +93,7 @@ def main() -> None:
             )
             want = states(rank, i)[name]
             assert all(torch.equal(got[k], want[k]) for k in want), (name, i)
-        found[name] = report(key)
+        found[name] = {**report(key), "returned": returned}
         writer.close()
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, found)
