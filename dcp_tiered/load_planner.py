@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 
 from . import _gc
 from .errors import ConfigError, DcpTieredError, ManifestError
+from .policy import flatten
 
 _ZERO = torch.Size((0,))
 _KEPT_HERE = "dcp_tiered:whole-reads-kept-on-this-rank"
@@ -62,7 +63,21 @@ class TieredLoadPlanner(DefaultLoadPlanner):
         is_coordinator: bool = False,
     ) -> None:
         with _gc.paused():  # DCP flattens the state: objects per item, none in cycles
-            super().set_up_planner(state_dict, metadata, is_coordinator)
+            if not (self.flatten_state_dict and self.flatten_sharded_tensors):
+                super().set_up_planner(state_dict, metadata, is_coordinator)
+                return
+            # DCP's own set-up (it initialises meta tensors in place first), then the state
+            # flattened in one pass (policy.flatten), or as DCP does where that gives up
+            self.flatten_state_dict = self.flatten_sharded_tensors = False
+            try:
+                super().set_up_planner(state_dict, metadata, is_coordinator)
+            finally:
+                self.flatten_state_dict = self.flatten_sharded_tensors = True
+            found = flatten.flatten(self.original_state_dict)
+            if found is None:  # DCP's whole set-up again: its state initialisation is idempotent
+                super().set_up_planner(state_dict, metadata, is_coordinator)
+                return
+            self.state_dict, self.mappings = found
 
     def create_local_plan(self) -> LoadPlan:
         with _gc.paused():  # one object per item, none in cycles: see _gc

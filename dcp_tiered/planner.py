@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata, Sto
 from torch.distributed.checkpoint.planner import SavePlan
 
 from . import _gc, _torch_compat, metadata_broadcast
+from .policy import flatten
 from .policy.chunk_grid import plan_errors
 
 # planner cache key -> (structure, flattening map, local plan) of its last save
@@ -109,7 +110,19 @@ class TieredSavePlanner(DefaultSavePlanner):
         is_coordinator: bool = False,
     ) -> None:
         with _gc.paused():  # DCP flattens the state: objects per item, none in cycles
-            super().set_up_planner(state_dict, storage_meta, is_coordinator)
+            found = flatten.flatten(state_dict) if self._flattens_both() else None
+            if found is None:
+                super().set_up_planner(state_dict, storage_meta, is_coordinator)
+                return
+            self.flatten_state_dict = self.flatten_sharded_tensors = False
+            try:  # DCP's own set-up of the state flattened in one pass (policy.flatten)
+                super().set_up_planner(found[0], storage_meta, is_coordinator)
+            finally:
+                self.flatten_state_dict = self.flatten_sharded_tensors = True
+            self.mappings = found[1]
+
+    def _flattens_both(self) -> bool:
+        return bool(self.flatten_state_dict and self.flatten_sharded_tensors)
 
     def create_local_plan(self) -> SavePlan:
         with _gc.paused():  # objects per item (the structure, a new plan), none in cycles

@@ -161,15 +161,21 @@ def test_both_planners_flatten_the_state_with_the_collector_paused(monkeypatch, 
     from torch.distributed.checkpoint import default_planner
 
     from dcp_tiered import TieredLoadPlanner, TieredStorageReader, TieredStorageWriter
+    from dcp_tiered.policy import flatten as one_pass
 
     seen = []
-    original = default_planner.flatten_state_dict
 
-    def flatten(state):
-        seen.append(gc.isenabled())
-        return original(state)
+    def spied(module, name):
+        original = getattr(module, name)
 
-    monkeypatch.setattr(default_planner, "flatten_state_dict", flatten)
+        def flatten(state):
+            seen.append(gc.isenabled())
+            return original(state)
+
+        monkeypatch.setattr(module, name, flatten)
+
+    spied(default_planner, "flatten_state_dict")  # DCP's, where the one pass gives up
+    spied(one_pass, "flatten")
     state = {"model": {f"w{i}": torch.full((4,), float(i)) for i in range(8)}}
     with TieredStorageWriter(tmp_path) as writer, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -1,0 +1,81 @@
+"""DCP's flattening of a state (``flatten_state_dict``, then ``_flatten_sharded_tensors``) in
+one pass, for the states it cannot change: no ShardedTensor anywhere. Pure: no I/O.
+
+Both DCP planners flatten the whole state on every save and every load, and DCP walks it
+twice (the second walk only rewrites nested ShardedTensors, and copies everything else), with
+an abstract-class check and a few closures per value: 20,000 tensors, about 0.12 s a save
+and as much a load (profiled: ``_traverse_obj``, ``_is_terminal``, ``set_element``). The
+result here is the same dict, with the same keys in the same order and the same mapping of
+each key to its path; anything this walk does not know exactly as DCP does makes it give up
+(None), and the caller runs DCP's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.checkpoint import _version
+
+# Leaves the walk takes without an isinstance check (the common ones): none is a Mapping, a
+# list or a ShardedTensor.
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter, int, float, bool, str, bytes, type(None)})
+
+
+class _NotPlain(Exception):
+    """Something only DCP's own walk handles: a ShardedTensor, or a duplicate key."""
+
+
+def flatten(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[Any, ...]]] | None:
+    """(flat state, key -> path) exactly as DCP's save planner's ``set_up_planner`` makes them
+    (and its load planner's, for a state without ShardedTensors), or None: use DCP's."""
+    if _version._derived_version == "2_3":  # DCP's old traversal: not this one
+        return None
+    flat: dict[str, Any] = {}
+    paths: dict[str, tuple[Any, ...]] = {}
+    try:
+        _visit((), state, flat, paths)
+    except _NotPlain:
+        return None
+    return flat, paths
+
+
+def _visit(
+    path: tuple[Any, ...], value: Any, flat: dict[str, Any], paths: dict[str, tuple[Any, ...]]
+) -> None:
+    kind = type(value)
+    if kind is dict or (kind not in _PLAIN and isinstance(value, Mapping)):
+        if not all(type(k) is str for k in value) and len({str(k) for k in value}) < len(value):
+            raise _NotPlain  # keys equal as strings (0 and "0"): DCP's two walks differ
+        for k, v in value.items():
+            _visit((*path, str(k)), v, flat, paths)
+        return
+    if (kind is list or (kind not in _PLAIN and isinstance(value, list))) and not _terminal(value):
+        for i, v in enumerate(value):
+            before = len(flat)
+            _visit((*path, i), v, flat, paths)
+            if len(flat) == before:  # an element without values ({}): a load's walk pads
+                raise _NotPlain  # the rebuilt list with None, and the two walks differ
+        return
+    if kind not in _PLAIN and isinstance(value, ShardedTensor):
+        raise _NotPlain  # DCP rewrites nested ones
+    fqn = ".".join(map(str, path))
+    if fqn in flat:
+        raise _NotPlain  # DCP raises its own error for it
+    flat[fqn] = value
+    paths[fqn] = path
+
+
+def _terminal(values: list[Any]) -> bool:
+    """DCP's ``_is_terminal`` of a list: no tensor in it, no mapping, no list that is not."""
+    for entry in values:
+        kind = type(entry)
+        if kind is int or kind is float or kind is str:
+            continue
+        if isinstance(entry, (Mapping, torch.Tensor)):
+            return False
+        if isinstance(entry, list) and not _terminal(entry):
+            return False
+    return True
