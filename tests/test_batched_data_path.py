@@ -320,15 +320,21 @@ def test_a_modules_state_dict_takes_the_batched_paths(tmp_path, monkeypatch):
     assert all(torch.equal(back["model"][k], v) for k, v in state["model"].items())
 
 
-def test_an_unchanged_structure_reuses_the_local_plan(tmp_path, monkeypatch):
-    made = []
+def test_an_unchanged_structure_reuses_the_local_plan_and_its_split_into_files(
+    tmp_path, monkeypatch
+):
+    made, splits = [], []
     real = default_planner.create_default_local_save_plan
     monkeypatch.setattr(
         default_planner,
         "create_default_local_save_plan",
         lambda *a, **k: made.append(1) or real(*a, **k),
     )
-    writer = TieredStorageWriter(tmp_path)
+    split = item_writer.split_by_size
+    monkeypatch.setattr(
+        item_writer, "split_by_size", lambda *a, **k: splits.append(1) or split(*a, **k)
+    )
+    writer = TieredStorageWriter(tmp_path, thread_count=2)
     state = {"w": torch.ones(4, 3), "opt": {"m": torch.zeros(4, 3), "step": 1}}
 
     def save(step: str, sd: dict) -> None:
@@ -338,9 +344,12 @@ def test_an_unchanged_structure_reuses_the_local_plan(tmp_path, monkeypatch):
     save("step-1", state)
     save("step-2", {"w": torch.full((4, 3), 2.0), "opt": {"m": torch.ones(4, 3), "step": 2}})
     assert len(made) == 1  # the second save reused the plan
+    assert len(splits) == 1  # and DCP's cached final plan: its items split as before
     grown = {"w": torch.full((5, 3), 3.0), "opt": {"m": torch.ones(5, 3), "step": 3}}
     save("step-3", grown)
     assert len(made) == 2  # a new shape: planned again
+    assert len(splits) == 2
+    assert len(list((tmp_path / "step-3").glob("*.distcp"))) == 2  # one file per thread
     for step, want in (("step-2", 2.0), ("step-3", 3.0)):
         shape = (4, 3) if step == "step-2" else (5, 3)
         out = {"w": torch.zeros(shape), "opt": {"m": torch.zeros(shape), "step": 0}}

@@ -43,9 +43,9 @@ def write_items(
     fsync commits the journal, which waits for the blocks of every file being written, and
     holds up the other threads' writes until it is done. With the writeback started batch by
     batch (``item_writer``), 2,000 tensors (261 MiB), 10 saves each: median time to committed
-    0.652 s before both, 0.412 s fsynced together, 0.347 s with both (dd: 0.203 s). A data file's early upload now starts once all are
-    fsynced."""
-    buckets = item_writer.split_by_size(items, thread_count, planned_bytes)
+    0.652 s before both, 0.412 s fsynced together, 0.347 s with both (dd: 0.203 s). A data
+    file's early upload now starts once all are fsynced."""
+    buckets = _split(items, thread_count)
     jobs = [
         (layout.data_file_name(save.rank, i), bucket) for i, bucket in enumerate(buckets) if bucket
     ]
@@ -66,6 +66,23 @@ def write_items(
                 futures = [pool.submit(write, f, n, b) for f, (n, b) in zip(opened, jobs)]
                 outs = [f.result() for f in futures]
     return [_file_written(tiers, save, name, out) for (name, _), out in zip(jobs, outs)]
+
+
+# The last split: (items, n, buckets). DCP's plan caching hands every save of one structure
+# the same final plan, whose items then split the same way (20,000 tensors: 70 ms a save).
+_last_split: tuple[Sequence[WriteItem], int, list[list[WriteItem]]] | None = None
+
+
+def _split(items: Sequence[WriteItem], n: int) -> list[list[WriteItem]]:
+    """``items`` in ``n`` buckets of about equal bytes; the last split again for the same
+    list of items (read once: another writer's save may replace it)."""
+    global _last_split
+    last = _last_split
+    if last is not None and last[0] is items and last[1] == n:
+        return last[2]
+    buckets = item_writer.split_by_size(items, n, planned_bytes)
+    _last_split = (items, n, buckets)
+    return buckets
 
 
 def write_file(
