@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -133,6 +134,31 @@ def test_manifest_round_trips_metadata(shapes):
     assert parsed.metadata.planner_data == md.planner_data
     assert dict(parsed.locations) == locs
     assert parsed.step == "step-3" and parsed.world_size == 2 and parsed.complete
+
+
+def test_a_repeated_structure_reuses_the_index_members_only_it_decides(monkeypatch):
+    """The index's tensors, properties, paths and chunk writers are encoded once for the
+    metadata objects DCP's plan caching hands every save of one structure; checksums and
+    names are the save's own, and a chunk another rank wrote is encoded again (a stale list
+    of writers would fail the sections' check when parsed)."""
+    made = []
+    real = manifest_build._fragment
+    monkeypatch.setattr(manifest_build, "_fragment", lambda *a: made.append(1) or real(*a))
+    md, locs = _metadata([(4, 3), (6, 2)])
+    _parse(_build(md, locs))
+    other = {k: dataclasses.replace(v, checksum="0badf00d") for k, v in locs.items()}
+    again = _parse(_build(md, other, step="step-4"))
+    assert len(made) == 1
+    assert again.step == "step-4" and dict(again.locations) == other
+    assert again.metadata.state_dict_metadata == md.state_dict_metadata
+    second = MetadataIndex("layer1.weight", torch.Size([3, 0]))
+    moved = dict(locs)
+    moved[second] = dataclasses.replace(locs[second], relative_path="__1_0.distcp", rank=1)
+    parsed = _parse(_build(md, moved))
+    assert len(made) == 2 and dict(parsed.locations) == moved
+    assert parsed.writers["layer1.weight"] == [0, 1]
+    _parse(_build(md, locs))  # and back: encoded again, not the rank-1 one
+    assert len(made) == 3
 
 
 def test_whole_tensor_entries_decode_as_the_general_decoder_does():

@@ -148,7 +148,12 @@ def decode_chunks(
 
 def seal(body: dict[str, Any]) -> bytes:
     """Compact JSON of ``body`` with the CRC32C of those bytes appended as its last member."""
-    raw = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+    return seal_text(json.dumps(body, separators=(",", ":"), ensure_ascii=False))
+
+
+def seal_text(text: str) -> bytes:
+    """:func:`seal` of a body already in JSON (one object)."""
+    raw = text.encode()
     crc = integrity.format_checksum(integrity.checksum(raw))
     return raw[:-1] + f',"{_SEAL_KEY}":"{crc}"}}'.encode()
 
