@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.default_planner import (
     create_default_global_save_plan,
 )
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
 from . import _gc, _torch_compat, metadata_broadcast
 from .policy import flatten
@@ -182,6 +182,20 @@ class TieredSavePlanner(DefaultSavePlanner):
             items.append(item)
         return dataclasses.replace(plan, items=items)
 
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        """DCP's, with a plain tensor saved whole taken straight from the flat state: DCP's
+        lookup checks each item for DTensor and ShardedTensor shards on the way (20,000
+        tensors: 0.2 s of the writer's time, profiled). A subclass that changes the lookup or
+        the transform, and every other item, goes DCP's way."""
+        if write_item.type is WriteItemType.TENSOR and _default_lookup(type(self)):
+            found: Any = self.state_dict.get(write_item.index.fqn)
+            kind = type(found)
+            if kind is torch.Tensor or kind is torch.nn.Parameter:
+                offset = write_item.index.offset
+                if offset is None or (len(offset) == found.dim() and not any(offset)):
+                    return found  # what DCP's find_tensor_shard returns for it
+        return super().resolve_data(write_item)
+
     # DefaultSavePlanner's own steps (torch 2.13-2.15: dedup, global plan, planner data),
     # but for the check. Both the uncached and the plan-caching paths call this.
     def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
@@ -197,6 +211,15 @@ class TieredSavePlanner(DefaultSavePlanner):
             raise ValueError(f"Failed to validate global plan: {summary}")
         # what dcp.save broadcasts at the end of each save: see metadata_broadcast
         return global_plan, metadata_broadcast.broadcastable(metadata)
+
+
+def _default_lookup(kind: type) -> bool:
+    """Whether planner class ``kind`` finds and transforms items as DCP's default does."""
+    return (
+        kind.lookup_object is DefaultSavePlanner.lookup_object  # type: ignore[attr-defined]
+        and kind.transform_object is DefaultSavePlanner.transform_object  # type: ignore[attr-defined]
+        and kind.resolve_data is TieredSavePlanner.resolve_data  # type: ignore[attr-defined]
+    )
 
 
 def planner_for(writer: Any) -> TieredSavePlanner:

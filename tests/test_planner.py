@@ -4,6 +4,7 @@ that is one pass for grid-sharded tensors. DCP's own ``_validate_global_plan`` i
 from __future__ import annotations
 
 import collections
+import dataclasses
 import re
 
 import pytest
@@ -192,3 +193,48 @@ def test_both_planners_flatten_the_state_with_the_collector_paused(monkeypatch, 
     assert seen == [False, False]  # the save's flattening, then the load's
     assert gc.isenabled()
     assert torch.equal(target["model"]["w7"], state["model"]["w7"])
+
+
+def test_resolve_data_gives_what_dcps_does_without_its_lookup_for_plain_tensors(monkeypatch):
+    """A plain tensor saved whole comes straight from the flat state; every other item, and
+    every item of a subclass that changes the lookup or the transform, goes DCP's way, with
+    DCP's errors."""
+    from torch.distributed.checkpoint import default_planner
+
+    looked = []
+    real = default_planner.find_state_dict_object
+    monkeypatch.setattr(
+        default_planner, "find_state_dict_object", lambda *a: looked.append(a[1].fqn) or real(*a)
+    )
+    state = {"w": torch.ones(2, 3), "p": torch.nn.Parameter(torch.zeros(4)), "n": 7}
+    ours, dcps = TieredSavePlanner(), DefaultSavePlanner()
+    for p in (ours, dcps):
+        p.set_up_planner(state, None, True)
+    items = ours.create_local_plan().items
+    assert sorted(i.index.fqn for i in items) == ["n", "p", "w"]
+    looked.clear()
+    got = [ours.resolve_data(item) for item in items]
+    assert looked == ["n"]  # only the bytes item went through DCP's lookup
+    for item, mine in zip(items, got):
+        want = dcps.resolve_data(item)
+        if isinstance(want, torch.Tensor):
+            assert mine is want
+        else:
+            assert mine.getvalue() == want.getvalue()
+    looked.clear()
+    shifted = dataclasses.replace(items[0], index=MetadataIndex("w", torch.Size([1, 0])))
+    for p in (ours, dcps):
+        with pytest.raises(ValueError, match="is not a ShardedTensor"):
+            p.resolve_data(shifted)
+    missing = dataclasses.replace(items[0], index=MetadataIndex("gone", torch.Size([0, 0])))
+    with pytest.raises(ValueError, match="Could not find FQN"):
+        ours.resolve_data(missing)
+
+    class Halving(TieredSavePlanner):
+        def transform_object(self, write_item, object):
+            return object / 2 if isinstance(object, torch.Tensor) else object
+
+    halving = Halving()
+    halving.set_up_planner(state, None, True)
+    w = next(i for i in items if i.index.fqn == "w")
+    assert torch.equal(halving.resolve_data(w), torch.full((2, 3), 0.5))
