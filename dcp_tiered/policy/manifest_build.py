@@ -99,22 +99,38 @@ def build(
         ).encode()
         for node, files in files_of.items()
     }
-    return Built(
-        encode_index(
-            step=step,
-            save_id=save_id,
-            world_size=world_size,
-            nodes=nodes,
-            committed_at_ns=committed_at_ns,
-            metadata=metadata,
-            versions=versions,
-            promote=promote,
-            run_id=run_id,
-            sections=sections,
-            tensors=tensors_fragment(metadata, writers),
-        ),
-        sections,
-    )
+    storage_meta = metadata.storage_meta
+    index_body = {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": step,
+        "save_id": save_id,
+        "world_size": world_size,
+        "nodes": nodes,
+        "committed_at_ns": committed_at_ns,
+        "promote": promote,
+        **({"run_id": run_id} if run_id is not None else {}),
+        "versions": dict(versions),
+        "checksum_algorithm": integrity.ALGORITHM,
+        "dcp_version": metadata.version,
+        "storage_meta": {
+            "checkpoint_id": str(storage_meta.checkpoint_id) if storage_meta else step,
+            "save_id": storage_meta.save_id if storage_meta else save_id,
+        },
+        "sections": [
+            [
+                node,
+                layout.manifest_section_name(node),
+                len(data),
+                integrity.format_checksum(integrity.checksum(data)),
+            ]
+            for node, data in sections.items()
+        ],
+    }
+    # the members only the structure decides, spliced in as JSON (see tensors_fragment)
+    head = json.dumps(index_body, separators=(",", ":"), ensure_ascii=False)
+    index = f"{head[:-1]},{tensors_fragment(metadata, writers)}}}"
+    return Built(manifest_codec.seal_text(index), sections)
 
 
 # (state_dict_metadata, planner_data, writers, fragment) of the last index: DCP's plan caching
@@ -148,54 +164,6 @@ def _fragment(metadata: Metadata, writers: Mapping[str, list[int]]) -> str:
         "planner_data": {fqn: list(path) for fqn, path in planner_data.items()},
     }
     return json.dumps(members, separators=(",", ":"), ensure_ascii=False)[1:-1]
-
-
-def encode_index(
-    *,
-    step: str,
-    save_id: str,
-    world_size: int,
-    nodes: list[list[int]],
-    committed_at_ns: int,
-    metadata: Metadata,
-    versions: Mapping[str, str],
-    promote: bool,
-    run_id: str | None,
-    sections: Mapping[int, bytes],
-    tensors: str,
-) -> bytes:
-    """The sealed index of a step whose section files are ``sections``; ``tensors``: its
-    :func:`tensors_fragment`."""
-    storage_meta = metadata.storage_meta
-    body = {
-        "format": FORMAT,
-        "version": VERSION,
-        "step": step,
-        "save_id": save_id,
-        "world_size": world_size,
-        "nodes": nodes,
-        "committed_at_ns": committed_at_ns,
-        "promote": promote,
-        **({"run_id": run_id} if run_id is not None else {}),
-        "versions": dict(versions),
-        "checksum_algorithm": integrity.ALGORITHM,
-        "dcp_version": metadata.version,
-        "storage_meta": {
-            "checkpoint_id": str(storage_meta.checkpoint_id) if storage_meta else step,
-            "save_id": storage_meta.save_id if storage_meta else save_id,
-        },
-        "sections": [
-            [
-                node,
-                layout.manifest_section_name(node),
-                len(data),
-                integrity.format_checksum(integrity.checksum(data)),
-            ]
-            for node, data in sections.items()
-        ],
-    }
-    head = json.dumps(body, separators=(",", ":"), ensure_ascii=False)
-    return manifest_codec.seal_text(f"{head[:-1]},{tensors}}}")
 
 
 _described_last: tuple[Any, tuple[Any, ...]] | None = None  # (state_dict_metadata, its description)
