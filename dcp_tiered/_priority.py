@@ -27,3 +27,16 @@ def lower_this_thread(nice: int = BACKGROUND_NICE) -> None:
             os.setpriority(os.PRIO_PROCESS, tid, nice)
     except OSError:
         pass  # not permitted here: run at normal priority
+
+
+def background_threads() -> int:
+    """Writer threads for saves that run beside training (the CheckpointManager's): one on a
+    machine of fewer than four usable cores, else two. On two cores, a training loop with a
+    disk save every 10 steps kept 0.85 of its throughput with one writer thread and 0.70 with
+    two (median of 6 paired runs each, 0.1 s steps, 72 MiB state): two writer threads share a
+    core with the training thread however low their priority."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return 1 if cores < 4 else 2

@@ -73,7 +73,7 @@ class TieredLoadPlanner(DefaultLoadPlanner):
                 super().set_up_planner(state_dict, metadata, is_coordinator)
             finally:
                 self.flatten_state_dict = self.flatten_sharded_tensors = True
-            found = flatten.flatten(self.original_state_dict)
+            found = flatten.flatten(getattr(self, "original_state_dict", state_dict))
             if found is None:  # DCP's whole set-up again: its state initialisation is idempotent
                 super().set_up_planner(state_dict, metadata, is_coordinator)
                 return

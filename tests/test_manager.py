@@ -473,3 +473,22 @@ def test_steps_a_restore_fell_back_past_are_quarantined_and_saved_again(tmp_path
     with CheckpointManager(**fresh) as mgr:  # a new node: only the remote tier
         assert mgr.restore(target) == 4
     assert torch.equal(target["w"], _state(value=33)["w"])
+
+
+@pytest.mark.parametrize("cores,want", [(2, 1), (3, 1), (4, 2), (64, 2)])
+def test_the_managers_saves_leave_training_a_core_on_a_small_machine(
+    tmp_path, monkeypatch, cores, want
+):
+    """The manager saves beside training: fewer than four usable cores, one writer thread
+    (two shared a core with the training thread, nice or not); an explicit one is kept."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    mgr = CheckpointManager(local=tmp_path / "a", events=None)
+    try:
+        assert mgr._local.config.thread_count == want
+    finally:
+        mgr.close()
+    mgr = CheckpointManager(local=tmp_path / "b", events=None, writer_options={"thread_count": 3})
+    try:
+        assert mgr._local.config.thread_count == 3
+    finally:
+        mgr.close()

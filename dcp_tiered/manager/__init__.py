@@ -29,6 +29,7 @@ from typing import Any
 import torch.distributed as dist
 from typing_extensions import Self  # a dependency of torch itself
 
+from .._priority import background_threads
 from ..errors import ConfigError, DcpTieredError
 from ..events import EventLog
 from ..lifecycle import Conventions, Lifecycle
@@ -71,7 +72,9 @@ class CheckpointManager(Restoring):
         collective_timeout_secs: how long a rank waits for the others in checkpoint
             collectives before raising instead of hanging.
         writer_options: more TieredStorageWriter arguments for the local tier
-            (``sync_files``, ``thread_count``, ``commit_timeout_secs`` ...).
+            (``sync_files``, ``thread_count``, ``commit_timeout_secs`` ...). ``thread_count``
+            defaults to 1 on a machine of fewer than four usable cores (the saves run beside
+            training), else 2.
         allow_pickle: restore non-tensor values with full pickle. Only for checkpoints you
             trust: a pickle can run arbitrary code. Without it, a state holding a value that
             ``weights_only`` loading refuses (an ``io.BytesIO``, a custom class) is refused at
@@ -112,6 +115,7 @@ class CheckpointManager(Restoring):
         self.rank = dist.get_rank() if self._distributed else 0
         options = dict(writer_options or {})
         options.setdefault("overwrite", True)  # a replayed step replaces its abandoned twin
+        options.setdefault("thread_count", background_threads())  # leave training a core
         # The save core: saves in flight (the cap is on disk saves, which hold staging
         # buffers), their failures, retention and restore's agreement.
         self._lifecycle = Lifecycle(
