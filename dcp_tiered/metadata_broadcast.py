@@ -53,7 +53,12 @@ class BroadcastMetadata(Metadata):
         return _made(copy.deepcopy(self._fields(), memo))
 
     def _fields(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k != _BYTES}
+        return _fields_of(self)
+
+
+def _fields_of(metadata: Metadata) -> dict[str, Any]:
+    """``metadata``'s fields, without the bytes :func:`remember` gave it."""
+    return {k: v for k, v in metadata.__dict__.items() if k != _BYTES}
 
 
 def _made(fields: dict[str, Any]) -> BroadcastMetadata:
@@ -74,7 +79,7 @@ def plain(metadata: Metadata) -> Metadata:
     if type(metadata) is Metadata:
         return metadata
     made = Metadata.__new__(Metadata)
-    made.__dict__.update({k: v for k, v in metadata.__dict__.items() if k != _BYTES})
+    made.__dict__.update(_fields_of(metadata))
     return made
 
 
