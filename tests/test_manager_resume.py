@@ -75,20 +75,20 @@ def _kill_job_at(tmp: Path, shm: Path, step: int, delay: float, *extra: str) -> 
         *_args(tmp, shm, "killed.pt", *extra),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    job = subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    log = tmp / "killed-job.log"  # the job's own output, for the message if it ends early
+    with log.open("wb") as out:
+        job = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
     deadline = time.monotonic() + 120
     try:
         while time.monotonic() < deadline:
             if progress.exists() and read_json(progress) >= step:
                 break
-            assert job.poll() is None, "the job ended before it could be killed"
+            if job.poll() is not None:
+                raise AssertionError(
+                    f"the job ended before it could be killed:\n{log.read_text()[-6000:]}"
+                )
             time.sleep(0.005)
         else:
             raise AssertionError(f"the job never reached step {step}")

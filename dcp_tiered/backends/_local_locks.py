@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from ..policy.layout import LOCK_NAME as LOCK_FILE
+from . import _proc
 from ._local_fs import LocalRoot
 
 
@@ -41,6 +42,16 @@ class LocalLocks(LocalRoot):
     def root_lock_held(self, name: str) -> bool:
         """Whether a live process holds a lock on root-level file ``name`` (creates nothing)."""
         return self._lock_held(self._child(name))
+
+    def root_lock_holders(self, name: str) -> list[int] | None:
+        """The processes of this machine that hold a lock on root-level file ``name``; None
+        where the OS does not say (see :mod:`~dcp_tiered.backends._proc`)."""
+        return _proc.lock_holders(self._child(name))
+
+    @staticmethod
+    def process_exiting(pid: int) -> bool:
+        """Whether process ``pid`` of this machine is gone or already being killed."""
+        return _proc.exiting(pid)
 
     def _lock_held(self, path: Path) -> bool:
         """Whether a live process holds a lock on the lock file at ``path`` (creates nothing)."""

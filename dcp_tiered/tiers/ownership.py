@@ -84,8 +84,10 @@ def save_local(backend: LocalBackend, record: RunRecord) -> None:
     backend.replace_root_file(identity.RUN_RECORD, identity.encode_record(record))
 
 
-# Processes of a job that was just killed may take a moment to exit (and drop their locks).
+# Processes of a job that was just killed may take a moment to exit (and drop their locks); the
+# kernel may take longer to tear down one killed in the middle of I/O.
 _EXIT_GRACE_SECS = 10.0
+_TEARDOWN_WAIT_SECS = 300.0
 _HELD: set[int] = set()  # descriptors of this process's live locks
 
 
@@ -105,7 +107,8 @@ class LiveLock:
     """This job instance's hold on a root: a shared lock on ``.dcp-tiered-live.<token>.lock``,
     which every process of the instance takes. Taking it refuses a root another live instance
     holds (ForeignRunError naming it; the processes of a job just killed get a few seconds to
-    exit first) and removes the files of instances that are gone."""
+    exit first, longer while the kernel is still tearing them down) and removes the files of
+    instances that are gone."""
 
     def __init__(self, backend: LocalBackend, token: str, about: dict[str, object]) -> None:
         self.backend, self.token = backend, token
@@ -132,19 +135,47 @@ class LiveLock:
             token = identity.parse_live_lock(name)
             if token is None or token == self.token:
                 continue
-            deadline = time.monotonic() + _EXIT_GRACE_SECS
-            while backend.root_lock_held(name) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            if backend.root_lock_held(name):
+            holders = self._live_holders(name)
+            if holders is not None:
+                held_by = f"; held by pid(s) {', '.join(map(str, holders))}" if holders else ""
                 raise ForeignRunError(
-                    f"{backend.root} is in use by another job ({_describe_holder(backend, name)})"
-                    ": a root holds one job's checkpoints at a time, and nothing was changed. "
-                    "Give this job its own root, or stop the other job first"
+                    f"{backend.root} is in use by another job ({_describe_holder(backend, name)}"
+                    f"{held_by}): a root holds one job's checkpoints at a time, and nothing was "
+                    "changed. Give this job its own root, or stop the other job first"
                 )
             logger.info(
                 "deleting %s (the job instance it stood for has ended)", backend.path_of(name)
             )
             backend.remove_file(name)
+
+    def _live_holders(self, name: str) -> list[int] | None:
+        """None once nothing holds live-lock file ``name``; else the processes holding it (an
+        empty list where the OS does not say) once they are taken for a live job. A killed
+        job's processes get ``_EXIT_GRACE_SECS`` to exit, and while the kernel is still
+        tearing them down (a thread of theirs in uninterruptible I/O keeps their files open)
+        up to ``_TEARDOWN_WAIT_SECS``: a job restarted at once must not fail on them."""
+        backend = self.backend
+        start, warned, live = time.monotonic(), False, 0
+        while backend.root_lock_held(name):
+            waited = time.monotonic() - start
+            if waited >= _EXIT_GRACE_SECS:
+                holders = backend.root_lock_holders(name) or []
+                dying = bool(holders) and all(map(backend.process_exiting, holders))
+                # seen live three times running: not the instant another rank of this job
+                # probes the file, as the last killed process lets go of it
+                live = 0 if dying else live + 1
+                if live == 3 or waited >= _TEARDOWN_WAIT_SECS:
+                    return holders
+                if dying and not warned:
+                    warned = True
+                    logger.warning(
+                        "%s: waiting for pid(s) %s of a killed job to finish exiting (the "
+                        "kernel ends their I/O first; they hold the root until then)",
+                        backend.root,
+                        ", ".join(map(str, holders)),
+                    )
+            time.sleep(0.1)
+        return None
 
     def release(self) -> None:
         if self.fd is not None:
