@@ -163,7 +163,8 @@ def test_the_copy_by_chunks_splits_at_chunk_ends_and_groups_small_tensors():
 
 
 def _state_of_every_size(g: torch.Generator) -> dict:
-    sizes = [1, 7, 1000, 16_383, 16_384, 16_385, 300_000, 1_048_575, 1_048_577, 3]
+    # floats: around the memcpy threshold, the small and the large hashing steps, a chunk
+    sizes = [1, 7, 1000, 16_383, 16_384, 16_385, 300_000, 524_287, 524_289, 1_048_575, 1_048_577, 3]
     state = {f"t{i}": torch.randn(n, generator=g) for i, n in enumerate(sizes)}
     state.update({f"s{i}": torch.randn(1 + 97 * i, generator=g) for i in range(400)})
     state["bf"] = torch.randn(999, 77, generator=g).to(torch.bfloat16)

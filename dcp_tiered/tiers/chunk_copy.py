@@ -5,9 +5,10 @@ tensor by tensor, a chunk's bytes come from several tensors, or from part of one
 moments, so its hash had to wait until the last of them was in, and then read the chunk back
 (from memory, or on a thread that competes with the copy for a core). Here the copy is planned
 by chunk instead: every chunk's pieces of tensors, in the slot's byte order, copied by one
-thread, which hashes each stretch of half a megabyte right after copying it, while it is still
-in the core's own cache. Two threads take alternate chunks, so both cores copy and hash, and a
-snapshot is valid when its copy ends. Until valid, medians of an A/B on the development VM:
+thread, which hashes each stretch right after copying it, while it is still in the CPU's
+cache (half a megabyte of small tensors, two of a large one's: see the constants below). Two
+threads take alternate chunks, so both cores copy and hash, and a snapshot is valid when its
+copy ends. Until valid, medians of an A/B on the development VM:
 the training benchmark's state (48 tensors, 72 MiB, its 4 MiB tensors each across two chunks)
 20.0 -> 11.1 ms; 2,000 tensors (261 MiB) 55.1 -> 38.4 ms; 20,000 tensors 94.5 -> 68.8 ms.
 
@@ -28,13 +29,20 @@ import torch
 from .. import host_copy
 from ..policy import memory_chunks
 
-# Hashed after each this many bytes copied: small enough to be still in the core's own cache.
+# Small tensors: copied in runs of up to this many bytes, hashed after each run while it is
+# still in the core's own cache (L2).
 _PIECE_BYTES = 512 * 2**10
+# Large tensors: copied by one memcpy per this many bytes, each hashed right after from the
+# shared cache (L3). Fewer, larger calls than the small tensors' runs: at 512 KiB a 1 GiB state
+# of 32 MiB tensors took 2,048 calls of each kind, whose handovers of the GIL between the two
+# copying threads cost more than hashing from L3 instead of L2 (snapshot until valid, 32 x 32
+# MiB, medians of four paired A/B runs on the development VM: 1.6-1.8x a memcpy -> 1.33-1.43x).
+_LARGE_PIECE_BYTES = 2 * 2**20
 _memmove = ctypes.memmove  # a foreign call: the GIL is released while it copies
 
 
 class Piece(NamedTuple):
-    """Bytes of one large tensor, copied by memcpy half a megabyte at a time."""
+    """Bytes of one large tensor, copied by memcpy :data:`_LARGE_PIECE_BYTES` at a time."""
 
     tensor: int  # its number in the state's tensors
     offset: int  # of the bytes in the tensor
@@ -54,7 +62,7 @@ class Run(NamedTuple):
 @dataclass(frozen=True)
 class Chunk:
     """One chunk of the slot: ``[start, end)`` of its bytes, and what fills it, in byte order:
-    pieces of large tensors (copied by memcpy, half a megabyte at a time) and runs of small
+    pieces of large tensors (copied by memcpy, two megabytes at a time) and runs of small
     ones wholly inside it (copied by one ``torch._foreach_copy_`` each: a call per small
     tensor would cost more than its copy)."""
 
@@ -134,7 +142,8 @@ def _fill_chunk(
     chunk: Chunk, base: int, data: memoryview, sources: dict[int, int], srcs: list[torch.Tensor]
 ) -> str:
     """Copy what fills ``chunk``, hashing its bytes (gaps between tensors included) in
-    stretches of about :data:`_PIECE_BYTES` right after they are copied."""
+    stretches of about :data:`_PIECE_BYTES` (small tensors) or :data:`_LARGE_PIECE_BYTES`
+    (a large one) right after they are copied."""
     hasher = memory_chunks.streaming()
     hashed = chunk.start
     for part in chunk.parts:
@@ -147,10 +156,10 @@ def _fill_chunk(
         i, src_offset, at, nbytes = part
         done = 0
         while done < nbytes:
-            n = min(nbytes - done, _PIECE_BYTES)
+            n = min(nbytes - done, _LARGE_PIECE_BYTES)
             _memmove(base + at + done, sources[i] + src_offset + done, n)
             done += n
-            if at + done - hashed >= _PIECE_BYTES:
+            if at + done - hashed >= _LARGE_PIECE_BYTES:
                 hasher.update(data[hashed : at + done])
                 hashed = at + done
     hasher.update(data[hashed : chunk.end])
