@@ -179,7 +179,7 @@ def _state_of_every_size(g: torch.Generator) -> dict:
 def test_a_snapshot_copied_by_chunks_restores_bit_exact_with_the_slots_own_hashes(
     tmp_path, monkeypatch, large_not_contiguous
 ):
-    """Tensors of every size around the memcpy threshold, the hashing step and a chunk, over
+    """Tensors of every size around the memcpy threshold, both hashing steps and a chunk, over
     both slots twice: bit-exact, and each chunk's hash is the slot's own bytes' hash. A large
     non-contiguous tensor (no memcpy) sends the whole save the tensor-by-tensor way."""
     g = torch.Generator().manual_seed(7)
