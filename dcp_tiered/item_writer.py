@@ -16,7 +16,7 @@ import ctypes
 import io
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, BinaryIO, cast
+from typing import Any, BinaryIO, NamedTuple, cast
 
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -44,6 +44,18 @@ class ItemKey:
     fqn: str
     offset: tuple[int, ...] | None
     index: int | None
+
+
+class Written(NamedTuple):
+    """A data file as written: its size and CRC32C, and its items' columns (see FileItems)."""
+
+    position: int
+    file_crc: int
+    keys: list[tuple[str, tuple[int, ...] | None, int | None]]
+    offsets: list[int]
+    lengths: list[int]
+    checksums: str  # 8 hex digits per item
+    raw_offsets: list[int | None]
 
 
 @dataclass(frozen=True)
@@ -84,20 +96,17 @@ class FileItems:
             )
 
     @classmethod
-    def of(cls, name: str, rank: int, out: DataFile) -> FileItems:
+    def of(cls, name: str, rank: int, out: Written) -> FileItems:
         return cls(
             name=name,
             rank=rank,
             file_size=out.position,
             file_checksum=integrity.format_checksum(out.file_crc),
-            keys=[
-                (p.key.fqn, None if p.key.offset is None else tuple(p.key.offset), p.key.index)
-                for p in out.placed
-            ],
-            offsets=[p.offset for p in out.placed],
-            lengths=[p.length for p in out.placed],
-            checksums="".join(integrity.format_checksum(p.crc) for p in out.placed),
-            raw_offsets=[p.raw_offset for p in out.placed],
+            keys=out.keys,
+            offsets=out.offsets,
+            lengths=out.lengths,
+            checksums=out.checksums,
+            raw_offsets=out.raw_offsets,
         )
 
 
@@ -151,7 +160,7 @@ class DataFile:
         else:
             crc = integrity.checksum(frame.head)
             self._small += frame.head
-            crc = self._add_large(_memory_of(tensor, nbytes), tensor, crc)
+            crc = self._add_large(memory_of(tensor, nbytes), tensor, crc)
             self._small += frame.tail
             crc = integrity.checksum(frame.tail, crc)
         length = len(frame.head) + nbytes + len(frame.tail)
@@ -240,6 +249,21 @@ class DataFile:
         self._seal()
         self._write_batch()
 
+    def written(self) -> Written:
+        """The file as written (after :meth:`close`)."""
+        return Written(
+            position=self.position,
+            file_crc=self.file_crc,
+            keys=[
+                (p.key.fqn, None if p.key.offset is None else tuple(p.key.offset), p.key.index)
+                for p in self.placed
+            ],
+            offsets=[p.offset for p in self.placed],
+            lengths=[p.length for p in self.placed],
+            checksums="".join(integrity.format_checksum(p.crc) for p in self.placed),
+            raw_offsets=[p.raw_offset for p in self.placed],
+        )
+
 
 class _Passthrough:
     """What torch's writer streams to, for a tensor it serialises: straight to the file."""
@@ -253,29 +277,29 @@ class _Passthrough:
 
 
 def write_items(
-    f: BinaryIO,
-    items: Sequence[WriteItem],
-    resolve: Callable[[WriteItem], Any],
-    *,
-    writeback: bool = False,
+    f: BinaryIO, items: Sequence[WriteItem], data: Sequence[Any], *, writeback: bool = False
 ) -> DataFile:
-    """Write ``items`` (their data from ``resolve``, DCP's ``planner.resolve_data``) into ``f``;
+    """Write ``items`` (``data``: each one's, from DCP's ``planner.resolve_data``) into ``f``;
     ``writeback``: for a file fsynced at its end, start each batch's writing to the disk at
     once (``LocalBackend.start_writeback``)."""
     out = DataFile(f, writeback=writeback)
-    for item in items:
-        out.add(item, resolve(item))
+    for item, value in zip(items, data):
+        out.add(item, value)
     out.close()
     return out
 
 
 def as_saveable(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous CPU tensor whose storage holds only its own bytes: torch.save writes whole
-    storages, and a row-major layout lets the reader view the raw bytes in place."""
+    """A contiguous CPU tensor whose storage holds only its own bytes, its values in them:
+    torch.save writes whole storages, and a row-major layout lets the reader view the raw
+    bytes in place. A lazy conjugate or negation is applied first: the bytes of such a view
+    are not its values, and a reader of the raw bytes would restore them unconjugated."""
     if type(tensor) is not torch.Tensor or tensor.requires_grad:
         tensor = tensor.detach()
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()
+    if tensor.is_conj() or tensor.is_neg():
+        tensor = tensor.resolve_conj().resolve_neg()
     if not tensor.is_contiguous():
         tensor = tensor.contiguous()
     if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
@@ -283,7 +307,7 @@ def as_saveable(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _memory_of(tensor: torch.Tensor, nbytes: int) -> memoryview:
+def memory_of(tensor: torch.Tensor, nbytes: int) -> memoryview:
     """The tensor's bytes, in place (CPU, contiguous). Through numpy rather than a ctypes
     array: each new ctypes length makes a new type, which a state of many sizes pays for in
     garbage collection."""

@@ -28,6 +28,7 @@ planner); with ``dcp.save``/``dcp.async_save`` pass it yourself::
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import ChainMap
 from typing import Any
 
@@ -213,8 +214,10 @@ class TieredSavePlanner(DefaultSavePlanner):
         return global_plan, metadata_broadcast.broadcastable(metadata)
 
 
+@functools.cache
 def _default_lookup(kind: type) -> bool:
-    """Whether planner class ``kind`` finds and transforms items as DCP's default does."""
+    """Whether planner class ``kind`` finds and transforms items as DCP's default does (asked
+    once per item: kept per class)."""
     return (
         kind.lookup_object is DefaultSavePlanner.lookup_object  # type: ignore[attr-defined]
         and kind.transform_object is DefaultSavePlanner.transform_object  # type: ignore[attr-defined]

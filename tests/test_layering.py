@@ -35,6 +35,7 @@ DCP = {
     "planner",
     "load_planner",
     "item_writer",
+    "item_layout",
     "writer",
     "reader",
     "reader_checks",

@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
-from .. import item_writer
+from .. import item_layout, item_writer
 from .._priority import lower_this_thread
 from ..backends.local import LocalBackend
 from ..policy import layout, manifest
@@ -51,7 +51,7 @@ def write_items(
     ]
     backend = tiers.local.backend
 
-    def write(f: BinaryIO, name: str, bucket: Sequence[WriteItem]) -> item_writer.DataFile:
+    def write(f: BinaryIO, name: str, bucket: Sequence[WriteItem]) -> item_writer.Written:
         with backend.write_errors(save.tmp, name):  # naming this file, not the last opened
             return write_file(save, f, bucket, planner, sync)  # looked up per call (tests)
 
@@ -87,15 +87,15 @@ def _split(items: Sequence[WriteItem], n: int) -> list[list[WriteItem]]:
 
 def write_file(
     save: SaveInfo, f: BinaryIO, items: Sequence[WriteItem], planner: SavePlanner, sync: bool
-) -> item_writer.DataFile:
+) -> item_writer.Written:
     """Write ``items`` into data file ``f`` of ``save`` (opened, fsynced and closed by the
-    caller); ``sync``: start each batch's way to the disk as soon as it is written."""
-    return item_writer.write_items(f, items, planner.resolve_data, writeback=sync)
+    caller); ``sync``: start each batch's way to the disk as soon as it is written. The
+    same list of items as an earlier save (DCP's plan caching) is written by its kept
+    layout (:mod:`dcp_tiered.item_layout`)."""
+    return item_layout.write_items(f, items, planner.resolve_data, writeback=sync)
 
 
-def _file_written(
-    tiers: Tiers, save: SaveInfo, name: str, out: item_writer.DataFile
-) -> WriteResult:
+def _file_written(tiers: Tiers, save: SaveInfo, name: str, out: item_writer.Written) -> WriteResult:
     """The one WriteResult of data file ``name``, written and fsynced; its early upload
     started where the step goes to the remote tier."""
     placed = item_writer.FileItems.of(name, save.rank, out)

@@ -1,0 +1,200 @@
+"""Repeated saves of one structure write their data files from a kept layout (issue 30):
+the same bytes as framing every item anew, every step loadable by vanilla DCP and by our
+reader (which checks each item's CRC32C against the manifest), and a state that no longer
+matches the layout is framed anew rather than written wrong."""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+
+from dcp_tiered import (
+    TieredSavePlanner,
+    TieredStorageReader,
+    TieredStorageWriter,
+    item_layout,
+    item_writer,
+)
+
+
+def _state(seed: int) -> dict:
+    """Every kind of item a layout handles: small and large tensors of several dtypes
+    (under and over the copy threshold, one over the CRC-combining size), a 0-d, an empty
+    and a non-contiguous one each side of the threshold, complex numbers, a bytes item."""
+    g = torch.Generator().manual_seed(seed)
+    big = torch.randn(300, 256, generator=g)
+    return {
+        "small": {
+            "f32": torch.randn(7, 5, generator=g),
+            "bf16": torch.randn(33, generator=g).to(torch.bfloat16),
+            "i64": torch.randint(0, 1000, (11,), generator=g),
+            "bool": torch.rand(13, generator=g) > 0.5,
+            "zero_d": torch.tensor(float(seed)),
+            "empty": torch.empty(0, 4),
+            "strided": torch.randn(6, 8, generator=g).t(),
+            "c64": torch.randn(5, dtype=torch.complex64, generator=g),
+        },
+        "large": {
+            "f32": torch.randn(64, 100, generator=g),  # 25 KiB
+            "f16": torch.randn(2**19 + 3, generator=g).half(),  # just over 1 MiB
+            "strided": big.t(),
+            "c64": torch.randn(4096, dtype=torch.complex64, generator=g),
+        },
+        "n": seed,
+        "name": "run",
+    }
+
+
+def _blank(state: dict) -> dict:
+    return {
+        k: _blank(v) if isinstance(v, dict) else torch.zeros_like(v) if torch.is_tensor(v) else None
+        for k, v in state.items()
+    }
+
+
+def _assert_equal(got: dict, want: dict) -> None:
+    for k, v in want.items():
+        if isinstance(v, dict):
+            _assert_equal(got[k], v)
+        elif torch.is_tensor(v):
+            want_values = v.resolve_conj().resolve_neg()
+            assert got[k].dtype == v.dtype and torch.equal(got[k], want_values), k
+        else:
+            assert got[k] == v, k
+
+
+def _loads_bit_exact(root, step: str, want: dict) -> None:
+    out = _blank(want)
+    dcp.load(out, storage_reader=FileSystemReader(root / step), no_dist=True)
+    _assert_equal(out, want)
+    out = _blank(want)
+    dcp.load(out, checkpoint_id=step, storage_reader=TieredStorageReader(root), no_dist=True)
+    _assert_equal(out, want)
+
+
+class _Saver:
+    def __init__(self, root, monkeypatch) -> None:
+        self.root = root
+        monkeypatch.setattr(item_layout, "_kept", OrderedDict())  # this test's layouts only
+        self.writer = TieredStorageWriter(root, thread_count=2)
+        self.framed: list[str] = []  # items framed one by one (DataFile), by fqn
+        add = item_writer.DataFile.add
+        monkeypatch.setattr(
+            item_writer.DataFile,
+            "add",
+            lambda out, item, data: (self.framed.append(item.index.fqn), add(out, item, data)),
+        )
+
+    def save(self, step: str, state: dict) -> list[str]:
+        """Saves ``state`` as ``step``; the fqns of the items framed one by one."""
+        self.framed.clear()
+        planner = TieredSavePlanner(enable_plan_caching=True, cache_key=f"t@{id(self.writer)}")
+        dcp.save(
+            state, checkpoint_id=step, storage_writer=self.writer, planner=planner, no_dist=True
+        )
+        return list(self.framed)
+
+    def data_files(self, step: str) -> dict[str, bytes]:
+        return {p.name: p.read_bytes() for p in sorted((self.root / step).glob("*.distcp"))}
+
+    def sections(self, step: str) -> list:
+        """The manifest's per-file entries (sizes, file and item CRCs, offsets)."""
+        files = []
+        for p in sorted((self.root / step).glob("manifest.*.json")):
+            files += json.loads(p.read_text())["files"]
+        return files
+
+
+def test_repeated_saves_write_the_bytes_and_checksums_of_framing_each_item(tmp_path, monkeypatch):
+    saver = _Saver(tmp_path, monkeypatch)
+    state = _state(1)
+    assert saver.save("step-1", state)  # first sight of the plan's item lists: framed
+    saver.save("step-2", state)  # seen again: the layout is made and written from
+    assert saver.save("step-3", state) == []  # written from the kept layouts alone
+    first = saver.data_files("step-1")
+    assert len(first) == 2
+    for step in ("step-2", "step-3"):
+        assert saver.data_files(step) == first, step
+        assert saver.sections(step) == saver.sections("step-1"), step
+        _loads_bit_exact(tmp_path, step, state)
+
+
+def test_new_values_every_save_load_bit_exact_with_vanilla_dcp_and_ours(tmp_path, monkeypatch):
+    saver = _Saver(tmp_path, monkeypatch)
+    state = _state(1)
+    saver.save("step-0", state)
+    for i in range(1, 5):
+        new = _state(i + 10)
+        # same structure, other memory: in place, fresh tensors, views and lazy conjugates
+        for part in ("small", "large"):
+            for name, t in state[part].items():
+                if name == "strided":
+                    state[part][name] = new[part][name]  # another non-contiguous view
+                elif name == "c64" and i % 2:
+                    state[part][name] = new[part][name].conj().conj().conj()  # conj bit set
+                else:
+                    t.copy_(new[part][name])
+        state["n"] = 10 + i  # a bytes item of the same length
+        framed = saver.save(f"step-{i}", state)
+        if i >= 2:  # from the layouts: conjugates applied, views copied into place
+            assert framed == [], framed
+        _loads_bit_exact(tmp_path, f"step-{i}", state)
+
+
+@pytest.mark.parametrize("change", ["bytes_length", "busy"])
+def test_a_save_the_layout_cannot_take_is_framed_anew(tmp_path, monkeypatch, change):
+    saver = _Saver(tmp_path, monkeypatch)
+    state = _state(3)
+    for step in ("step-1", "step-2"):
+        saver.save(step, state)
+    layouts = [k.layout for k in item_layout._kept.values() if k.layout is not None]
+    assert len(layouts) == 2
+    if change == "bytes_length":
+        state["name"] = "r" * 5000  # serialises longer: the plan is the same, the layout not
+        framed = saver.save("step-3", state)
+        assert "name" in framed
+        _loads_bit_exact(tmp_path, "step-3", state)
+        saver.save("step-4", state)  # seen again after it was dropped: a new layout
+        assert saver.save("step-5", state) == []
+        _loads_bit_exact(tmp_path, "step-5", state)
+    else:
+        for layout in layouts:  # another save of the same plan is writing from them
+            layout.busy.acquire()
+        try:
+            framed = saver.save("step-3", state)
+        finally:
+            for layout in layouts:
+                layout.busy.release()
+        assert len(framed) == len(state["small"]) + len(state["large"]) + 2  # every item
+        assert saver.data_files("step-3") == saver.data_files("step-1")
+        assert saver.save("step-4", state) == []  # the layouts were kept
+    _loads_bit_exact(tmp_path, "step-4", state)
+
+
+def test_a_layout_is_not_kept_past_its_staging_budget(tmp_path, monkeypatch):
+    monkeypatch.setattr(item_layout, "MAX_STAGING_BYTES", 4096)
+    saver = _Saver(tmp_path, monkeypatch)
+    state = _state(4)
+    for step in ("step-1", "step-2", "step-3"):
+        assert saver.save(step, state)  # always framed: no layout fits 4 KiB
+    _loads_bit_exact(tmp_path, "step-3", state)
+
+
+def test_a_lazy_conjugate_or_negation_restores_its_values_with_our_reader(tmp_path):
+    """Their bytes are not their values: written as values (our reader views raw bytes)."""
+    z = torch.randn(4096, dtype=torch.complex64)
+    state = {
+        "conj_small": torch.randn(5, dtype=torch.complex64).conj(),
+        "conj_large": z.conj(),
+        "neg": z.conj().imag,  # a view with the negative bit
+    }
+    assert state["conj_small"].is_conj() and state["neg"].is_neg()
+    dcp.save(
+        state, checkpoint_id="step-1", storage_writer=TieredStorageWriter(tmp_path), no_dist=True
+    )
+    _loads_bit_exact(tmp_path, "step-1", state)
