@@ -5,9 +5,9 @@ the writer put each item. Pure: no I/O. The format is described in
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -47,7 +47,77 @@ class Built:
 # ---------------------------------------------------------------- build
 
 
-def build(
+class FileColumns(Protocol):
+    """One data file and its items as columns (the writer's ``FileItems``): item ``k`` is
+    ``keys[k]`` = (fqn, chunk offset, index) at ``offsets[k]``, ``lengths[k]`` bytes long,
+    its CRC32C the 8 hex digits at ``checksums[8k:8k+8]``."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def file_size(self) -> int: ...
+    @property
+    def file_checksum(self) -> str: ...
+    @property
+    def keys(self) -> list[tuple[str, Any, Any]]: ...
+    @property
+    def offsets(self) -> list[int]: ...
+    @property
+    def lengths(self) -> list[int]: ...
+    @property
+    def checksums(self) -> str: ...
+    @property
+    def raw_offsets(self) -> list[int | None]: ...
+
+
+@dataclass
+class _Columns:
+    """FileColumns of per-item locations (``build``'s callers that have no columns)."""
+
+    name: str
+    rank: int
+    file_size: int
+    file_checksum: str
+    keys: list[tuple[str, Any, Any]] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+    checksums: str = ""
+    raw_offsets: list[int | None] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class FilePlan:
+    """What a manifest's sections hold that only the files' layouts decide (which items of
+    which file go in which section, in what order): one per structure, kept by the writer
+    for the next save of the same layouts (:func:`build_files`'s ``plan``)."""
+
+    writers: dict[str, list[int]]
+    # node -> each file's (name, entry members before "crcs", after it, its items' positions)
+    parts: dict[int, list[tuple[str, dict[str, Any], dict[str, Any], list[int] | slice]]]
+
+
+def build(*, locations: Mapping[MetadataIndex, ItemLocation], **kwargs: Any) -> Built:
+    """Serialise the manifest of ``metadata`` whose items were written at ``locations``
+    (see :func:`build_files` for the other arguments)."""
+    files: dict[str, _Columns] = {}
+    for key, loc in sorted(locations.items(), key=lambda kv: kv[1].offset):
+        f = files.get(loc.relative_path)
+        if f is None:
+            f = files[loc.relative_path] = _Columns(
+                loc.relative_path, loc.rank, loc.file_size, loc.file_checksum
+            )
+        offset = None if key.offset is None else tuple(key.offset)
+        f.keys.append((key.fqn, offset, key.index))
+        f.offsets.append(loc.offset)
+        f.lengths.append(loc.length)
+        f.checksums += loc.checksum
+        f.raw_offsets.append(loc.raw_offset)
+    return build_files(files=list(files.values()), **kwargs)[0]
+
+
+def build_files(
     *,
     step: str,
     save_id: str,
@@ -55,35 +125,23 @@ def build(
     nodes: list[list[int]],
     committed_at_ns: int,
     metadata: Metadata,
-    locations: Mapping[MetadataIndex, ItemLocation],
+    files: Sequence[FileColumns],
     versions: Mapping[str, str],
     promote: bool = True,
     run_id: str | None = None,
-) -> Built:
-    """Serialise the manifest of ``metadata`` whose items were written at ``locations``."""
-    tid, ordinal, chunks_of, _, _ = _described(metadata)
-    writers = {fqn: [-1] * len(chunks_of.get(fqn, [None])) for fqn in tid}
-    node_of = {r: n for n, ranks in enumerate(nodes) for r in ranks}
-    by_file: dict[str, list[tuple[int, int, ItemLocation]]] = {}
-    for key, loc in locations.items():
-        fqn = key.fqn
-        at = ordinal.get((fqn, key.offset))
-        if at is None:
-            raise ManifestError(f"item {fqn!r} at {key.offset} is not in the metadata")
-        writers[fqn][at] = loc.rank
-        by_file.setdefault(loc.relative_path, []).append((tid[fqn], at, loc))
-    # Items every rank reads (one-chunk tensors and bytes items: replicated state that DCP
-    # spread over the ranks) go in the shared section, the chunks of sharded tensors in the
-    # writer's node's section: so a rank reads the shared section and its own node's.
-    files_of: dict[int, list[dict[str, Any]]] = {n: [] for n in [SHARED, *range(len(nodes))]}
-    one_chunk = {tid[fqn] for fqn, w in writers.items() if len(w) == 1}
-    for name in sorted(by_file):
-        rows = sorted(by_file[name], key=lambda r: r[2].offset)
-        shared = [r for r in rows if r[0] in one_chunk]
-        own = [r for r in rows if r[0] not in one_chunk]
-        for node, part in ((SHARED, shared), (node_of[rows[0][2].rank], own)):
-            if part:
-                files_of[node].append(_encode_file(name, part))
+    plan: FilePlan | None = None,
+) -> tuple[Built, FilePlan]:
+    """Serialise the manifest of ``metadata`` whose items were written into ``files``;
+    ``plan``: the one returned for the same metadata, nodes and file layouts (the same
+    names, ranks, keys, offsets, lengths and raw offsets), which skips the per-item work."""
+    if plan is None:
+        plan = plan_files(metadata, files, nodes)
+    by_name = {f.name: f for f in files}
+    files_of: dict[int, list[dict[str, Any]]] = {
+        node: [_entry(by_name[name], before, after, at) for name, before, after, at in parts]
+        for node, parts in plan.parts.items()
+    }
+    writers = plan.writers
     sections = {
         node: json.dumps(
             {
@@ -130,7 +188,7 @@ def build(
     # the members only the structure decides, spliced in as JSON (see tensors_fragment)
     head = json.dumps(index_body, separators=(",", ":"), ensure_ascii=False)
     index = f"{head[:-1]},{tensors_fragment(metadata, writers)}}}"
-    return Built(manifest_codec.seal_text(index), sections)
+    return Built(manifest_codec.seal_text(index), sections), plan
 
 
 # (state_dict_metadata, planner_data, writers, fragment) of the last index: DCP's plan caching
@@ -215,25 +273,78 @@ def _encode_entry(
     }
 
 
-def _encode_file(name: str, rows: list[tuple[int, int, ItemLocation]]) -> dict[str, Any]:
-    first = rows[0][2]
-    entry: dict[str, Any] = {
-        "name": name,
-        "size": first.file_size,
-        "checksum": first.file_checksum,
-        "rank": first.rank,
+def plan_files(
+    metadata: Metadata, files: Sequence[FileColumns], nodes: list[list[int]]
+) -> FilePlan:
+    """Which items of each file go in which section, in file order (see :class:`FilePlan`)."""
+    tid, ordinal, chunks_of, _, _ = _described(metadata)
+    writers = {fqn: [-1] * len(chunks_of.get(fqn, [None])) for fqn in tid}
+    node_of = {r: n for n, ranks in enumerate(nodes) for r in ranks}
+    rows_of: dict[str, list[tuple[int, int, int]]] = {}  # file -> (tensor id, chunk, position)
+    for f in files:
+        rows = rows_of.setdefault(f.name, [])
+        for k, (fqn, offset, _) in enumerate(f.keys):
+            at = ordinal.get((fqn, offset))
+            if at is None:
+                raise ManifestError(f"item {fqn!r} at {offset} is not in the metadata")
+            writers[fqn][at] = f.rank
+            rows.append((tid[fqn], at, k))
+    # Items every rank reads (one-chunk tensors and bytes items: replicated state that DCP
+    # spread over the ranks) go in the shared section, the chunks of sharded tensors in the
+    # writer's node's section: so a rank reads the shared section and its own node's.
+    parts: dict[int, list[Any]] = {n: [] for n in [SHARED, *range(len(nodes))]}
+    one_chunk = {tid[fqn] for fqn, w in writers.items() if len(w) == 1}
+    by_name = {f.name: f for f in files}
+    for name in sorted(rows_of):
+        f = by_name[name]
+        rows = sorted(rows_of[name], key=lambda r: f.offsets[r[2]])
+        shared = [r for r in rows if r[0] in one_chunk]
+        own = [r for r in rows if r[0] not in one_chunk]
+        for node, part in ((SHARED, shared), (node_of[f.rank], own)):
+            if part:
+                parts[node].append(_file_part(f, part))
+    return FilePlan(writers, parts)
+
+
+def _file_part(
+    f: FileColumns, rows: list[tuple[int, int, int]]
+) -> tuple[str, dict[str, Any], dict[str, Any], list[int] | slice]:
+    at = [r[2] for r in rows]
+    before = {
+        "rank": f.rank,
         "ids": [r[0] for r in rows],
         "chunks": [r[1] for r in rows],
-        "lengths": [r[2].length for r in rows],
-        "crcs": "".join(r[2].checksum for r in rows),
-        "raw": [-1 if r[2].raw_offset is None else r[2].raw_offset for r in rows],
+        "lengths": [f.lengths[k] for k in at],
     }
-    pos, offsets = first.offset, []
-    for _, _, loc in rows:
-        offsets.append(loc.offset)
-        pos = loc.offset + loc.length if pos == loc.offset else -1
+    after: dict[str, Any] = {
+        "raw": [-1 if f.raw_offsets[k] is None else f.raw_offsets[k] for k in at]
+    }
+    first = f.offsets[at[0]]
+    pos, offsets = first, []
+    for k in at:
+        offsets.append(f.offsets[k])
+        pos = f.offsets[k] + f.lengths[k] if pos == f.offsets[k] else -1
     if pos < 0:  # not back to back: say where each item starts
-        entry["offsets"] = offsets
-    elif first.offset:
-        entry["start"] = first.offset
-    return entry
+        after["offsets"] = offsets
+    elif first:
+        after["start"] = first
+    in_order = at == list(range(at[0], at[0] + len(at)))
+    return f.name, before, after, slice(8 * at[0], 8 * (at[0] + len(at))) if in_order else at
+
+
+def _entry(
+    f: FileColumns, before: dict[str, Any], after: dict[str, Any], at: list[int] | slice
+) -> dict[str, Any]:
+    """A file's entry in a section: its size and checksum, and its items' CRCs."""
+    if isinstance(at, slice):
+        crcs = f.checksums[at]
+    else:
+        crcs = "".join(f.checksums[8 * k : 8 * k + 8] for k in at)
+    return {
+        "name": f.name,
+        "size": f.file_size,
+        "checksum": f.file_checksum,
+        **before,
+        "crcs": crcs,
+        **after,
+    }

@@ -13,7 +13,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.storage import WriteResult
 
-from .. import _gc, _torch_compat, metadata_broadcast
+from .. import _gc, _torch_compat, item_writer, metadata_broadcast
 from .._version import __version__
 from ..policy import manifest, manifest_build
 from ._datafile import locations
@@ -32,6 +32,30 @@ class KeptMetadata:
     version: str | None = None
     where: list[tuple[Any, str, int, int]] | None = None
     pickled: bytes = b""
+    # the data files' layouts of the last save, and the manifest's plan of them for the
+    # metadata objects and nodes in plan_of: the next save of the same layouts reuses both
+    layouts: list[tuple[Any, ...]] | None = None
+    file_plan: manifest_build.FilePlan | None = None
+    plan_of: tuple[Any, Any] | None = None
+
+
+def _files(results: list[list[WriteResult]]) -> list[item_writer.FileItems] | None:
+    """Every rank's data files, or None where a result is per item (benchmarks/scale.py)."""
+    files = [wr.storage_data for rs in results for wr in rs]
+    if all(isinstance(f, item_writer.FileItems) for f in files):
+        return files
+    return None
+
+
+def _kept_holds(kept: KeptMetadata, metadata: Metadata, step: str) -> bool:
+    """Whether ``kept.pickled`` is this metadata's (the layouts compared already)."""
+    storage_meta = metadata.storage_meta or StorageMeta(checkpoint_id=step)
+    return (
+        storage_meta == StorageMeta(checkpoint_id=step)
+        and kept.state_dict_metadata is metadata.state_dict_metadata
+        and kept.planner_data is metadata.planner_data
+        and kept.version == metadata.version
+    )
 
 
 def describe(
@@ -56,22 +80,50 @@ def describe(
             ),
         )
     started = time.perf_counter()
-    where = locations(results)
+    files = _files(results)
     with _gc.paused():  # one object per item of every rank: see _gc
-        built = manifest_build.build(
-            step=save.step,
-            save_id=save.save_id,
-            world_size=save.world_size,
-            nodes=[[r for r, n in enumerate(node_of) if n == k] for k in sorted(set(node_of))],
-            committed_at_ns=time.time_ns(),
-            metadata=metadata,
-            locations=where,
-            versions={"dcp_tiered": __version__, "torch": torch.__version__},
-            promote=save.promote,
-            run_id=save.run_id,
-        )
+        args: dict[str, Any] = {
+            "step": save.step,
+            "save_id": save.save_id,
+            "world_size": save.world_size,
+            "nodes": [[r for r, n in enumerate(node_of) if n == k] for k in sorted(set(node_of))],
+            "committed_at_ns": time.time_ns(),
+            "metadata": metadata,
+            "versions": {"dcp_tiered": __version__, "torch": torch.__version__},
+            "promote": save.promote,
+            "run_id": save.run_id,
+        }
+        same = False
+        where: dict[Any, manifest.ItemLocation] | None = None
+        if files is None:  # per-item results (benchmarks/scale.py)
+            where = locations(results)
+            built = manifest_build.build(locations=where, **args)
+        else:
+            layouts = [(f.name, f.rank, f.keys, f.offsets, f.lengths, f.raw_offsets) for f in files]
+            same = (
+                kept is not None
+                and kept.layouts == layouts
+                and kept.plan_of
+                == (
+                    metadata.state_dict_metadata,
+                    args["nodes"],
+                )
+            )
+            plan = kept.file_plan if same and kept is not None else None
+            built, plan = manifest_build.build_files(files=files, plan=plan, **args)
+            if kept is not None and not same:
+                kept.layouts, kept.file_plan = layouts, plan
+                kept.plan_of = (metadata.state_dict_metadata, args["nodes"])
+                kept.pickled = b""  # pickled for other layouts
         built_at = time.perf_counter()
-        metadata_bytes = vanilla_metadata(metadata, where, save.step, kept)
+        if same and kept is not None and kept.pickled and _kept_holds(kept, metadata, save.step):
+            metadata_bytes = kept.pickled.replace(
+                _pickled_str(_STEP_SLOT), _pickled_str(save.step), 1
+            )
+        else:
+            metadata_bytes = vanilla_metadata(
+                metadata, where if where is not None else locations(results), save.step, kept
+            )
     if timings is not None:
         timings["manifest_build_s"] = built_at - started
         timings["metadata_pickle_s"] = time.perf_counter() - built_at
