@@ -128,8 +128,8 @@ class Layout:
         if _signature(tensors) != self.signature:
             return None
         large = [item_writer.as_saveable(tensors[k]) for k in self._large]
-        # a large tensor's bytes are written as they are: its frame must be the kept one (a
-        # conjugate or negative view is framed by torch's writer, not from its bytes)
+        # a large tensor's bytes are written as they are: its frame must be the kept one
+        # (FRAMER's own checks: a class or layout it does not frame is DataFile's to write)
         if any(FRAMER.frame(t) != frame for t, frame in zip(large, self._frames)):
             return None
         for k, at, n in self._bytes:
