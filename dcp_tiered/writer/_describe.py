@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import pickle
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,17 +46,6 @@ def _files(results: list[list[WriteResult]]) -> list[item_writer.FileItems] | No
     if all(isinstance(f, item_writer.FileItems) for f in files):
         return files
     return None
-
-
-def _kept_holds(kept: KeptMetadata, metadata: Metadata, step: str) -> bool:
-    """Whether ``kept.pickled`` is this metadata's (the layouts compared already)."""
-    storage_meta = metadata.storage_meta or StorageMeta(checkpoint_id=step)
-    return (
-        storage_meta == StorageMeta(checkpoint_id=step)
-        and kept.state_dict_metadata is metadata.state_dict_metadata
-        and kept.planner_data is metadata.planner_data
-        and kept.version == metadata.version
-    )
 
 
 def describe(
@@ -100,30 +90,21 @@ def describe(
             built = manifest_build.build(locations=where, **args)
         else:
             layouts = [(f.name, f.rank, f.keys, f.offsets, f.lengths, f.raw_offsets) for f in files]
-            same = (
-                kept is not None
-                and kept.layouts == layouts
-                and kept.plan_of
-                == (
-                    metadata.state_dict_metadata,
-                    args["nodes"],
-                )
-            )
+            plan_of = (metadata.state_dict_metadata, args["nodes"])
+            same = kept is not None and kept.layouts == layouts and kept.plan_of == plan_of
             plan = kept.file_plan if same and kept is not None else None
             built, plan = manifest_build.build_files(files=files, plan=plan, **args)
             if kept is not None and not same:
-                kept.layouts, kept.file_plan = layouts, plan
-                kept.plan_of = (metadata.state_dict_metadata, args["nodes"])
+                kept.layouts, kept.file_plan, kept.plan_of = layouts, plan, plan_of
                 kept.pickled = b""  # pickled for other layouts
         built_at = time.perf_counter()
-        if same and kept is not None and kept.pickled and _kept_holds(kept, metadata, save.step):
-            metadata_bytes = kept.pickled.replace(
-                _pickled_str(_STEP_SLOT), _pickled_str(save.step), 1
-            )
-        else:
-            metadata_bytes = vanilla_metadata(
-                metadata, where if where is not None else locations(results), save.step, kept
-            )
+        metadata_bytes = vanilla_metadata(
+            metadata,
+            (lambda: where) if where is not None else (lambda: locations(results)),
+            save.step,
+            kept,
+            same_files=same,
+        )
     if timings is not None:
         timings["manifest_build_s"] = built_at - started
         timings["metadata_pickle_s"] = time.perf_counter() - built_at
@@ -144,9 +125,11 @@ def _pickled_str(value: str) -> bytes:
 
 def vanilla_metadata(
     metadata: Metadata,
-    locations: dict[Any, manifest.ItemLocation],
+    locations_of: Callable[[], dict[Any, manifest.ItemLocation]],
     step: str,
     kept: KeptMetadata | None = None,
+    *,
+    same_files: bool = False,
 ) -> bytes:
     """DCP's own ``.metadata`` so the step stays a valid vanilla DCP checkpoint.
 
@@ -155,27 +138,31 @@ def vanilla_metadata(
     DCP's 9.3 MiB for FSDP2 at 64 ranks, written in about the time DCP pickles its own
     (``benchmarks/scale.py``). Readers unpickle the same objects. With ``kept``, a save of the
     same structure as the last reuses its bytes, with only the step's name written anew (a
-    quarter of a second at 20,000 tensors).
+    quarter of a second at 20,000 tensors). ``locations_of`` makes every item's location, called
+    only where needed: not when ``same_files`` says the data files' layouts are those the kept
+    bytes were made for.
     """
     storage_meta = metadata.storage_meta or StorageMeta(checkpoint_id=step)
     if kept is None or storage_meta != StorageMeta(checkpoint_id=step):
-        return pickle.dumps(_vanilla(metadata, locations, storage_meta), protocol=4)
-    where = [(i, loc.relative_path, loc.offset, loc.length) for i, loc in locations.items()]
-    if not (
+        return pickle.dumps(_vanilla(metadata, locations_of(), storage_meta), protocol=4)
+    holds = (
         kept.state_dict_metadata is metadata.state_dict_metadata  # DCP's cached plan's own
         and kept.planner_data is metadata.planner_data
         and kept.version == metadata.version
-        and kept.where == where
-    ):
-        open_name = StorageMeta(checkpoint_id=_STEP_SLOT)
-        pickled = pickle.dumps(_vanilla(metadata, locations, open_name), protocol=_PROTOCOL)
-        if pickled.count(_pickled_str(_STEP_SLOT)) != 1:  # cannot be: then keep nothing
-            return pickle.dumps(_vanilla(metadata, locations, storage_meta), protocol=4)
-        kept.state_dict_metadata, kept.planner_data = (
-            metadata.state_dict_metadata,
-            metadata.planner_data,
-        )
-        kept.version, kept.where, kept.pickled = metadata.version, where, pickled
+    )
+    if not (holds and same_files and kept.pickled):
+        locations = locations_of()
+        where = [(i, loc.relative_path, loc.offset, loc.length) for i, loc in locations.items()]
+        if not (holds and kept.where == where):
+            open_name = StorageMeta(checkpoint_id=_STEP_SLOT)
+            pickled = pickle.dumps(_vanilla(metadata, locations, open_name), protocol=_PROTOCOL)
+            if pickled.count(_pickled_str(_STEP_SLOT)) != 1:  # cannot be: then keep nothing
+                return pickle.dumps(_vanilla(metadata, locations, storage_meta), protocol=4)
+            kept.state_dict_metadata, kept.planner_data = (
+                metadata.state_dict_metadata,
+                metadata.planner_data,
+            )
+            kept.version, kept.where, kept.pickled = metadata.version, where, pickled
     return kept.pickled.replace(_pickled_str(_STEP_SLOT), _pickled_str(step), 1)
 
 
