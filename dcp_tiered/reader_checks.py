@@ -35,14 +35,28 @@ def check_raw_storage(data: bytes | memoryview, raw_offset: int, nbytes: int, wh
     check_storage_tail(memoryview(data)[end : end + 24], nbytes, what)
 
 
+def raw_storage_ok(data: bytes | memoryview, raw_offset: int, nbytes: int) -> bool:
+    """:func:`check_raw_storage` as a yes or no: for a loop over many items, which names
+    the item only when it fails."""
+    end = raw_offset + nbytes
+    return storage_tail_ok(memoryview(data)[end : end + 24], nbytes)
+
+
+def storage_tail_ok(tail: bytes | memoryview, nbytes: int) -> bool:
+    """Whether ``tail`` (the item's bytes right after its raw storage, at least the 24 that
+    follow) is the zip data descriptor of a storage record of ``nbytes`` bytes."""
+    head = bytes(tail[:24])
+    if head[:4] != _DESCRIPTOR:
+        return False
+    if len(head) >= 16 and struct.unpack_from("<II", head, 8) == (nbytes, nbytes):
+        return True
+    return len(head) >= 24 and struct.unpack_from("<QQ", head, 8) == (nbytes, nbytes)
+
+
 def check_storage_tail(tail: bytes | memoryview, nbytes: int, what: str) -> None:
     """``tail``: the item's bytes right after its raw storage (at least the 24 that follow)."""
-    head = bytes(tail[:24])
-    if head[:4] == _DESCRIPTOR:
-        if len(head) >= 16 and struct.unpack_from("<II", head, 8) == (nbytes, nbytes):
-            return
-        if len(head) >= 24 and struct.unpack_from("<QQ", head, 8) == (nbytes, nbytes):
-            return
+    if storage_tail_ok(tail, nbytes):
+        return
     raise IntegrityError(
         f"{what}: the stored tensor is not {nbytes} bytes long, as the manifest's dtype and "
         f"shape say (its archive's storage record ends elsewhere); {_HINT}"

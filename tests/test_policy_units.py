@@ -200,6 +200,18 @@ def test_whole_tensor_entries_decode_as_the_general_decoder_does():
     ]
     for entry, ranks in odd:
         assert manifest._whole_tensor(entry, ranks, props[:1], 2) is None, (entry, ranks)
+    # shapes seen before are not made again, and never stand in for a lookalike: a boolean
+    # size equals 1 as a key, but is still refused
+    shapes: dict = {}
+    a = manifest._whole_tensor(one, [[0, 0, 1]], props[:1], 2, shapes)
+    b = manifest._whole_tensor(dict(one), [[1, 0, 1]], props[:1], 2, shapes)
+    assert a is not None and b is not None and a[1] == [0] and b[1] == [1]
+    assert a[0] == b[0] and a[0].chunks[0] is not b[0].chunks[0]  # equal, not one object
+    assert list(shapes) == [(4,)]
+    unit = {"type": "tensor", "props": 0, "size": [1], "grid": [[[1, 1]]]}
+    assert manifest._whole_tensor(unit, [[0, 0, 1]], props[:1], 2, shapes) is not None
+    for lookalike in (dict(unit, size=[True]), dict(unit, size=[1.0])):
+        assert manifest._whole_tensor(lookalike, [[0, 0, 1]], props[:1], 2, shapes) is None
 
 
 def test_manifest_index_stays_small_as_ranks_grow():

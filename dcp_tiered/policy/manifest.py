@@ -20,7 +20,7 @@ parses; :mod:`dcp_tiered.policy.manifest_build` builds.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -181,9 +181,10 @@ def _decode_index(body: dict[str, Any]) -> Manifest:
     writers: dict[str, list[int]] = {}
     props = [decode_properties(p) for p in body["properties"]]
     budget = _MAX_ITEMS  # chunks of every tensor together: counts are checked against it
+    shapes: dict[tuple[int, ...], _Shape] = {}
     for fqn, entry, ranks in body["tensors"]:
         fqn = str(fqn)
-        whole = _whole_tensor(entry, ranks, props, world_size)
+        whole = _whole_tensor(entry, ranks, props, world_size, shapes)
         if whole is not None:  # most entries of a state: checked as strictly, in fewer steps
             sdm[fqn], writers[fqn] = whole
             budget -= 1
@@ -236,24 +237,46 @@ def _run_id(value: Any) -> str | None:
     raise ManifestError(f"run_id {value!r} is not a run id")
 
 
+class _Shape(NamedTuple):
+    """What every whole tensor of one shape shares: its grid as the index writes it, and
+    its size and zero offsets as torch.Size (immutable, so shared by every such entry)."""
+
+    grid: list[list[list[int]]] | None
+    size: torch.Size
+    offsets: torch.Size
+
+
 def _whole_tensor(
-    raw: Any, ranks: Any, props: list[TensorProperties], world_size: int
+    raw: Any,
+    ranks: Any,
+    props: list[TensorProperties],
+    world_size: int,
+    shapes: dict[tuple[int, ...], _Shape] | None = None,
 ) -> tuple[TensorStorageMetadata, list[int]] | None:
     """The entry of a tensor saved whole by one rank (every tensor of a single-rank or
     replicated state: most entries), decoded; None for anything else, which the general
     decoder then checks and decodes. Its grid is one run per dimension covering it (a
-    0-d tensor: one chunk of no dimensions), its writers one progression of one rank."""
+    0-d tensor: one chunk of no dimensions), its writers one progression of one rank.
+    ``shapes``: the shapes seen so far in this index (a state has a few hundred shapes for
+    20,000 tensors), whose grids and sizes are not made again."""
     if type(raw) is not dict or raw.get("type") != "tensor" or type(ranks) is not list:
         return None
     size, which = raw.get("size"), raw.get("props")
     if type(size) is not list or type(which) is not int or not 0 <= which < len(props):
         return None
     for n in size:
-        if type(n) is not int or n <= 0:
+        if type(n) is not int or n <= 0:  # ints only: the key below would take True for 1
             return None
+    key = tuple(size)
+    shape = shapes.get(key) if shapes is not None else None
+    if shape is None:
+        grid = [[[n, 1]] for n in size] if size else None
+        shape = _Shape(grid, torch.Size(size), torch.Size([0] * len(size)))
+        if shapes is not None:
+            shapes[key] = shape
     grid = raw.get("grid")
     if grid is not None:
-        if grid != [[[n, 1]] for n in size] or not size:
+        if shape.grid is None or grid != shape.grid:
             return None
     elif size or raw.get("chunks") != [[]]:
         return None
@@ -264,9 +287,8 @@ def _whole_tensor(
         return None
     if not 0 <= rank < world_size or step != 0 or count != 1:
         return None
-    shape = torch.Size(size)
-    chunk = ChunkStorageMetadata(torch.Size([0] * len(size)), shape)
-    return TensorStorageMetadata(props[which], shape, [chunk]), [rank]
+    chunk = ChunkStorageMetadata(shape.offsets, shape.size)
+    return TensorStorageMetadata(props[which], shape.size, [chunk]), [rank]
 
 
 def _decode_entry(
@@ -350,21 +372,25 @@ def _decode_file(
     if offsets is not None and len(offsets) != count:
         raise ManifestError(f"file {name!r}: item columns of different lengths")
     pos = int(entry.get("start", 0))
+    fqns, writers, sdm = m.fqns, m.writers, m.metadata.state_dict_metadata
+    shared = node == SHARED
     for i in range(count):
-        fqn = m.fqns[ids[i]] if 0 <= ids[i] < len(m.fqns) else None
-        if fqn is None or not 0 <= chunks[i] < len(m.writers[fqn]):
+        chunk = chunks[i]
+        if not 0 <= ids[i] < len(fqns) or not 0 <= chunk < len(writers[fqns[ids[i]]]):
             raise ManifestError(f"file {name!r}: item {i} names no chunk of the index")
-        if m.writers[fqn][chunks[i]] != rank or (len(m.writers[fqn]) == 1) != (node == SHARED):
+        fqn = fqns[ids[i]]
+        who = writers[fqn]
+        if who[chunk] != rank or (len(who) == 1) != shared:
             raise ManifestError(f"file {name!r}: {fqn!r} was not written by rank {rank} here")
-        md = m.metadata.state_dict_metadata[fqn]
+        md = sdm[fqn]
         offset = int(offsets[i]) if offsets is not None else pos
         length, raw = int(lengths[i]), int(raws[i])
         if offset < 0 or length < 0 or offset + length > size or not -1 <= raw < max(length, 1):
             raise ManifestError(f"item {fqn!r} lies outside {name!r} or its raw offset is bad")
         if length > MAX_ITEM_FRAMING_BYTES:  # any shorter one is within any tensor's bound
-            check_item_length(fqn, md, chunks[i], length)
+            check_item_length(fqn, md, chunk, length)
         if isinstance(md, TensorStorageMetadata):
-            index = MetadataIndex(fqn, md.chunks[chunks[i]].offsets, chunks[i])
+            index = MetadataIndex(fqn, md.chunks[chunk].offsets, chunk)
         else:
             index = MetadataIndex(fqn)
         locs[index] = ItemLocation(

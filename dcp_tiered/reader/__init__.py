@@ -214,13 +214,16 @@ class TieredStorageReader(LocalReads, StorageReader):
     @_gc.paused_during  # a few objects per item, none in cycles: see _gc
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         self._locate(plan.items)
-        by_file: dict[str, list[ReadItem]] = {}
-        for item in plan.items:
-            by_file.setdefault(self._locations[item.storage_index].relative_path, []).append(item)
+        locations = self._locations
+        by_file: dict[str, list[tuple[int, int, ReadItem]]] = {}
+        for n, item in enumerate(plan.items):  # n: a stable sort that never compares items
+            loc = locations[item.storage_index]
+            by_file.setdefault(loc.relative_path, []).append((loc.offset, n, item))
         local: list[tuple[str, list[ReadItem]]] = []
         remote: list[tuple[str, list[ReadItem]]] = []
-        for name, items in sorted(by_file.items()):
-            items.sort(key=lambda i: self._locations[i.storage_index].offset)
+        for name, placed in sorted(by_file.items()):
+            placed.sort()
+            items = [item for _, _, item in placed]
             (local if self._valid_locally(name) else remote).append((name, items))
         try:
             self._load_local(local, planner)

@@ -107,7 +107,7 @@ class LocalReads(Delivery, RemoteReads):
                         self._tier.backend.open_read(*self._dir, r.name)
                     )
                 if r.direct:
-                    parts = self._direct_parts(self._locations[r.groups[0][0]], r.target)
+                    parts = self._direct_parts(r.groups[0][1], r.target)
                 else:
                     parts = [self._read_buffer(n % 2, r.end - r.start)]
                 offset, filled = r.start, []
@@ -130,23 +130,23 @@ class LocalReads(Delivery, RemoteReads):
                     self._resolve_direct(reads[n + 1], planner)
                     pending = pool.submit(read, n + 1)
                 if r.direct:
-                    index, group = r.groups[0]
-                    parts = self._verified(r.name, index, parts)
+                    index, loc, group = r.groups[0]
+                    parts = self._verified(r.name, index, parts, loc)
                     if len(parts) == 3:  # still the target's own memory: nothing to copy
                         assert r.target is not None  # direct: _resolve_direct set it
-                        reader_checks.check_storage_tail(
-                            parts[2], r.target.nbytes, self._what(index)
-                        )
+                        if not reader_checks.storage_tail_ok(parts[2], r.target.nbytes):
+                            reader_checks.check_storage_tail(
+                                parts[2], r.target.nbytes, self._what(index)
+                            )
                         planner.commit_tensor(group[0], r.target)
                         continue
                     self._deliver(group[0], parts[0], planner, r.target)
                     continue
                 block = parts[0] if parts else memoryview(b"")
                 base = _address(block) if whole_target is not None else 0
-                for index, group in r.groups:
-                    loc = self._locations[index]
+                for index, loc, group in r.groups:
                     lo = loc.offset - r.start
-                    (data,) = self._verified(r.name, index, [block[lo : lo + loc.length]])
+                    (data,) = self._verified(r.name, index, [block[lo : lo + loc.length]], loc)
                     for item in group:
                         target = None if whole_target is None else whole_target(item)
                         if (
@@ -175,16 +175,17 @@ class LocalReads(Delivery, RemoteReads):
                 f"item's {len(data)} bytes; the manifest does not match the data. Restore the "
                 "step from another tier."
             )
-        reader_checks.check_raw_storage(data, raw, nbytes, self._what(index))
+        if not reader_checks.raw_storage_ok(data, raw, nbytes):  # names it only if not
+            reader_checks.check_raw_storage(data, raw, nbytes, self._what(index))
         if nbytes:
             ctypes.memmove(target.data_ptr(), at + raw, nbytes)
 
     def _verified(
-        self, name: str, index: MetadataIndex, parts: list[memoryview]
+        self, name: str, index: MetadataIndex, parts: list[memoryview], loc: ItemLocation
     ) -> list[memoryview]:
-        """The item's local bytes (``parts``) if they match the manifest; else, with a remote
-        tier, its remote bytes (as one part) if those do; else IntegrityError."""
-        loc = self._locations[index]
+        """The item's local bytes (``parts``) if they match the manifest (its location
+        ``loc``); else, with a remote tier, its remote bytes (as one part) if those do; else
+        IntegrityError."""
         problem = self._problem(loc, parts)
         if problem and self._remote is not None and self._manifest is not None:
             logger.warning(
@@ -210,8 +211,8 @@ class LocalReads(Delivery, RemoteReads):
             for index, group in by_storage_index(items):
                 loc = self._locations[index]
                 start, end = loc.offset, loc.offset + loc.length
-                if self._may_read_in_place(index, group):
-                    reads.append(Read(name, start, end, [(index, group)], in_place=True))
+                if self._may_read_in_place(index, loc, group):
+                    reads.append(Read(name, start, end, [(index, loc, group)], in_place=True))
                     block = None
                 elif (
                     block is not None
@@ -219,15 +220,16 @@ class LocalReads(Delivery, RemoteReads):
                     and end - block.start <= _LOCAL_BLOCK_BYTES
                 ):
                     block.end = end
-                    block.groups.append((index, group))
+                    block.groups.append((index, loc, group))
                 else:
-                    block = Read(name, start, end, [(index, group)])
+                    block = Read(name, start, end, [(index, loc, group)])
                     reads.append(block)
         return reads
 
-    def _may_read_in_place(self, index: MetadataIndex, group: list[ReadItem]) -> bool:
+    def _may_read_in_place(
+        self, index: MetadataIndex, loc: ItemLocation, group: list[ReadItem]
+    ) -> bool:
         """Whether the saved item is a large tensor wanted whole (its target not yet known)."""
-        loc = self._locations[index]
         # the item's bytes hold the tensor's: a shorter item holds no large tensor
         if loc.raw_offset is None or loc.length < _IN_PLACE_MIN_BYTES or len(group) != 1:
             return False
@@ -248,8 +250,7 @@ class LocalReads(Delivery, RemoteReads):
         into that target."""
         if not r.in_place:
             return
-        index, (item,) = r.groups[0]
-        loc = self._locations[index]
+        index, loc, (item,) = r.groups[0]
         chunk = self._chunk(index)
         assert chunk is not None  # in_place: _may_read_in_place found it
         sizes, dtype = chunk
@@ -282,13 +283,13 @@ class LocalReads(Delivery, RemoteReads):
 
 @dataclass
 class Read:
-    """One local read: a byte range of one file and the saved items in it (with the read
-    items each serves)."""
+    """One local read: a byte range of one file and the saved items in it (each with its
+    location and the read items it serves)."""
 
     name: str
     start: int
     end: int
-    groups: list[tuple[MetadataIndex, list[ReadItem]]]
+    groups: list[tuple[MetadataIndex, ItemLocation, list[ReadItem]]]
     in_place: bool = False  # a single large tensor, resolved ahead of its read
     target: torch.Tensor | None = None
     direct: bool = False  # the read goes straight into ``target``

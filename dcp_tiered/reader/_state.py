@@ -76,7 +76,7 @@ class ReaderState:
     @staticmethod
     def _problem(loc: ItemLocation, parts: list[memoryview] | list[bytes]) -> str | None:
         """Why the item's bytes (consecutive ``parts``) do not match the manifest, or None."""
-        got = sum(len(p) for p in parts)
+        got = sum(map(len, parts))
         if got != loc.length:
             return f"expected {loc.length} bytes at offset {loc.offset}, got {got}"
         if loc.checksum:
