@@ -362,3 +362,12 @@ def test_remote_keys_keep_each_save_apart_and_refuse_hostile_markers():
     ):
         with pytest.raises(ValueError):
             keys_of_marker("step-1", bad)
+
+
+def test_planner_data_paths_decode_as_before():
+    """A key's path in the index's planner data: strings and ints as they are (in one step
+    when that is all there is), booleans kept, anything else made a string."""
+    assert manifest._path(["model", "layers", 0, "w"]) == ("model", "layers", 0, "w")
+    assert manifest._path(["a", True, 1.5, None]) == ("a", True, "1.5", "None")
+    assert manifest._path([]) == ()
+    assert manifest._path("ab") == ("a", "b")  # not a list: each element, as it always was
