@@ -130,24 +130,33 @@ class TieredLoadPlanner(DefaultLoadPlanner):
             items.append(ReadItem(LoadItemType.TENSOR, index, offsets, index, offsets, md.size))
             if (
                 obj.dtype == md.properties.dtype  # else copy_ converts, as DCP does
-                and obj.device.type == "cpu"
+                and obj.is_cpu
                 and obj.layout == torch.strided
                 and not obj.is_quantized
                 and not obj.is_conj()  # bits that make its memory differ from its value
                 and not obj.is_neg()
                 and obj.is_contiguous()
             ):
-                raw[fqn] = obj.detach()
+                raw[fqn] = obj  # its memory: detached only for a commit_tensor of a subclass
         return items
 
     def whole_target(self, item: ReadItem) -> torch.Tensor | None:
         """The target of whole read ``item`` when the stored bytes may be copied into its
         memory as they are: a contiguous CPU tensor of the saved dtype and size (the reader
-        still checks the stored bytes against the manifest). None: resolve it as DCP does."""
+        still checks the stored bytes against the manifest), the state's own tensor (a
+        Parameter stays one: copy into its memory, and commit with :meth:`commit_whole`).
+        None: resolve it as DCP does."""
         targets = self._raw_targets
         if targets is None or item.type != LoadItemType.TENSOR:
             return None
         return targets.get(item.dest_index.fqn)
+
+    def commit_whole(self, item: ReadItem, target: torch.Tensor) -> None:
+        """Commits a whole read copied into ``whole_target(item)``: DCP's commit_tensor is
+        a no-op, and is not called 20,000 times; a subclass's own gets the tensor detached,
+        as DCP's reader hands it over."""
+        if type(self).commit_tensor is not DefaultLoadPlanner.commit_tensor:
+            self.commit_tensor(item, target.detach())
 
     def _explained(self) -> DcpTieredError | None:
         for fqn, obj in self.state_dict.items():

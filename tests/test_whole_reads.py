@@ -103,3 +103,29 @@ def test_a_flipped_byte_is_caught_before_it_reaches_the_target(saved, monkeypatc
     target = {k: torch.zeros_like(v) for k, v in _state().items()}
     with pytest.raises(dcp.api.CheckpointException, match="IntegrityError|corrupt"):
         _load(saved, target, TieredLoadPlanner())
+
+
+def test_a_planner_subclass_commits_every_whole_read_detached(saved, monkeypatch):
+    """DCP's commit_tensor is a no-op, and is skipped; a subclass's own still sees every
+    tensor item, after its bytes are in, detached (as DCP's reader hands them over), also
+    when the state holds Parameters that require grad."""
+    copies = _copies(monkeypatch)
+    committed: dict[str, torch.Tensor] = {}
+
+    class Recording(TieredLoadPlanner):
+        def commit_tensor(self, read_item, tensor):
+            committed[read_item.dest_index.fqn] = tensor.clone()
+            assert not tensor.requires_grad
+
+    state = _state()
+    target = {
+        k: torch.nn.Parameter(torch.zeros_like(v)) if v.is_floating_point() else torch.zeros_like(v)
+        for k, v in state.items()
+    }
+    _load(saved, target, Recording())
+    assert copies  # the straight copies ran, and were committed
+    assert set(committed) == set(state)
+    for k, v in state.items():
+        assert torch.equal(committed[k], v), k
+        assert torch.equal(target[k].detach(), v), k
+    assert any(isinstance(t, torch.nn.Parameter) and t.requires_grad for t in target.values())

@@ -67,6 +67,12 @@ def format_checksum(value: int) -> str:
     return f"{value:08x}"
 
 
+def matches(data: bytes | bytearray | memoryview, expected: str) -> bool:
+    """Whether ``data`` has the CRC32C ``expected`` (as :func:`format_checksum` writes it; an
+    empty one: no checksum recorded, nothing to compare). One call per item of a restore."""
+    return not expected or f"{crc32c.crc32c(data):08x}" == expected
+
+
 class ChecksummingWriter:
     """A write-only stream that checksums every byte on its way to ``raw``.
 

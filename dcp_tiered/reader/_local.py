@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 
 from .. import reader_checks
 from ..errors import IntegrityError, MissingShardError
+from ..policy import integrity
 from ..policy.manifest import ItemLocation
 from ._deliver import Delivery
 from ._remote import RemoteReads
@@ -122,6 +123,7 @@ class LocalReads(Delivery, RemoteReads):
             # whole reads into plain CPU targets: stored bytes copied straight in (a planner
             # that does not vouch for its targets gets every item through _deliver)
             whole_target = getattr(planner, "whole_target", None) if not self._descriptors else None
+            commit_whole = getattr(planner, "commit_whole", planner.commit_tensor)
             self._resolve_direct(reads[0], planner)
             pending = pool.submit(read, 0)
             for n, r in enumerate(reads):
@@ -146,7 +148,9 @@ class LocalReads(Delivery, RemoteReads):
                 base = _address(block) if whole_target is not None else 0
                 for index, loc, group in r.groups:
                     lo = loc.offset - r.start
-                    (data,) = self._verified(r.name, index, [block[lo : lo + loc.length]], loc)
+                    data = block[lo : lo + loc.length]
+                    if len(data) != loc.length or not integrity.matches(data, loc.checksum):
+                        (data,) = self._verified(r.name, index, [data], loc)  # remote, or raise
                     for item in group:
                         target = None if whole_target is None else whole_target(item)
                         if (
@@ -155,7 +159,7 @@ class LocalReads(Delivery, RemoteReads):
                             and data.obj is block.obj  # not bytes fetched from the remote
                         ):
                             self._copy_stored(index, loc, data, base + lo, target)
-                            planner.commit_tensor(item, target)
+                            commit_whole(item, target)
                         else:
                             self._deliver(item, data, planner, r.target)
 
