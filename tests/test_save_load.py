@@ -22,6 +22,7 @@ from dcp_tiered import (
     TieredStorageWriter,
     _torch_compat,
 )
+from dcp_tiered.reader import _local
 from tests._manifests import index, items, tamper
 from tests.conftest import visible
 
@@ -269,7 +270,25 @@ def assert_big_state_load_fails_on(root, fqn: str) -> None:
     assert isinstance(failure(e), IntegrityError) and fqn in str(failure(e))
 
 
-def test_large_tensors_are_read_in_place_bit_exact(tmp_path):
+@pytest.fixture(params=["in blocks", "in place"])
+def read_path(request, monkeypatch) -> tuple[str, list[int]]:
+    """How big_state's tensors are read: from blocks of neighbouring items (the default at
+    their size), or each straight into its target (the reader's threshold for that lowered
+    under the largest); with the sizes of the tensors read straight in."""
+    if request.param == "in place":
+        monkeypatch.setattr(_local, "_IN_PLACE_MIN_BYTES", 64 * 2**10)
+    direct: list[int] = []
+    original = _local.LocalReads._direct_parts
+
+    def counted(loc, target):
+        direct.append(target.nbytes)
+        return original(loc, target)
+
+    monkeypatch.setattr(_local.LocalReads, "_direct_parts", staticmethod(counted))
+    return request.param, direct
+
+
+def test_large_tensors_are_read_in_place_bit_exact(tmp_path, read_path):
     src = big_state()
     save(tmp_path, "step-1", src)
     in_place = {i["fqn"] for i in items(tmp_path / "step-1") if i["raw_offset"] is not None}
@@ -279,9 +298,11 @@ def test_large_tensors_are_read_in_place_bit_exact(tmp_path):
         dcp.load(out, storage_reader=reader, no_dist=True)
         for k, v in src.items():
             assert out[k].dtype == v.dtype and torch.equal(out[k], v), k
+    how, direct = read_path
+    assert direct == ([src["f32"].nbytes] if how == "in place" else [])
 
 
-def test_flipped_byte_inside_a_tensor_read_in_place_is_caught(tmp_path):
+def test_flipped_byte_inside_a_tensor_read_in_place_is_caught(tmp_path, read_path):
     save(tmp_path, "step-1", big_state())
     entry = next(i for i in items(tmp_path / "step-1") if i["fqn"] == "f32")
     path = tmp_path / "step-1" / entry["file"]
@@ -291,7 +312,7 @@ def test_flipped_byte_inside_a_tensor_read_in_place_is_caught(tmp_path):
     assert_big_state_load_fails_on(tmp_path, "f32")
 
 
-def test_targets_that_cannot_take_the_bytes_directly_still_load_exactly(tmp_path):
+def test_targets_that_cannot_take_the_bytes_directly_still_load_exactly(tmp_path, read_path):
     src = big_state()
     save(tmp_path, "step-1", src)
     out = {k: torch.zeros_like(v) for k, v in src.items()}
@@ -304,7 +325,7 @@ def test_targets_that_cannot_take_the_bytes_directly_still_load_exactly(tmp_path
     assert torch.equal(out["i64"], src["i64"].double())
 
 
-def test_raw_offset_that_does_not_fit_the_item_is_refused(tmp_path):
+def test_raw_offset_that_does_not_fit_the_item_is_refused(tmp_path, read_path):
     save(tmp_path, "step-1", big_state())
     step = tmp_path / "step-1"
     f32 = index(step)["tensors"].index(next(t for t in index(step)["tensors"] if t[0] == "f32"))
