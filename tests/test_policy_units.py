@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from dcp_tiered import ConfigError, ManifestError
-from dcp_tiered.policy import layout, manifest, manifest_build, step_names
+from dcp_tiered.policy import layout, manifest, manifest_build, manifest_entries, step_names
 
 names = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9_-]{0,20}", fullmatch=True)
 
@@ -181,9 +181,9 @@ def test_whole_tensor_entries_decode_as_the_general_decoder_does():
     body = json.loads(index[: -len(b',"manifest_checksum":"01234567"}')] + b"}")
     props = [manifest.decode_properties(p) for p in body["properties"]]
     for fqn, entry, ranks in body["tensors"]:
-        whole = manifest._whole_tensor(entry, ranks, props, 2)
+        whole = manifest_entries.whole_tensor(entry, ranks, props, 2)
         assert whole is not None, entry
-        assert whole == (manifest._decode_entry(entry, fqn, props, 10), [1])
+        assert whole == (manifest_entries.decode_entry(entry, fqn, props, 10), [1])
     assert _parse(_build(md, locs)).metadata.state_dict_metadata == sdm
     one = {"type": "tensor", "props": 0, "size": [4], "grid": [[[4, 1]]]}
     odd = [
@@ -199,19 +199,19 @@ def test_whole_tensor_entries_decode_as_the_general_decoder_does():
         ({"type": "tensor", "props": 0, "size": [], "chunks": [[0]]}, [[0, 0, 1]]),
     ]
     for entry, ranks in odd:
-        assert manifest._whole_tensor(entry, ranks, props[:1], 2) is None, (entry, ranks)
+        assert manifest_entries.whole_tensor(entry, ranks, props[:1], 2) is None, (entry, ranks)
     # shapes seen before are not made again, and never stand in for a lookalike: a boolean
     # size equals 1 as a key, but is still refused
     shapes: dict = {}
-    a = manifest._whole_tensor(one, [[0, 0, 1]], props[:1], 2, shapes)
-    b = manifest._whole_tensor(dict(one), [[1, 0, 1]], props[:1], 2, shapes)
+    a = manifest_entries.whole_tensor(one, [[0, 0, 1]], props[:1], 2, shapes)
+    b = manifest_entries.whole_tensor(dict(one), [[1, 0, 1]], props[:1], 2, shapes)
     assert a is not None and b is not None and a[1] == [0] and b[1] == [1]
     assert a[0] == b[0] and a[0].chunks[0] is not b[0].chunks[0]  # equal, not one object
     assert list(shapes) == [(4,)]
     unit = {"type": "tensor", "props": 0, "size": [1], "grid": [[[1, 1]]]}
-    assert manifest._whole_tensor(unit, [[0, 0, 1]], props[:1], 2, shapes) is not None
+    assert manifest_entries.whole_tensor(unit, [[0, 0, 1]], props[:1], 2, shapes) is not None
     for lookalike in (dict(unit, size=[True]), dict(unit, size=[1.0])):
-        assert manifest._whole_tensor(lookalike, [[0, 0, 1]], props[:1], 2, shapes) is None
+        assert manifest_entries.whole_tensor(lookalike, [[0, 0, 1]], props[:1], 2, shapes) is None
 
 
 def test_manifest_index_stays_small_as_ranks_grow():
@@ -367,7 +367,10 @@ def test_remote_keys_keep_each_save_apart_and_refuse_hostile_markers():
 def test_planner_data_paths_decode_as_before():
     """A key's path in the index's planner data: strings and ints as they are (in one step
     when that is all there is), booleans kept, anything else made a string."""
-    assert manifest._path(["model", "layers", 0, "w"]) == ("model", "layers", 0, "w")
-    assert manifest._path(["a", True, 1.5, None]) == ("a", True, "1.5", "None")
-    assert manifest._path([]) == ()
-    assert manifest._path("ab") == ("a", "b")  # not a list: each element, as it always was
+    assert manifest_entries.path_of(["model", "layers", 0, "w"]) == ("model", "layers", 0, "w")
+    assert manifest_entries.path_of(["a", True, 1.5, None]) == ("a", True, "1.5", "None")
+    assert manifest_entries.path_of([]) == ()
+    assert manifest_entries.path_of("ab") == (
+        "a",
+        "b",
+    )  # not a list: each element, as it always was

@@ -14,28 +14,26 @@ that hold its items, not every rank's:
 
 Readers build DCP's ``Metadata`` from these and never unpickle ``.metadata``. Version 1 (one
 document with everything) is still read: :mod:`dcp_tiered.policy.manifest_v1`. This module
-parses; :mod:`dcp_tiered.policy.manifest_build` builds.
+parses (one index entry at a time: :mod:`dcp_tiered.policy.manifest_entries`);
+:mod:`dcp_tiered.policy.manifest_build` builds.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
-import torch
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
-    ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
     StorageMeta,
-    TensorProperties,
     TensorStorageMetadata,
 )
 
 from .. import _gc
 from ..errors import ManifestError
-from . import identity, integrity, layout, manifest_codec, manifest_v1, records
+from . import identity, integrity, layout, manifest_codec, manifest_entries, manifest_v1, records
 from .manifest_types import (
     FORMAT,
     MAX_ITEM_FRAMING_BYTES,
@@ -181,15 +179,15 @@ def _decode_index(body: dict[str, Any]) -> Manifest:
     writers: dict[str, list[int]] = {}
     props = [decode_properties(p) for p in body["properties"]]
     budget = _MAX_ITEMS  # chunks of every tensor together: counts are checked against it
-    shapes: dict[tuple[int, ...], _Shape] = {}
+    shapes: dict[tuple[int, ...], manifest_entries.Shape] = {}
     for fqn, entry, ranks in body["tensors"]:
         fqn = str(fqn)
-        whole = _whole_tensor(entry, ranks, props, world_size, shapes)
+        whole = manifest_entries.whole_tensor(entry, ranks, props, world_size, shapes)
         if whole is not None:  # most entries of a state: checked as strictly, in fewer steps
             sdm[fqn], writers[fqn] = whole
             budget -= 1
             continue
-        sdm[fqn] = _decode_entry(entry, fqn, props, budget)
+        sdm[fqn] = manifest_entries.decode_entry(entry, fqn, props, budget)
         count = len(getattr(sdm[fqn], "chunks", [None]))
         budget -= count
         writers[fqn] = manifest_codec.unprogressions(
@@ -202,7 +200,7 @@ def _decode_index(body: dict[str, Any]) -> Manifest:
         sections[int(node)] = SectionRef(int(node), str(name), int(size), str(checksum))
     metadata = Metadata(
         state_dict_metadata=sdm,
-        planner_data={str(k): _path(v) for k, v in body["planner_data"].items()},
+        planner_data={str(k): manifest_entries.path_of(v) for k, v in body["planner_data"].items()},
         storage_data={},
         storage_meta=StorageMeta(
             checkpoint_id=body["storage_meta"]["checkpoint_id"],
@@ -228,98 +226,10 @@ def _decode_index(body: dict[str, Any]) -> Manifest:
     )
 
 
-_PATH_PARTS = frozenset((str, int))
-
-
-def _path(parts: Any) -> tuple[Any, ...]:
-    """A key's path in the state (planner data): its ints as they are, anything else as a
-    string. Most paths are strings and ints already, and come back as they are in one step."""
-    if type(parts) is list and _PATH_PARTS.issuperset(map(type, parts)):
-        return tuple(parts)
-    return tuple(p if isinstance(p, int) else str(p) for p in parts)
-
-
 def _run_id(value: Any) -> str | None:
     if value is None or identity.is_run_id(value):
         return value
     raise ManifestError(f"run_id {value!r} is not a run id")
-
-
-class _Shape(NamedTuple):
-    """What every whole tensor of one shape shares: its grid as the index writes it, and
-    its size and zero offsets as torch.Size (immutable, so shared by every such entry)."""
-
-    grid: list[list[list[int]]] | None
-    size: torch.Size
-    offsets: torch.Size
-
-
-def _whole_tensor(
-    raw: Any,
-    ranks: Any,
-    props: list[TensorProperties],
-    world_size: int,
-    shapes: dict[tuple[int, ...], _Shape] | None = None,
-) -> tuple[TensorStorageMetadata, list[int]] | None:
-    """The entry of a tensor saved whole by one rank (every tensor of a single-rank or
-    replicated state: most entries), decoded; None for anything else, which the general
-    decoder then checks and decodes. Its grid is one run per dimension covering it (a
-    0-d tensor: one chunk of no dimensions), its writers one progression of one rank.
-    ``shapes``: the shapes seen so far in this index (a state has a few hundred shapes for
-    20,000 tensors), whose grids and sizes are not made again."""
-    if type(raw) is not dict or raw.get("type") != "tensor" or type(ranks) is not list:
-        return None
-    size, which = raw.get("size"), raw.get("props")
-    if type(size) is not list or type(which) is not int or not 0 <= which < len(props):
-        return None
-    for n in size:
-        if type(n) is not int or n <= 0:  # ints only: the key below would take True for 1
-            return None
-    key = tuple(size)
-    shape = shapes.get(key) if shapes is not None else None
-    if shape is None:
-        grid = [[[n, 1]] for n in size] if size else None
-        shape = _Shape(grid, torch.Size(size), torch.Size([0] * len(size)))
-        if shapes is not None:
-            shapes[key] = shape
-    grid = raw.get("grid")
-    if grid is not None:
-        if shape.grid is None or grid != shape.grid:
-            return None
-    elif size or raw.get("chunks") != [[]]:
-        return None
-    if len(ranks) != 1 or type(ranks[0]) is not list or len(ranks[0]) != 3:
-        return None
-    rank, step, count = ranks[0]
-    if not (type(rank) is type(step) is type(count) is int):  # not bool: True == 1
-        return None
-    if not 0 <= rank < world_size or step != 0 or count != 1:
-        return None
-    chunk = ChunkStorageMetadata(shape.offsets, shape.size)
-    return TensorStorageMetadata(props[which], shape.size, [chunk]), [rank]
-
-
-def _decode_entry(
-    raw: Any, fqn: str, props: list[TensorProperties], max_chunks: int
-) -> TensorStorageMetadata | BytesStorageMetadata:
-    if not isinstance(raw, dict) or raw.get("type") not in ("tensor", "bytes"):
-        raise ManifestError(f"bad entry for {fqn!r}: {raw!r}")
-    if raw["type"] == "bytes":
-        return BytesStorageMetadata()
-    size = raw.get("size")
-    if not isinstance(size, list) or not all(type(v) is int and v >= 0 for v in size):
-        raise ManifestError(f"{fqn!r}: bad size {size!r}")
-    chunks = manifest_codec.decode_chunks(
-        raw, size, f"chunks of {fqn!r}", max_chunks=max(max_chunks, 0)
-    )
-    which = raw.get("props")
-    if type(which) is not int or not 0 <= which < len(props):
-        raise ManifestError(f"{fqn!r}: bad properties reference {which!r}")
-    return TensorStorageMetadata(
-        properties=props[which],
-        size=torch.Size(size),
-        chunks=[ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in chunks],
-    )
 
 
 @_gc.paused_during
