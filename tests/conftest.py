@@ -35,7 +35,10 @@ class _ForkedTorchrun:
     that imports it again (about 1.5 s of every launch on 2 cores). The agent's arguments,
     environment, working directory and workers are those of the plain command; its output is
     captured, its exit status returned, and a launch past its timeout is killed with its workers
-    (its process group). DCP_TIERED_TEST_PLAIN_TORCHRUN=1 launches plain torchrun processes."""
+    (its process group). The agent forks its workers too, where a fresh interpreter would
+    behave alike (tests/torchrun_server.py says when). DCP_TIERED_TEST_PLAIN_TORCHRUN=1
+    launches plain torchrun processes; DCP_TIERED_TEST_FRESH_WORKERS=1 keeps the forked agent
+    but starts every worker as a fresh interpreter."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()

@@ -338,7 +338,7 @@ def test_an_unchanged_structure_reuses_the_local_plan_and_its_split_into_files(
     state = {"w": torch.ones(4, 3), "opt": {"m": torch.zeros(4, 3), "step": 1}}
 
     def save(step: str, sd: dict) -> None:
-        planner = TieredSavePlanner(enable_plan_caching=True, cache_key=f"test@{id(writer)}")
+        planner = TieredSavePlanner(enable_plan_caching=True, cache_key=f"test@{tmp_path}")
         dcp.save(sd, checkpoint_id=step, storage_writer=writer, planner=planner, no_dist=True)
 
     save("step-1", state)

@@ -93,7 +93,9 @@ class _Saver:
     def save(self, step: str, state: dict) -> list[str]:
         """Saves ``state`` as ``step``; the fqns of the items framed one by one."""
         self.framed.clear()
-        planner = TieredSavePlanner(enable_plan_caching=True, cache_key=f"t@{id(self.writer)}")
+        # keyed by the test's own root: a writer's id may be an earlier test's (DCP's plan
+        # caches live as long as the process), whose plan the writer would then refuse
+        planner = TieredSavePlanner(enable_plan_caching=True, cache_key=f"t@{self.root}")
         dcp.save(
             state, checkpoint_id=step, storage_writer=self.writer, planner=planner, no_dist=True
         )
