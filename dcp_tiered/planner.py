@@ -230,4 +230,5 @@ def planner_for(writer: Any) -> TieredSavePlanner:
     this writer's own. A repeated save of the same structure then skips planning (DCP checks
     every rank's plan for changes and re-plans when one did); the writer commits each save
     as its own step all the same (tests/test_plan_caching.py)."""
-    return TieredSavePlanner(enable_plan_caching=True, cache_key=f"{writer.root}@{id(writer)}")
+    key = getattr(writer, "_plan_key", None) or f"{writer.root}@{id(writer)}"
+    return TieredSavePlanner(enable_plan_caching=True, cache_key=key)

@@ -29,7 +29,8 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
-from dcp_tiered import TieredSavePlanner
+from dcp_tiered import TieredSavePlanner, TieredStorageWriter
+from dcp_tiered.planner import planner_for
 from dcp_tiered.policy.chunk_grid import plan_errors, tiles_as_grid
 
 PROPS = TensorProperties(dtype=torch.float32)
@@ -238,3 +239,16 @@ def test_resolve_data_gives_what_dcps_does_without_its_lookup_for_plain_tensors(
     halving.set_up_planner(state, None, True)
     w = next(i for i in items if i.index.fqn == "w")
     assert torch.equal(halving.resolve_data(w), torch.full((2, 3), 0.5))
+
+
+def test_every_writer_plans_under_a_cache_key_of_its_own(tmp_path):
+    """DCP's plan caches outlive a writer: a new writer whose id is a collected one's must
+    not find that writer's cached plans under its key (they would be replayed to it)."""
+    keys, ids = set(), set()
+    for _ in range(20):
+        with TieredStorageWriter(tmp_path) as writer:
+            keys.add(planner_for(writer)._cached_plans_key)
+            ids.add(id(writer))
+        del writer
+    assert len(keys) == 20
+    assert len(ids) < 20  # ids were reused here: keys made of them would have repeated

@@ -121,6 +121,8 @@ class TieredStorageWriter(StagingRole, TiersRole, StorageWriter):
             timeout_secs=self.config.staging_timeout_secs,
         )
         self._save_ids: dict[str, str] = {}  # step -> id of this writer's last save of it
+        # its plan caches' name (planner_for): its own, where an id may be a dead writer's
+        self._plan_key = f"{self._tiers.root}@{uuid.uuid4().hex}"
         self._kept_metadata = _describe.KeptMetadata()  # the last .metadata, for the next
         self._step: str | None = None
         self._promote = True  # what the save being run asks (SaveRequest.promote)
