@@ -183,7 +183,14 @@ def run_example(
         else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
     )
     cmd = [sys.executable, *launcher, str(REPO / "examples" / script), *args]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    # Fresh interpreters, as a user runs them: their end (module teardown, C++ destructors,
+    # a process group left open) is part of what an example shows works
+    full_env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "DCP_TIERED_TEST_FRESH_WORKERS": "1",
+        **(env or {}),
+    }
     proc = _LAUNCHER.run(cmd, full_env, timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc.stdout

@@ -9,35 +9,44 @@ own. Its workers are forked from the agent too (``_ForkedWorker``): under plain 
 a fresh interpreter, and importing torch and DCP again cost each one about 4 s of CPU, most of a
 multi-rank test on 2 cores (tests/test_multirank_roundtrip.py: 170 s with fresh interpreters,
 78 s forked). A forked worker runs its script as ``python -u script.py`` would: its argv,
-``sys.path[0]`` and environment, only its standard streams open, a session of its own, the
-interpreter's default signal handlers and an unconfigured root logger, its non-daemon threads
-joined and atexit handlers run at its end, a script's exit status. It starts with what the
-launcher imported (torch, DCP), nothing of dcp_tiered. A launch whose environment sets a
-``PYTHON*`` variable otherwise than the server's (a ``sitecustomize`` on PYTHONPATH, say), or
-whose command is not a plain script, starts fresh interpreters, as does every launch with
-DCP_TIERED_TEST_FRESH_WORKERS=1.
+``sys.path[0]``, ``__main__`` and environment, only its standard streams open, a session of its
+own, the interpreter's default signal handlers, torch's thread count from OMP_NUM_THREADS, random
+seeds of its own, no faulthandler, an unconfigured root logger, ``sys.excepthook`` for what it
+does not catch, its non-daemon threads joined and atexit handlers run at its end, a script's
+exit status. It starts with what the launcher imported (torch, DCP), nothing of dcp_tiered. What
+it skips is the interpreter's teardown (modules, C++ destructors): the examples are run fresh
+for that (conftest.run_example). A launch whose environment sets a ``PYTHON*`` variable
+otherwise than the server's (a ``sitecustomize`` on PYTHONPATH, say), whose command is not a
+plain script, or that runs where CUDA is available (it cannot start in a fork), starts fresh
+interpreters, as does every launch with DCP_TIERED_TEST_FRESH_WORKERS=1.
 """
 
 from __future__ import annotations
 
 import atexit
+import builtins
+import faulthandler
+import importlib.machinery
 import io
 import json
 import logging
 import os
-import runpy
 import signal
 import subprocess
 import sys
 import threading
 import time
 import traceback
+import types
+import warnings
 
-import torch.distributed.checkpoint  # noqa: F401 - imported once, for every forked worker
+import torch
+import torch.distributed.checkpoint  # imported once, for every forked worker
 import torch.distributed.run as torchrun
 from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
 
 _SERVER_ENV = dict(os.environ)
+_THREADS = torch.get_num_threads()  # a fresh interpreter's, without OMP_NUM_THREADS
 
 
 def _exit_code(e: SystemExit) -> int:
@@ -55,9 +64,16 @@ class _ForkedWorker:
     def __init__(self, script: str, argv: list[str], env: dict, out, err) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
-        pid = os.fork()
+        ready, started = os.pipe()  # closed by the worker once it is set up, as exec would
+        with warnings.catch_warnings():  # 3.12: fork() of a process with threads (ours: none)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
         if pid == 0:
+            os.close(ready)
             os._exit(_run_worker(script, argv, env, out, err))
+        os.close(started)
+        os.read(ready, 1)  # until the worker has its own session and signal handlers
+        os.close(ready)
         self.pid = pid
         self.returncode: int | None = None
         self.args = [sys.executable, "-u", script, *argv]
@@ -94,29 +110,35 @@ def _run_worker(script: str, argv: list[str], env: dict, out, err) -> int:
     code = 1
     try:
         os.setsid()  # as torchrun's start_new_session
-        for f, fd in ((out, 1), (err, 2)):
-            if f is not None:
-                os.dup2(f.fileno(), fd)
-        # Nothing of the agent's stays open (its store's sockets, say), as with close_fds
-        os.closerange(3, os.sysconf("SC_OPEN_MAX"))
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, signal.SIG_DFL)  # the agent's handlers are not the worker's
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+        for f, fd in ((out, 1), (err, 2)):
+            if f is not None:
+                os.dup2(f.fileno(), fd)
+        # Nothing of the agent's stays open (its store's sockets, say), as with close_fds; this
+        # closes the pipe the agent waits on, too
+        os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+        errors = sys.__stdout__.errors if sys.__stdout__ is not None else "strict"
+        sys.stdout = io.TextIOWrapper(
+            io.FileIO(1, "w", closefd=False), write_through=True, errors=errors
+        )
         sys.stderr = io.TextIOWrapper(
             io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace"
         )
         os.environ.clear()
         os.environ.update(env)
+        _fresh_process_state(env)
         sys.argv = [script, *argv]
-        logging.root.handlers.clear()  # a fresh interpreter's root logger: no handlers
-        logging.root.setLevel(logging.WARNING)
         sys.path[0] = os.path.dirname(os.path.abspath(script))
         try:
-            runpy.run_path(script, run_name="__main__")
+            _run_main(script)
             code = 0
         except SystemExit as e:
             code = _exit_code(e)
+        except KeyboardInterrupt:  # the interpreter ends by the signal itself (below)
+            _uncaught(os.path.abspath(script))
+            code = -signal.SIGINT
         except BaseException:  # noqa: BLE001 - uncaught: sys.excepthook, status 1
             _uncaught(os.path.abspath(script))
             code = 1
@@ -130,8 +152,44 @@ def _run_worker(script: str, argv: list[str], env: dict, out, err) -> int:
             sys.stdout.flush()
             sys.stderr.flush()
         finally:
+            if code == -signal.SIGINT:
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGINT)
             os._exit(code)
     return code
+
+
+def _fresh_process_state(env: dict) -> None:
+    """What a fresh interpreter has and the fork inherited otherwise: torch's thread count
+    from OMP_NUM_THREADS (torch fixed it when the server imported it), random generator seeds
+    of its own, no faulthandler (torchrun's agent enables it), an unconfigured root logger."""
+    threads = env.get("OMP_NUM_THREADS", "")
+    torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else _THREADS)
+    torch.seed()
+    if "numpy.random" in sys.modules:
+        sys.modules["numpy.random"].seed()
+    if not env.get("PYTHONFAULTHANDLER"):
+        faulthandler.disable()
+    logging.root.handlers.clear()
+    logging.root.setLevel(logging.WARNING)
+
+
+def _run_main(script: str) -> None:
+    """The script as ``__main__``, as the interpreter runs it: the module stays
+    ``sys.modules["__main__"]`` to the end (atexit handlers and threads see it there)."""
+    main = types.ModuleType("__main__")
+    main.__dict__.update(
+        __file__=script,
+        __cached__=None,
+        __loader__=importlib.machinery.SourceFileLoader("__main__", script),
+        __package__=None,
+        __spec__=None,
+        __builtins__=builtins,
+    )
+    sys.modules["__main__"] = main
+    with io.open_code(script) as f:
+        code = compile(f.read(), script, "exec")
+    exec(code, main.__dict__)  # noqa: S102 - the worker script the test launches
 
 
 def _uncaught(script: str) -> None:
@@ -149,6 +207,8 @@ def _uncaught(script: str) -> None:
 def _forks(args: tuple, env: dict) -> bool:
     """Whether a worker command can be forked (see the module's docstring)."""
     if os.environ.get("DCP_TIERED_TEST_FRESH_WORKERS") == "1":
+        return False
+    if torch.cuda.is_available():  # torchrun's agent asked: CUDA cannot start in a fork
         return False
     plain = len(args) >= 3 and args[0] == sys.executable and args[1] == "-u"
     if not plain or not str(args[2]).endswith(".py"):
