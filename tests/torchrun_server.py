@@ -39,6 +39,7 @@ import time
 import traceback
 import types
 import warnings
+from typing import NoReturn
 
 import torch
 import torch.distributed.checkpoint  # imported once, for every forked worker
@@ -70,7 +71,7 @@ class _ForkedWorker:
             pid = os.fork()
         if pid == 0:
             os.close(ready)
-            os._exit(_run_worker(script, argv, env, out, err))
+            _run_worker(script, argv, env, out, err)
         os.close(started)
         os.read(ready, 1)  # until the worker has its own session and signal handlers
         os.close(ready)
@@ -105,8 +106,8 @@ class _ForkedWorker:
         self.send_signal(signal.SIGKILL)
 
 
-def _run_worker(script: str, argv: list[str], env: dict, out, err) -> int:
-    """In the forked worker: ``python -u script argv...`` from here on; its exit status."""
+def _run_worker(script: str, argv: list[str], env: dict, out, err) -> NoReturn:
+    """In the forked worker: ``python -u script argv...`` from here on, then its exit."""
     code = 1
     try:
         os.setsid()  # as torchrun's start_new_session
@@ -136,12 +137,10 @@ def _run_worker(script: str, argv: list[str], env: dict, out, err) -> int:
             code = 0
         except SystemExit as e:
             code = _exit_code(e)
-        except KeyboardInterrupt:  # the interpreter ends by the signal itself (below)
+        except BaseException as e:  # noqa: BLE001 - uncaught: sys.excepthook, status 1
             _uncaught(os.path.abspath(script))
-            code = -signal.SIGINT
-        except BaseException:  # noqa: BLE001 - uncaught: sys.excepthook, status 1
-            _uncaught(os.path.abspath(script))
-            code = 1
+            # an interrupt: the interpreter ends by the signal itself (below)
+            code = -signal.SIGINT if isinstance(e, KeyboardInterrupt) else 1
         # the interpreter's own end: non-daemon threads joined, then the atexit handlers
         threading._shutdown()  # type: ignore[attr-defined]
         atexit._run_exitfuncs()
@@ -156,7 +155,6 @@ def _run_worker(script: str, argv: list[str], env: dict, out, err) -> int:
                 signal.signal(signal.SIGINT, signal.SIG_DFL)
                 os.kill(os.getpid(), signal.SIGINT)
             os._exit(code)
-    return code
 
 
 def _fresh_process_state(env: dict) -> None:
