@@ -151,6 +151,12 @@ class TieredLoadPlanner(DefaultLoadPlanner):
             return None
         return targets.get(item.dest_index.fqn)
 
+    def whole_targets(self) -> dict[str, torch.Tensor] | None:
+        """Every whole read's target that :meth:`whole_target` would give, by fqn (the
+        state's own tensors: the reader copies into them and commits each as
+        :meth:`commit_whole` says)."""
+        return self._raw_targets
+
     def commit_whole(self, item: ReadItem, target: torch.Tensor) -> None:
         """Commits a whole read copied into ``whole_target(item)``: DCP's commit_tensor is
         a no-op, and is not called 20,000 times; a subclass's own gets the tensor detached,

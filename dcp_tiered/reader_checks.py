@@ -53,6 +53,23 @@ def storage_tail_ok(tail: bytes | memoryview, nbytes: int) -> bool:
     return len(head) >= 24 and struct.unpack_from("<QQ", head, 8) == (nbytes, nbytes)
 
 
+_TAIL32 = struct.Struct("<4s4xII")
+_TAIL64 = struct.Struct("<4s4xQQ")
+
+
+def storage_tail_at(buf: memoryview, pos: int, end: int, nbytes: int) -> bool:
+    """:func:`storage_tail_ok` for the bytes of ``buf`` from ``pos`` to ``end``, read where
+    they lie (a restore's block: no slice, no copy per item)."""
+    if end - pos < 16:
+        return False
+    signature, size, stored = _TAIL32.unpack_from(buf, pos)
+    if signature != _DESCRIPTOR:
+        return False
+    if size == stored == nbytes:
+        return True
+    return end - pos >= 24 and _TAIL64.unpack_from(buf, pos)[1:] == (nbytes, nbytes)
+
+
 def check_storage_tail(tail: bytes | memoryview, nbytes: int, what: str) -> None:
     """``tail``: the item's bytes right after its raw storage (at least the 24 that follow)."""
     if storage_tail_ok(tail, nbytes):

@@ -39,14 +39,15 @@ def saved(tmp_path):
 
 
 def _copies(monkeypatch) -> list[int]:
+    """The sizes of the straight copies of stored bytes into targets, as they happen."""
     calls: list[int] = []
-    original = _local.LocalReads._copy_stored
+    original = _local._straight_copy
 
-    def counted(self, index, loc, data, at, target):
-        calls.append(target.nbytes)
-        return original(self, index, loc, data, at, target)
+    def counted(dst, src, nbytes):
+        calls.append(nbytes)
+        return original(dst, src, nbytes)
 
-    monkeypatch.setattr(_local.LocalReads, "_copy_stored", counted)
+    monkeypatch.setattr(_local, "_straight_copy", counted)
     return calls
 
 
@@ -129,3 +130,62 @@ def test_a_planner_subclass_commits_every_whole_read_detached(saved, monkeypatch
         assert torch.equal(committed[k], v), k
         assert torch.equal(target[k].detach(), v), k
     assert any(isinstance(t, torch.nn.Parameter) and t.requires_grad for t in target.values())
+
+
+def test_reads_ahead_are_asked_of_the_kernel_once_each_and_within_the_window(saved, monkeypatch):
+    from dcp_tiered.backends._local_reads import LocalReads
+
+    events: list[tuple[str, int, int, int]] = []  # what, file descriptor, offset, length
+    read_range_into, read_soon = LocalReads.read_range_into, LocalReads.read_soon
+
+    def reading(f, offset, buffer):
+        events.append(("read", f.fileno(), offset, len(buffer)))
+        return read_range_into(f, offset, buffer)
+
+    def advised(f, offset, length):
+        events.append(("soon", f.fileno(), offset, length))
+        read_soon(f, offset, length)
+
+    monkeypatch.setattr(LocalReads, "read_range_into", staticmethod(reading))
+    monkeypatch.setattr(LocalReads, "read_soon", staticmethod(advised))
+    monkeypatch.setattr(_local, "_LOCAL_BLOCK_BYTES", 2048)  # many reads of each file
+    monkeypatch.setattr(_local, "_READ_AHEAD_BYTES", 6000)
+    target = {k: torch.zeros_like(v) for k, v in _state().items()}
+    _load(saved, target, TieredLoadPlanner())
+    assert all(torch.equal(target[k], v) for k, v in _state().items())
+
+    reads = [e[1:] for e in events if e[0] == "read"]
+    soon = [e[1:] for e in events if e[0] == "soon"]
+    assert len(reads) > 5 and sorted(soon) == sorted(set(soon)) == sorted(reads)
+    for at, (kind, *where) in enumerate(events):
+        if kind == "read":  # asked for before it is read; never more than the window ahead
+            before = events[:at]
+            assert ("soon", *where) in before
+            done = {e[1:] for e in before if e[0] == "read"} | {tuple(where)}
+            ahead = [e[3] for e in before if e[0] == "soon" and e[1:] not in done]
+            assert sum(ahead) <= 6000
+
+
+def test_a_storage_record_tail_is_read_in_place_as_it_is_checked_from_a_copy():
+    from dcp_tiered import reader_checks
+
+    def tail(sig: bytes, a: int, b: int, wide: bool) -> bytes:
+        size = (
+            (a.to_bytes(8, "little") + b.to_bytes(8, "little"))
+            if wide
+            else (a.to_bytes(4, "little") + b.to_bytes(4, "little"))
+        )
+        return sig + b"\0" * 4 + size
+
+    cases = []
+    for sig in (b"PK\x07\x08", b"PK\x07\x09"):
+        for wide in (False, True):
+            for a, b in ((96, 96), (96, 95), (95, 96)):
+                for pad in (b"", b"x" * 8, b"PK\x03\x04" + b"\0" * 30):
+                    cases.append(tail(sig, a, b, wide) + pad)
+    cases += [b"", b"PK\x07\x08", tail(b"PK\x07\x08", 96, 96, False)[:15]]
+    for case in cases:
+        buf = memoryview(b"\xaa" * 5 + case + b"\xbb" * 3)
+        for end in (5 + len(case), len(buf)):
+            expected = reader_checks.storage_tail_ok(buf[5:end], 96)
+            assert reader_checks.storage_tail_at(buf, 5, end, 96) == expected, (case, end)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import logging
 import math
 import os
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
@@ -37,6 +39,12 @@ logger = logging.getLogger("dcp_tiered.reader")  # the reader's one logger, whic
 _LOCAL_BLOCK_BYTES = 8 * 2**20
 _LOCAL_GAP_BYTES = 64 * 2**10  # read across a gap this small rather than issue another read
 _IN_PLACE_MIN_BYTES = 4 * 2**20
+_READ_AHEAD_BYTES = 64 * 2**20
+
+
+def _straight_copy(dst: int, src: int, nbytes: int) -> None:
+    """Stored tensor bytes, verified, into a target's memory: a whole read's one copy."""
+    ctypes.memmove(dst, src, nbytes)
 
 
 def _address(block: memoryview) -> int:
@@ -99,25 +107,40 @@ class LocalReads(Delivery, RemoteReads):
         if not reads:
             return
         opened: dict[str, Any] = {}
+        backend = self._tier.backend
         # The pool is left first, so a read still in flight finishes before any file closes.
         with (
             contextlib.ExitStack() as open_files,
             ThreadPoolExecutor(1, thread_name_prefix="dcp-tiered-read") as pool,
         ):
 
+            def opened_file(name: str) -> Any:
+                if name not in opened:
+                    opened[name] = open_files.enter_context(backend.open_read(*self._dir, name))
+                return opened[name]
+
+            # reads up to _READ_AHEAD_BYTES beyond this one are asked of the kernel now, so
+            # the disk streams while blocks are checked and delivered (one block ahead only:
+            # a cold restore of 20,000 tensors waited on the disk for 0.2 s more than a cold
+            # read of its files)
+            sizes = list(itertools.accumulate(r.end - r.start for r in reads))
+            advised = 0  # reads[:advised] asked for
+
             def read(n: int) -> list[memoryview]:  # runs on the helper thread only
+                nonlocal advised
                 r = reads[n]
-                if r.name not in opened:
-                    opened[r.name] = open_files.enter_context(
-                        self._tier.backend.open_read(*self._dir, r.name)
-                    )
+                advised = max(advised, n)
+                while advised < len(reads) and sizes[advised] - sizes[n] <= _READ_AHEAD_BYTES:
+                    ahead = reads[advised]
+                    backend.read_soon(opened_file(ahead.name), ahead.start, ahead.end - ahead.start)
+                    advised += 1
                 if r.direct:
                     parts = self._direct_parts(r.groups[0][1], r.target)
                 else:
                     parts = [self._read_buffer(n % 2, r.end - r.start)]
                 offset, filled = r.start, []
                 for part in parts:
-                    got = self._tier.backend.read_range_into(opened[r.name], offset, part)
+                    got = backend.read_range_into(opened_file(r.name), offset, part)
                     filled.append(got)
                     offset += len(got)
                     if len(got) < len(part):
@@ -126,8 +149,7 @@ class LocalReads(Delivery, RemoteReads):
 
             # whole reads into plain CPU targets: stored bytes copied straight in (a planner
             # that does not vouch for its targets gets every item through _deliver)
-            whole_target = getattr(planner, "whole_target", None) if not self._descriptors else None
-            commit_whole = getattr(planner, "commit_whole", planner.commit_tensor)
+            whole = None if self._descriptors else _WholeReads.of(planner)
             self._resolve_direct(reads[0], planner)
             pending = pool.submit(read, 0)
             for n, r in enumerate(reads):
@@ -148,24 +170,40 @@ class LocalReads(Delivery, RemoteReads):
                         continue
                     self._deliver(group[0], parts[0], planner, r.target)
                     continue
-                block = parts[0] if parts else memoryview(b"")
-                base = _address(block) if whole_target is not None else 0
-                for index, loc, group in r.groups:
-                    lo = loc.offset - r.start
-                    data = block[lo : lo + loc.length]
-                    if len(data) != loc.length or not integrity.matches(data, loc.checksum):
-                        (data,) = self._verified(r.name, index, [data], loc)  # remote, or raise
-                    for item in group:
-                        target = None if whole_target is None else whole_target(item)
-                        if (
-                            target is not None
-                            and loc.raw_offset is not None  # None: an empty tensor
-                            and data.obj is block.obj  # not bytes fetched from the remote
-                        ):
-                            self._copy_stored(index, loc, data, base + lo, target)
-                            commit_whole(item, target)
-                        else:
-                            self._deliver(item, data, planner, r.target)
+                self._deliver_block(r, parts[0] if parts else memoryview(b""), planner, whole)
+
+    def _deliver_block(
+        self, r: Read, block: memoryview, planner: LoadPlanner, whole: _WholeReads | None
+    ) -> None:
+        """Checks and delivers the items of block read ``r``. The loop of a restore of
+        20,000 small tensors: a whole read into a target the planner vouches for costs a
+        checksum, a look at the archive's storage record and one memmove, every name bound
+        once (see ``_copy_stored`` for what is checked); anything else goes through
+        ``_deliver``."""
+        targets = whole.targets if whole is not None else {}
+        base = _address(block) if targets else 0
+        crc, tail_at, copy = integrity.checksum, reader_checks.storage_tail_at, _straight_copy
+        tensor_type, start = LoadItemType.TENSOR, r.start
+        for index, loc, group in r.groups:
+            lo, length, expected = loc.offset - start, loc.length, loc.checksum
+            data = block[lo : lo + length]
+            if len(data) != length or (expected and f"{crc(data):08x}" != expected):
+                (data,) = self._verified(r.name, index, [data], loc)  # remote, or raise
+            raw = loc.raw_offset  # None: an empty tensor
+            for item in group:
+                target = targets.get(index.fqn) if item.type is tensor_type else None
+                if target is None or raw is None or data.obj is not block.obj:  # remote bytes
+                    self._deliver(item, data, planner, r.target)
+                    continue
+                nbytes = target.nbytes
+                if raw + nbytes > length or not tail_at(
+                    block, lo + raw + nbytes, lo + length, nbytes
+                ):
+                    self._copy_stored(index, loc, data, base + lo, target)  # names what is wrong
+                elif nbytes:
+                    copy(target.data_ptr(), base + lo + raw, nbytes)
+                if whole is not None and whole.commits:
+                    planner.commit_tensor(item, target.detach())
 
     def _copy_stored(
         self, index: MetadataIndex, loc: ItemLocation, data: memoryview, at: int, target: Any
@@ -186,7 +224,7 @@ class LocalReads(Delivery, RemoteReads):
         if not reader_checks.raw_storage_ok(data, raw, nbytes):  # names it only if not
             reader_checks.check_raw_storage(data, raw, nbytes, self._what(index))
         if nbytes:
-            ctypes.memmove(target.data_ptr(), at + raw, nbytes)
+            _straight_copy(target.data_ptr(), at + raw, nbytes)
 
     def _verified(
         self, name: str, index: MetadataIndex, parts: list[memoryview], loc: ItemLocation
@@ -287,6 +325,24 @@ class LocalReads(Delivery, RemoteReads):
         if len(self._read_buffers[which]) < length:
             self._read_buffers[which] = bytearray(length)
         return memoryview(self._read_buffers[which])[:length]
+
+
+@dataclass
+class _WholeReads:
+    """What a planner vouches for its whole reads (TieredLoadPlanner.whole_targets): each
+    fqn's target that stored bytes may be copied into as they are, and whether its own
+    commit_tensor must see each one (DCP's is a no-op)."""
+
+    targets: dict[str, torch.Tensor]
+    commits: bool
+
+    @classmethod
+    def of(cls, planner: LoadPlanner) -> _WholeReads | None:
+        found = getattr(planner, "whole_targets", None)
+        targets = found() if found is not None else None
+        if not targets:
+            return None
+        return cls(targets, type(planner).commit_tensor is not DefaultLoadPlanner.commit_tensor)
 
 
 @dataclass
