@@ -196,6 +196,83 @@ def test_an_item_length_of_8_gib_over_a_sparse_file_is_refused_before_allocating
     assert got["raised"] == "ManifestError" and "bytes long" in got["message"], got
 
 
+def _first_file(edit):
+    """An edit of the item columns of the shared section's file with the most items."""
+
+    def run(section: dict) -> None:
+        edit(max(section["files"], key=lambda f: len(f["ids"])))
+
+    return run
+
+
+def _set(column: str, at: int, value):
+    def edit(entry: dict) -> None:
+        if column == "offsets" and "offsets" not in entry:
+            start, offsets = entry.pop("start", 0), []
+            for length in entry["lengths"]:
+                offsets.append(start)
+                start += length
+            entry["offsets"] = offsets
+        entry[column][at] = value
+
+    return edit
+
+
+def _overflowing(entry: dict) -> None:  # each under 2**63, their sum past it
+    entry["offsets"] = [2**62 + 2**61] * len(entry["ids"])
+    entry["lengths"] = [2**62] * len(entry["ids"])
+    entry.pop("start", None)
+
+
+# each item column of a section, edited (and resealed) the way a bad disk or an attacker would
+COLUMNS = {
+    "tensor id past the index": (_set("ids", -1, 10**6), "names no chunk"),
+    "negative tensor id": (_set("ids", 0, -1), "names no chunk"),
+    "chunk past the tensor's": (_set("chunks", 0, 1), "names no chunk"),
+    "negative chunk": (_set("chunks", 0, -1), "names no chunk"),
+    "fractional id": (_set("ids", 0, 0.5), "other than integers"),
+    "length as a string": (_set("lengths", 0, "12"), "other than integers"),
+    "id past 64 bits": (_set("ids", 0, 2**70), "other than integers"),
+    "negative length": (_set("lengths", 0, -5), "lies outside"),
+    "offset past the file": (_set("offsets", 0, 10**9), "lies outside"),
+    "offsets and lengths past 64 bits together": (_overflowing, "lies outside"),
+    "raw offset past its item": (_set("raw", 0, 10**6), "raw offset is bad"),
+    "raw offset below -1": (_set("raw", 0, -2), "raw offset is bad"),
+    "a column longer than the others": (lambda e: e["chunks"].append(0), "different lengths"),
+    "checksums too short": (lambda e: e.update(crcs=e["crcs"][:-1]), "different lengths"),
+    "ids not a list": (lambda e: e.update(ids=7), "not a list"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(COLUMNS))
+def test_a_section_whose_item_columns_lie_is_refused_and_harms_no_other_step(tmp_path, case):
+    edit, says = COLUMNS[case]
+    _save(tmp_path, "run-1", "run-2")
+    _manifests.tamper(tmp_path / "run-2", edit_section=_first_file(edit))
+    with pytest.raises(CheckpointException) as caught:
+        _load(tmp_path, "run-2")
+    cause = _cause(caught.value)
+    assert isinstance(cause, ManifestError) and says in str(cause), cause
+    assert "run-2" in str(cause) and "another tier" in str(cause)
+    assert torch.equal(_load(tmp_path, "run-1")["big"], BIG)
+
+
+def test_a_tensor_the_index_lists_but_no_section_locates_is_a_manifest_error(tmp_path):
+    _save(tmp_path, "run-1", "run-2")
+
+    def drop_last_item(entry: dict) -> None:  # the rest keep their offsets
+        for column in ("ids", "chunks", "lengths", "raw") + (("offsets",) * ("offsets" in entry)):
+            entry[column].pop()
+        entry["crcs"] = entry["crcs"][:-8]
+
+    _manifests.tamper(tmp_path / "run-2", edit_section=_first_file(drop_last_item))
+    with pytest.raises(CheckpointException) as caught:
+        _load(tmp_path, "run-2")
+    cause = _cause(caught.value)
+    assert isinstance(cause, ManifestError) and "located by no section" in str(cause), cause
+    assert torch.equal(_load(tmp_path, "run-1")["big"], BIG)
+
+
 # ---------------------------------------------------------------- dtype and shape lies
 
 

@@ -26,24 +26,31 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
-    MetadataIndex,
     StorageMeta,
     TensorStorageMetadata,
 )
 
 from .. import _gc
 from ..errors import ManifestError
-from . import identity, integrity, layout, manifest_codec, manifest_entries, manifest_v1, records
+from . import (
+    identity,
+    layout,
+    manifest_codec,
+    manifest_columns,
+    manifest_entries,
+    manifest_v1,
+    records,
+)
 from .manifest_types import (
     FORMAT,
-    MAX_ITEM_FRAMING_BYTES,
+    REPAIR_HINT,
     SECTION_FORMAT,
     SHARED,
     VERSION,
     ItemLocation,
     Manifest,
+    SectionLocations,
     SectionRef,
-    check_item_length,
     chunk_ordinal,
     decode_properties,
 )
@@ -56,7 +63,7 @@ _MAX_RANKS = 1 << 24
 # Chunks of all tensors of one step: 14.4 M at 16,384 ranks of FSDP2 (docs/scale.md). Counts in
 # a manifest are checked against this (and the tensor's own bounds) before they are expanded.
 _MAX_ITEMS = 1 << 26
-_HINT = "restore the step from another tier or an earlier step; do not edit manifests by hand"
+_HINT = REPAIR_HINT
 
 
 @dataclass(frozen=True)
@@ -236,92 +243,8 @@ def _run_id(value: Any) -> str | None:
 def parse_section(m: Manifest, node: int, data: bytes, *, where: str) -> Manifest:
     """``m`` with node ``node``'s section merged in, after checking it is the one the index
     names (size and CRC32C) and that every item in it is where the index says."""
-    ref = m.sections.get(node)
-    if ref is None:
-        raise ManifestError(f"{where}: the manifest of {m.step} has no section for node {node}")
-    crc = integrity.format_checksum(integrity.checksum(data))
-    if len(data) != ref.size or crc != ref.checksum:
-        raise ManifestError(
-            f"{where}: section of node {node} does not match the index ({len(data)} bytes, "
-            f"{integrity.ALGORITHM} {crc}; index says {ref.size} bytes, {ref.checksum}); {_HINT}"
-        )
-    body = _load(data, where)
-    try:
-        if (
-            body.get("format") != SECTION_FORMAT
-            or body.get("version") != VERSION
-            or (body.get("step"), body.get("save_id"), body.get("node"))
-            != (m.step, m.save_id, node)
-        ):
-            raise ManifestError("not this step's section of this node")
-        files: dict[str, dict[str, Any]] = {}
-        locs: dict[MetadataIndex, ItemLocation] = {}
-        for entry in body["files"]:
-            _decode_file(m, node, entry, files, locs)
-    except ManifestError as e:
-        raise ManifestError(f"{where}: {e}; {_HINT}") from e
-    except (KeyError, TypeError, ValueError, IndexError, OverflowError, AttributeError) as e:
-        raise ManifestError(f"{where}: malformed manifest section ({e!r}); {_HINT}") from e
-    return m.with_locations(node, files, locs)
-
-
-def _decode_file(
-    m: Manifest,
-    node: int,
-    entry: dict[str, Any],
-    files: dict[str, dict[str, Any]],
-    locs: dict[MetadataIndex, ItemLocation],
-) -> None:
-    name, size, rank = str(entry["name"]), int(entry["size"]), int(entry["rank"])
-    if "/" in name or name.startswith(".") or name in files:
-        raise ManifestError(f"unsafe or repeated file name {name!r}")
-    if not (0 <= rank < m.world_size if node == SHARED else rank in m.nodes[node]) or size < 0:
-        raise ManifestError(f"file {name!r} of rank {rank} (size {size}) is not node {node}'s")
-    checksum = str(entry["checksum"])
-    if name in m.files and (m.files[name]["size"], m.files[name]["checksum"]) != (size, checksum):
-        raise ManifestError(f"file {name!r} has another size or checksum in another section")
-    files[name] = {"size": size, "checksum": checksum, "rank": rank}
-    ids, chunks, lengths, raws = entry["ids"], entry["chunks"], entry["lengths"], entry["raw"]
-    crcs = str(entry["crcs"])
-    count = len(ids)
-    offsets = entry.get("offsets")
-    if not len(chunks) == len(lengths) == len(raws) == count or len(crcs) != 8 * count:
-        raise ManifestError(f"file {name!r}: item columns of different lengths")
-    if offsets is not None and len(offsets) != count:
-        raise ManifestError(f"file {name!r}: item columns of different lengths")
-    pos = int(entry.get("start", 0))
-    fqns, writers, sdm = m.fqns, m.writers, m.metadata.state_dict_metadata
-    shared = node == SHARED
-    for i in range(count):
-        chunk = chunks[i]
-        if not 0 <= ids[i] < len(fqns) or not 0 <= chunk < len(writers[fqns[ids[i]]]):
-            raise ManifestError(f"file {name!r}: item {i} names no chunk of the index")
-        fqn = fqns[ids[i]]
-        who = writers[fqn]
-        if who[chunk] != rank or (len(who) == 1) != shared:
-            raise ManifestError(f"file {name!r}: {fqn!r} was not written by rank {rank} here")
-        md = sdm[fqn]
-        offset = int(offsets[i]) if offsets is not None else pos
-        length, raw = int(lengths[i]), int(raws[i])
-        if offset < 0 or length < 0 or offset + length > size or not -1 <= raw < max(length, 1):
-            raise ManifestError(f"item {fqn!r} lies outside {name!r} or its raw offset is bad")
-        if length > MAX_ITEM_FRAMING_BYTES:  # any shorter one is within any tensor's bound
-            check_item_length(fqn, md, chunk, length)
-        if isinstance(md, TensorStorageMetadata):
-            index = MetadataIndex(fqn, md.chunks[chunk].offsets, chunk)
-        else:
-            index = MetadataIndex(fqn)
-        locs[index] = ItemLocation(  # positional: a fifth less per item than by name
-            name,
-            offset,
-            length,
-            crcs[8 * i : 8 * i + 8],
-            rank,
-            size,
-            checksum,
-            None if raw < 0 else raw,
-        )
-        pos = offset + length
+    files, columns = manifest_columns.section_columns(m, node, data, where=where)
+    return m.with_locations(node, files, SectionLocations(m, columns))
 
 
 def needed_sections(m: Manifest, indices: Any) -> list[int]:

@@ -30,7 +30,7 @@ from ..backends.local import LocalBackend
 from ..backends.remote import remote_backend
 from ..config import RemoteConfig
 from ..errors import CheckpointNotFoundError, DcpTieredError, ManifestError
-from ..policy import layout, manifest
+from ..policy import layout, manifest, manifest_types
 from ..policy.manifest import ItemLocation
 from ..tiers import catalog
 from ..tiers.local import LocalTier
@@ -85,6 +85,7 @@ class TieredStorageReader(LocalReads, StorageReader):
         self._manifest: manifest.Manifest | None = None
         self._index_is_local = False  # read sections from the local directory when they are there
         self._locations: dict[Any, ItemLocation] = {}
+        self._own_keys: dict[Any, Any] = {}  # one key object per located item: _canonical
         # Stored chunk shape and dtype of each tensor item, for in-place views of raw bytes.
         self._chunks: dict[MetadataIndex, tuple[torch.Size, torch.dtype]] = {}
         # Two buffers reused for every local item (one being read, one being delivered).
@@ -140,6 +141,7 @@ class TieredStorageReader(LocalReads, StorageReader):
         self._manifest = self._load_manifest(self._step)
         self._descriptors = {}
         self._locations = dict(self._manifest.metadata.storage_data)
+        self._own_keys = {k: k for k in self._locations}
         self._chunks = {}
         return self._manifest.metadata
 
@@ -172,8 +174,25 @@ class TieredStorageReader(LocalReads, StorageReader):
         for node in manifest.needed_sections(m, indices):
             m = self._merge_section(m, node)
         self._manifest = m
-        self._locations.update(m.locations)
-        _canonical(items, self._locations)
+        # the locations of these items only (a section's are made when looked up), each
+        # kept under the first read item's own key object, which equal ones then share
+        # (see _canonical)
+        found, own, merged = self._locations, self._own_keys, m.locations
+        for item in items:
+            key = item.storage_index
+            mine = own.get(key)
+            if mine is None:
+                try:
+                    found[key] = merged[key]
+                except KeyError:
+                    raise ManifestError(
+                        f"item {key.fqn!r} (chunk at {list(key.offset or ())}) of step {m.step!r} "
+                        f"is located by no section of its manifest in {self.root}; "
+                        f"{manifest_types.REPAIR_HINT}"
+                    ) from None
+                own[key] = key
+            elif mine is not key:
+                object.__setattr__(item, "storage_index", mine)  # a frozen dataclass
 
     def _merge_section(self, m: manifest.Manifest, node: int) -> manifest.Manifest:
         assert self._step is not None
@@ -267,10 +286,10 @@ class TieredStorageReader(LocalReads, StorageReader):
 
 
 def _canonical(items: list[ReadItem], locations: dict[Any, ItemLocation]) -> list[Any]:
-    """Each item's storage index as the manifest's own (equal) key object, which the item
-    then holds: the reader looks every item up several times, and a dict finds its own key
-    by identity, where an equal copy costs a field-by-field comparison (a third of a restore
-    of 20,000 tensors). The items' values do not change."""
+    """Each item's storage index as the located (equal) key object, which the item then
+    holds: the reader looks every item up several times, and a dict finds its own key by
+    identity, where an equal copy costs a field-by-field comparison (a third of a restore of
+    20,000 tensors). The items' values do not change."""
     own = {k: k for k in locations}
     out = []
     for item in items:

@@ -42,6 +42,7 @@ class ReaderState:
     _manifest: manifest.Manifest | None
     _index_is_local: bool
     _locations: dict[Any, ItemLocation]
+    _own_keys: dict[Any, Any]
     _chunks: dict[MetadataIndex, tuple[torch.Size, torch.dtype]]
     _read_buffers: list[bytearray]
     _deferred_error: DcpTieredError | None
