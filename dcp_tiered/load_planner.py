@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
-from . import _gc
+from . import _gc, whole_reads
 from .errors import ConfigError, DcpTieredError, ManifestError
 from .policy import flatten
 
@@ -51,6 +51,8 @@ class TieredLoadPlanner(DefaultLoadPlanner):
     # fqn -> the target of a whole read that is a contiguous CPU tensor of the saved dtype:
     # the reader may copy the stored bytes straight into it (see whole_target)
     _raw_targets: dict[str, torch.Tensor] | None = None
+    # fqn -> such a target with no read item in the plan: the reader reads it by columns
+    _column_targets: dict[str, torch.Tensor] | None = None
 
     def __init__(self, *args: Any, reader: Any = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -83,7 +85,7 @@ class TieredLoadPlanner(DefaultLoadPlanner):
         with _gc.paused():  # one object per item, none in cycles: see _gc
             items = self._whole_items()
         if items is None:
-            self._kept = self._raw_targets = None
+            self._kept = self._raw_targets = self._column_targets = None
             try:
                 return super().create_local_plan()
             except ValueError as e:
@@ -103,12 +105,18 @@ class TieredLoadPlanner(DefaultLoadPlanner):
         return super().finish_plan(new_plan)
 
     def _whole_items(self) -> list[ReadItem] | None:
-        """One whole read per value, or None where DCP has to plan (see the module)."""
+        """One whole read per value, or None where DCP has to plan (see the module). A
+        target the stored bytes may be copied into as they are is one of the raw targets;
+        with a reader that reads those from the manifest's columns (whole_reads), it gets
+        no read item at all."""
         if self.metadata is None:
             return None
+        by_columns = whole_reads.reader_of(self.metadata) is not None
         saved = self.metadata.state_dict_metadata
         items = []
-        self._raw_targets = raw = {}
+        raw: dict[str, torch.Tensor] = {}
+        self._raw_targets = self._column_targets = None
+        tensor, parameter, strided = torch.Tensor, torch.nn.Parameter, torch.strided
         for fqn, obj in self.state_dict.items():
             md = saved.get(fqn)
             if isinstance(md, BytesStorageMetadata) and not isinstance(obj, torch.Tensor):
@@ -118,26 +126,32 @@ class TieredLoadPlanner(DefaultLoadPlanner):
             kind = type(obj)
             if (
                 not isinstance(md, TensorStorageMetadata)
-                or not (kind is torch.Tensor or kind is torch.nn.Parameter)
+                or not (kind is tensor or kind is parameter)
                 or len(md.chunks) != 1
                 or md.size != obj.size()
                 or md.chunks[0].sizes != md.size
                 or any(md.chunks[0].offsets)
             ):
                 return None
-            offsets = md.chunks[0].offsets
-            index = MetadataIndex(fqn, offsets, 0)  # where it goes and where it comes from
-            items.append(ReadItem(LoadItemType.TENSOR, index, offsets, index, offsets, md.size))
             if (
                 obj.dtype == md.properties.dtype  # else copy_ converts, as DCP does
                 and obj.is_cpu
-                and obj.layout == torch.strided
+                and obj.layout == strided
                 and not obj.is_quantized
                 and not obj.is_conj()  # bits that make its memory differ from its value
                 and not obj.is_neg()
                 and obj.is_contiguous()
             ):
                 raw[fqn] = obj  # its memory: detached only for a commit_tensor of a subclass
+                if by_columns:
+                    continue
+            offsets = md.chunks[0].offsets
+            index = MetadataIndex(fqn, offsets, 0)  # where it goes and where it comes from
+            items.append(ReadItem(LoadItemType.TENSOR, index, offsets, index, offsets, md.size))
+        if by_columns:
+            self._column_targets = raw
+        else:
+            self._raw_targets = raw
         return items
 
     def whole_target(self, item: ReadItem) -> torch.Tensor | None:
@@ -150,6 +164,12 @@ class TieredLoadPlanner(DefaultLoadPlanner):
         if targets is None or item.type != LoadItemType.TENSOR:
             return None
         return targets.get(item.dest_index.fqn)
+
+    def column_targets(self) -> dict[str, torch.Tensor] | None:
+        """The raw targets (see :meth:`whole_targets`) this plan has no read item for: the
+        load's reader offered to read them from the manifest's columns (whole_reads), and
+        must deliver every one of them."""
+        return self._column_targets
 
     def whole_targets(self) -> dict[str, torch.Tensor] | None:
         """Every whole read's target that :meth:`whole_target` would give, by fqn (the

@@ -292,7 +292,7 @@ def test_manifest_sections_are_checked_against_the_index():
     m = manifest.parse(built.index, where="m.json")
     sharded = [i for i in locs if i.fqn != "extra"]
     assert not m.complete and m.nodes_holding(sharded) == {0}
-    assert m.nodes_holding([manifest.MetadataIndex("extra")]) == {manifest.SHARED}
+    assert m.nodes_holding([MetadataIndex("extra")]) == {manifest.SHARED}
     tampered = built.sections[0].replace(b"deadbeef", b"deadbeee")
     with pytest.raises(ManifestError, match="does not match the index"):
         manifest.parse_section(m, 0, tampered, where="node-0")

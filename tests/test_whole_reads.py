@@ -189,3 +189,62 @@ def test_a_storage_record_tail_is_read_in_place_as_it_is_checked_from_a_copy():
         for end in (5 + len(case), len(buf)):
             expected = reader_checks.storage_tail_ok(buf[5:end], 96)
             assert reader_checks.storage_tail_at(buf, 5, end, 96) == expected, (case, end)
+
+
+def _planned(monkeypatch) -> list[list[str]]:
+    """The fqns of the read items of each plan DCP hands a reader, as loads run."""
+    plans: list[list[str]] = []
+    original = TieredLoadPlanner.finish_plan
+
+    def finish(self, new_plan):
+        plan = original(self, new_plan)
+        plans.append([item.dest_index.fqn for item in plan.items])
+        return plan
+
+    monkeypatch.setattr(TieredLoadPlanner, "finish_plan", finish)
+    return plans
+
+
+def test_whole_tensors_are_left_to_our_reader_and_every_one_is_read(saved, monkeypatch):
+    """With our reader, the plan holds no read item for a tensor copied straight in (the
+    reader reads it from the manifest's columns); every value still arrives, bit-exact."""
+    plans, copies = _planned(monkeypatch), _copies(monkeypatch)
+    state = _state()
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    target["t3.33"] = torch.zeros(33, 2, dtype=torch.float64)  # converted: a read item
+    _load(saved, target, TieredLoadPlanner())
+    (planned,) = plans
+    assert planned == ["t3.33"]
+    assert torch.equal(target.pop("t3.33"), state.pop("t3.33").double())
+    empty = sum(1 for v in state.values() if not v.numel())
+    assert len(copies) == len(state) - empty
+    for k, v in state.items():
+        assert torch.equal(target[k].reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8))
+
+
+def test_another_reader_gets_a_read_item_for_every_tensor(saved, monkeypatch):
+    """DCP's own reader (our steps stay vanilla-readable) with our planner: nothing is left
+    to a reader that never offered to read it."""
+    plans = _planned(monkeypatch)
+    state = _state()
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(
+        target,
+        storage_reader=dcp.FileSystemReader(saved / "step-1"),
+        planner=TieredLoadPlanner(),
+        no_dist=True,
+    )
+    (planned,) = plans
+    assert sorted(planned) == sorted(state)
+    assert all(torch.equal(target[k], v) for k, v in state.items())
+
+
+def test_one_planner_and_one_reader_serve_loads_of_two_steps(saved):
+    with TieredStorageWriter(saved, sync_files=False) as writer:
+        doubled = {k: v * 2 if v.dtype != torch.bool else ~v for k, v in _state().items()}
+        dcp.save(doubled, checkpoint_id="step-2", storage_writer=writer, no_dist=True)
+    planner, reader = TieredLoadPlanner(), TieredStorageReader(saved)
+    for step, expected in (("step-1", _state()), ("step-2", doubled), ("step-1", _state())):
+        target = {k: torch.zeros_like(v) for k, v in expected.items()}
+        dcp.load(target, checkpoint_id=step, storage_reader=reader, planner=planner, no_dist=True)
+        assert all(torch.equal(target[k], v) for k, v in expected.items()), step

@@ -147,13 +147,16 @@ class FileColumns:
     raws: list[int]  # offset of the raw tensor bytes within the item; -1: none located
     crcs: str  # each item's CRC32C, 8 hex digits apiece
 
+    def crc(self, row: int) -> str:
+        return self.crcs[8 * row : 8 * row + 8]
+
     def location(self, row: int) -> ItemLocation:
         raw = self.raws[row]
         return ItemLocation(  # positional: a fifth less per item than by name
             self.name,
             self.offsets[row],
             self.lengths[row],
-            self.crcs[8 * row : 8 * row + 8],
+            self.crc(row),
             self.rank,
             self.size,
             self.checksum,
@@ -182,17 +185,27 @@ class SectionLocations(Mapping[MetadataIndex, ItemLocation]):
     def files(self) -> list[FileColumns]:
         return self._files
 
+    def tensor_ids(self) -> dict[str, int]:
+        """Each fqn's tensor id (its index in Manifest.fqns)."""
+        if self._ids is None:
+            self._ids = {fqn: n for n, fqn in enumerate(self._fqns)}
+        return self._ids
+
+    def row_of(self, tensor_id: int, chunk: int) -> tuple[FileColumns, int] | None:
+        """The file and row that locate chunk ``chunk`` of tensor ``tensor_id``, if any."""
+        found = self._rows.get((tensor_id, chunk))
+        return None if found is None else (self._files[found[0]], found[1])
+
     def __getitem__(self, key: MetadataIndex) -> ItemLocation:
         f, row = self._rows[self._chunk_of(key)]
         return self._files[f].location(row)
 
     def _chunk_of(self, key: Any) -> tuple[int, int]:
         """(tensor id, chunk ordinal) of ``key``; KeyError if it names no saved item."""
-        if self._ids is None:
-            self._ids = {fqn: n for n, fqn in enumerate(self._fqns)}
+        ids = self.tensor_ids()
         fqn: Any = getattr(key, "fqn", None)
         offset = getattr(key, "offset", None)
-        tid = self._ids.get(fqn) if type(fqn) is str else None
+        tid = ids.get(fqn) if type(fqn) is str else None
         if tid is None:
             raise KeyError(key)
         chunks = getattr(self._sdm.get(fqn), "chunks", None)
@@ -259,6 +272,10 @@ class ManifestLocations(Mapping[MetadataIndex, ItemLocation]):
         if section is None:
             raise KeyError(key)
         return section[key]
+
+    def section(self, node: int) -> SectionLocations | None:
+        """Node ``node``'s section, if merged."""
+        return self._sections.get(node)
 
     def __iter__(self) -> Iterator[MetadataIndex]:
         for section in self._sections.values():

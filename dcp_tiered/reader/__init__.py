@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .. import _gc, reader_checks
+from .. import _gc, reader_checks, whole_reads
 from .._torch_compat import StorageReaderTransforms
 from ..backends.local import LocalBackend
 from ..backends.remote import remote_backend
@@ -36,12 +36,12 @@ from ..tiers import catalog
 from ..tiers.local import LocalTier
 from ..tiers.remote import RemoteTier
 from ..tiers.step_record import CommittedStep
-from ._local import LocalReads
+from ._columns import ColumnReads
 
 logger = logging.getLogger(__name__)
 
 
-class TieredStorageReader(LocalReads, StorageReader):
+class TieredStorageReader(ColumnReads, StorageReader):
     """Reads a step saved by :class:`TieredStorageWriter` (or a vanilla DCP directory).
 
     Args:
@@ -92,6 +92,7 @@ class TieredStorageReader(LocalReads, StorageReader):
         self._read_buffers = [bytearray(), bytearray()]
         self._deferred_error: DcpTieredError | None = None
         self._keys: layout.RemoteKeys | None = None  # the step's remote keys, from its marker
+        self._offered: Metadata | None = None  # the metadata read_metadata returned last
         self.files_read_remotely: set[str] = set()
         self._remote_checked = False
 
@@ -119,7 +120,7 @@ class TieredStorageReader(LocalReads, StorageReader):
             return Metadata(state_dict_metadata={})
 
     def _read_metadata(self) -> Metadata:
-        self.files_read_remotely, self._keys = set(), None
+        self.files_read_remotely, self._keys, self._offered = set(), None, None
         if self._requested is None and self._tier.backend.exists(layout.DCP_METADATA_NAME):
             # The root itself is a vanilla DCP checkpoint directory.
             name = os.path.basename(self.root)
@@ -139,6 +140,8 @@ class TieredStorageReader(LocalReads, StorageReader):
         if not self._step.verified_format:
             return self._read_vanilla_metadata()
         self._manifest = self._load_manifest(self._step)
+        self._offered = self._manifest.metadata
+        whole_reads.offer(self._offered, self)  # see whole_reads
         self._descriptors = {}
         self._locations = dict(self._manifest.metadata.storage_data)
         self._own_keys = {k: k for k in self._locations}
@@ -194,26 +197,6 @@ class TieredStorageReader(LocalReads, StorageReader):
             elif mine is not key:
                 object.__setattr__(item, "storage_index", mine)  # a frozen dataclass
 
-    def _merge_section(self, m: manifest.Manifest, node: int) -> manifest.Manifest:
-        assert self._step is not None
-        name = layout.manifest_section_name(node)
-        if self._index_is_local and self._tier.backend.is_regular_file(self._step.name, name):
-            try:
-                return self._tier.merge_sections(self._step.name, m, [node])
-            except (ManifestError, OSError) as e:
-                if self._remote is None:
-                    raise
-                logger.warning("%s of %s is unusable (%s); using the remote one", name, m.step, e)
-        if self._remote is None or not self._step.remote:
-            raise ManifestError(
-                f"{os.path.join(self.root, self._step.name)} holds this node's part of step "
-                f"{m.step!r}, but the items asked for were saved by node {node}, whose manifest "
-                "section is only in that node's directory and there is no remote copy to read "
-                "it from. Load on the same nodes, or configure the remote tier the step was "
-                "promoted to."
-            )
-        return RemoteTier(self._remote).merge_sections(self._remote_keys(), m, [node])
-
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
@@ -232,10 +215,15 @@ class TieredStorageReader(LocalReads, StorageReader):
 
     @_gc.paused_during  # a few objects per item, none in cycles: see _gc
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        self._locate(plan.items)
+        try:
+            # whole tensors the planner left to us first (their failures: read items)
+            items = plan.items + self._read_by_columns(planner)
+        finally:
+            self._read_buffers = [bytearray(), bytearray()]
+        self._locate(items)
         locations = self._locations
         by_file: dict[str, list[tuple[int, int, ReadItem]]] = {}
-        for n, item in enumerate(plan.items):  # n: a stable sort that never compares items
+        for n, item in enumerate(items):  # n: a stable sort that never compares items
             loc = locations[item.storage_index]
             by_file.setdefault(loc.relative_path, []).append((loc.offset, n, item))
         local: list[tuple[str, list[ReadItem]]] = []

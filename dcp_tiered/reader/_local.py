@@ -13,7 +13,7 @@ import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -103,7 +103,11 @@ class LocalReads(Delivery, RemoteReads):
         and whose target is a plain CPU tensor of the stored shape, is read on its own straight
         into the target (no staging buffer, no copy). Blocks use one of two reused buffers.
         """
-        reads = self._plan_reads(files)
+        self._run_reads(self._plan_reads(files), planner)
+
+    def _run_reads(self, reads: list[Read], planner: LoadPlanner) -> None:
+        """Reads ``reads`` in order, the next on a helper thread while this one is checked
+        and delivered (see :meth:`_load_local`)."""
         if not reads:
             return
         opened: dict[str, Any] = {}
@@ -170,7 +174,11 @@ class LocalReads(Delivery, RemoteReads):
                         continue
                     self._deliver(group[0], parts[0], planner, r.target)
                     continue
-                self._deliver_block(r, parts[0] if parts else memoryview(b""), planner, whole)
+                block = parts[0] if parts else memoryview(b"")
+                if r.columns is not None:
+                    r.columns.deliver(r, block, planner)
+                else:
+                    self._deliver_block(r, block, planner, whole)
 
     def _deliver_block(
         self, r: Read, block: memoryview, planner: LoadPlanner, whole: _WholeReads | None
@@ -327,6 +335,12 @@ class LocalReads(Delivery, RemoteReads):
         return memoryview(self._read_buffers[which])[:length]
 
 
+class ColumnDelivery(Protocol):
+    """Delivers a block read of whole reads by columns (reader._columns.ColumnBatch)."""
+
+    def deliver(self, r: Read, block: memoryview, planner: LoadPlanner) -> None: ...
+
+
 @dataclass
 class _WholeReads:
     """What a planner vouches for its whole reads (TieredLoadPlanner.whole_targets): each
@@ -357,3 +371,5 @@ class Read:
     in_place: bool = False  # a single large tensor, resolved ahead of its read
     target: torch.Tensor | None = None
     direct: bool = False  # the read goes straight into ``target``
+    # whole reads by columns: groups are (fqn, offset, length, CRC32C, raw offset) instead
+    columns: ColumnDelivery | None = None

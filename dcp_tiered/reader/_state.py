@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
 from .._torch_compat import StorageReaderTransforms
@@ -43,6 +43,7 @@ class ReaderState:
     _index_is_local: bool
     _locations: dict[Any, ItemLocation]
     _own_keys: dict[Any, Any]
+    _offered: Metadata | None
     _chunks: dict[MetadataIndex, tuple[torch.Size, torch.dtype]]
     _read_buffers: list[bytearray]
     _deferred_error: DcpTieredError | None
