@@ -13,6 +13,11 @@ tensor that differs and raises ManifestError when the manifest misstates what it
 (an edited, resealed manifest), else ConfigError (the state is not the model that was saved).
 Both are ValueErrors, as DCP's own is.
 
+With a :class:`~dcp_tiered.reader.TieredStorageReader` (it offers the metadata it returned:
+:mod:`dcp_tiered.whole_reads`), a whole tensor whose stored bytes can be copied straight into
+its target gets no read item at all: the reader reads it from the manifest's columns. Any
+other reader gets every read item.
+
 CheckpointManager and the lifecycle restore with it; with ``dcp.load`` pass it yourself::
 
     reader = TieredStorageReader(root)
@@ -49,7 +54,7 @@ class TieredLoadPlanner(DefaultLoadPlanner):
 
     _kept: LoadPlan | None = None  # this rank's whole reads, while an empty plan travels
     # fqn -> the target of a whole read that is a contiguous CPU tensor of the saved dtype:
-    # the reader may copy the stored bytes straight into it (see whole_target)
+    # the reader may copy the stored bytes straight into it (see whole_targets)
     _raw_targets: dict[str, torch.Tensor] | None = None
     # fqn -> such a target with no read item in the plan: the reader reads it by columns
     _column_targets: dict[str, torch.Tensor] | None = None
@@ -154,17 +159,6 @@ class TieredLoadPlanner(DefaultLoadPlanner):
             self._raw_targets = raw
         return items
 
-    def whole_target(self, item: ReadItem) -> torch.Tensor | None:
-        """The target of whole read ``item`` when the stored bytes may be copied into its
-        memory as they are: a contiguous CPU tensor of the saved dtype and size (the reader
-        still checks the stored bytes against the manifest), the state's own tensor (a
-        Parameter stays one: copy into its memory, and commit with :meth:`commit_whole`).
-        None: resolve it as DCP does."""
-        targets = self._raw_targets
-        if targets is None or item.type != LoadItemType.TENSOR:
-            return None
-        return targets.get(item.dest_index.fqn)
-
     def column_targets(self) -> dict[str, torch.Tensor] | None:
         """The raw targets (see :meth:`whole_targets`) this plan has no read item for: the
         load's reader offered to read them from the manifest's columns (whole_reads), and
@@ -172,17 +166,13 @@ class TieredLoadPlanner(DefaultLoadPlanner):
         return self._column_targets
 
     def whole_targets(self) -> dict[str, torch.Tensor] | None:
-        """Every whole read's target that :meth:`whole_target` would give, by fqn (the
-        state's own tensors: the reader copies into them and commits each as
-        :meth:`commit_whole` says)."""
+        """The targets of this plan's whole reads whose stored bytes may be copied into
+        their memory as they are, by fqn: each a contiguous CPU tensor of the saved dtype and
+        size, the state's own (a Parameter stays one). The reader still checks the stored
+        bytes against the manifest, and calls commit_tensor with each, detached, only when a
+        subclass overrides it (DCP's is a no-op, not worth 20,000 calls). None: resolve every
+        item as DCP does."""
         return self._raw_targets
-
-    def commit_whole(self, item: ReadItem, target: torch.Tensor) -> None:
-        """Commits a whole read copied into ``whole_target(item)``: DCP's commit_tensor is
-        a no-op, and is not called 20,000 times; a subclass's own gets the tensor detached,
-        as DCP's reader hands it over."""
-        if type(self).commit_tensor is not DefaultLoadPlanner.commit_tensor:
-            self.commit_tensor(item, target.detach())
 
     def _explained(self) -> DcpTieredError | None:
         for fqn, obj in self.state_dict.items():

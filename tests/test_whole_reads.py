@@ -132,40 +132,6 @@ def test_a_planner_subclass_commits_every_whole_read_detached(saved, monkeypatch
     assert any(isinstance(t, torch.nn.Parameter) and t.requires_grad for t in target.values())
 
 
-def test_reads_ahead_are_asked_of_the_kernel_once_each_and_within_the_window(saved, monkeypatch):
-    from dcp_tiered.backends._local_reads import LocalReads
-
-    events: list[tuple[str, int, int, int]] = []  # what, file descriptor, offset, length
-    read_range_into, read_soon = LocalReads.read_range_into, LocalReads.read_soon
-
-    def reading(f, offset, buffer):
-        events.append(("read", f.fileno(), offset, len(buffer)))
-        return read_range_into(f, offset, buffer)
-
-    def advised(f, offset, length):
-        events.append(("soon", f.fileno(), offset, length))
-        read_soon(f, offset, length)
-
-    monkeypatch.setattr(LocalReads, "read_range_into", staticmethod(reading))
-    monkeypatch.setattr(LocalReads, "read_soon", staticmethod(advised))
-    monkeypatch.setattr(_local, "_LOCAL_BLOCK_BYTES", 2048)  # many reads of each file
-    monkeypatch.setattr(_local, "_READ_AHEAD_BYTES", 6000)
-    target = {k: torch.zeros_like(v) for k, v in _state().items()}
-    _load(saved, target, TieredLoadPlanner())
-    assert all(torch.equal(target[k], v) for k, v in _state().items())
-
-    reads = [e[1:] for e in events if e[0] == "read"]
-    soon = [e[1:] for e in events if e[0] == "soon"]
-    assert len(reads) > 5 and sorted(soon) == sorted(set(soon)) == sorted(reads)
-    for at, (kind, *where) in enumerate(events):
-        if kind == "read":  # asked for before it is read; never more than the window ahead
-            before = events[:at]
-            assert ("soon", *where) in before
-            done = {e[1:] for e in before if e[0] == "read"} | {tuple(where)}
-            ahead = [e[3] for e in before if e[0] == "soon" and e[1:] not in done]
-            assert sum(ahead) <= 6000
-
-
 def test_a_storage_record_tail_is_read_in_place_as_it_is_checked_from_a_copy():
     from dcp_tiered import reader_checks
 

@@ -3,7 +3,6 @@ or device a read could block on. A part of :class:`~dcp_tiered.backends.local.Lo
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import stat
@@ -105,16 +104,6 @@ class LocalReads(LocalRoot):
         while got < len(buffer) and (n := os.preadv(f.fileno(), [buffer[got:]], offset + got)):
             got += n
         return buffer[:got]
-
-    @staticmethod
-    def read_soon(f: BinaryIO, offset: int, length: int) -> None:
-        """Ask the kernel to start reading ``length`` bytes at ``offset`` of an open file into
-        the page cache now (a read that follows then waits on no disk). Advice only: a system
-        without it, or one that refuses it, reads as before."""
-        advise = getattr(os, "posix_fadvise", None)
-        if advise is not None and length > 0:
-            with contextlib.suppress(OSError):
-                advise(f.fileno(), offset, length, os.POSIX_FADV_WILLNEED)
 
     @staticmethod
     def write_vectors(f: BinaryIO, views: list[memoryview]) -> None:

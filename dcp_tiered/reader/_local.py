@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import itertools
 import logging
 import math
 import os
@@ -39,7 +38,6 @@ logger = logging.getLogger("dcp_tiered.reader")  # the reader's one logger, whic
 _LOCAL_BLOCK_BYTES = 8 * 2**20
 _LOCAL_GAP_BYTES = 64 * 2**10  # read across a gap this small rather than issue another read
 _IN_PLACE_MIN_BYTES = 4 * 2**20
-_READ_AHEAD_BYTES = 64 * 2**20
 
 
 def _straight_copy(dst: int, src: int, nbytes: int) -> None:
@@ -123,21 +121,8 @@ class LocalReads(Delivery, RemoteReads):
                     opened[name] = open_files.enter_context(backend.open_read(*self._dir, name))
                 return opened[name]
 
-            # reads up to _READ_AHEAD_BYTES beyond this one are asked of the kernel now, so
-            # the disk streams while blocks are checked and delivered (one block ahead only:
-            # a cold restore of 20,000 tensors waited on the disk for 0.2 s more than a cold
-            # read of its files)
-            sizes = list(itertools.accumulate(r.end - r.start for r in reads))
-            advised = 0  # reads[:advised] asked for
-
             def read(n: int) -> list[memoryview]:  # runs on the helper thread only
-                nonlocal advised
                 r = reads[n]
-                advised = max(advised, n)
-                while advised < len(reads) and sizes[advised] - sizes[n] <= _READ_AHEAD_BYTES:
-                    ahead = reads[advised]
-                    backend.read_soon(opened_file(ahead.name), ahead.start, ahead.end - ahead.start)
-                    advised += 1
                 if r.direct:
                     parts = self._direct_parts(r.groups[0][1], r.target)
                 else:
