@@ -224,6 +224,13 @@ def _overflowing(entry: dict) -> None:  # each under 2**63, their sum past it
     entry.pop("start", None)
 
 
+def _wrapping(entry: dict) -> None:  # back to back: the running offset passes 64 bits
+    entry["size"] = 2**62 - 1
+    entry["lengths"] = [2**61] * len(entry["ids"])
+    entry.pop("offsets", None)
+    entry.pop("start", None)
+
+
 # each item column of a section, edited (and resealed) the way a bad disk or an attacker would
 COLUMNS = {
     "tensor id past the index": (_set("ids", -1, 10**6), "names no chunk"),
@@ -236,6 +243,8 @@ COLUMNS = {
     "negative length": (_set("lengths", 0, -5), "lies outside"),
     "offset past the file": (_set("offsets", 0, 10**9), "lies outside"),
     "offsets and lengths past 64 bits together": (_overflowing, "lies outside"),
+    "back-to-back offsets past 64 bits": (_wrapping, "run-2"),
+    "a file past any file's size": (lambda e: e.update(size=2**62), "past any file"),
     "raw offset past its item": (_set("raw", 0, 10**6), "raw offset is bad"),
     "raw offset below -1": (_set("raw", 0, -2), "raw offset is bad"),
     "a column longer than the others": (lambda e: e["chunks"].append(0), "different lengths"),

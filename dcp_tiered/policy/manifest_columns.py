@@ -34,6 +34,7 @@ from .manifest_types import (
 __all__ = ["section_columns"]
 
 _HINT = REPAIR_HINT
+_MAX_FILE_BYTES = 1 << 62  # 4 EiB: sizes and offsets below it never pass 64 bits in a sum
 
 
 def section_columns(
@@ -131,6 +132,8 @@ def _file_columns(
     m: Manifest, node: int, entry: dict[str, Any], files: dict[str, dict[str, Any]], w: _Writers
 ) -> FileColumns:
     name, size, rank, checksum = file_head(m, node, entry, files)
+    if size >= _MAX_FILE_BYTES:
+        raise ManifestError(f"file {name!r}: {size} bytes is past any file's size")
     ids = _ints(entry["ids"], f"file {name!r}: ids")
     chunks = _ints(entry["chunks"], f"file {name!r}: chunks")
     lengths = _ints(entry["lengths"], f"file {name!r}: lengths")
@@ -143,9 +146,9 @@ def _file_columns(
         offsets = _ints(entry["offsets"], f"file {name!r}: offsets")
         if len(offsets) != count:
             raise ManifestError(f"file {name!r}: item columns of different lengths")
-    else:  # back to back from the start
-        start = int(entry.get("start", 0))
-        offsets = start + np.cumsum(lengths) - lengths if count else lengths
+    else:  # back to back from the start, summed exactly (past 64 bits: malformed)
+        ends = itertools.accumulate(lengths.tolist(), initial=int(entry.get("start", 0)))
+        offsets = np.asarray(list(ends)[:-1], dtype=np.int64)
     if count:
         _check_items(m, node, name, size, rank, ids, chunks, offsets, lengths, raws, w)
     return FileColumns(
@@ -188,9 +191,9 @@ def _check_items(
     if bad.any():
         fqn = fqns[int(ids[int(np.argmax(bad))])]
         raise ManifestError(f"file {name!r}: {fqn!r} was not written by rank {rank} here")
-    # each bound on its own first: no sum of two columns can then pass 64 bits
-    bad = (offsets < 0) | (lengths < 0) | (offsets > size) | (lengths > size)
-    bad |= (offsets + lengths > size) | (raws < -1) | (raws >= np.maximum(lengths, 1))
+    # no sum of two columns: nothing here can pass 64 bits (a file's size is below 2**62)
+    bad = (offsets < 0) | (lengths < 0) | (lengths > size) | (offsets > size - lengths)
+    bad |= (raws < -1) | (raws >= np.maximum(lengths, 1))
     if bad.any():
         fqn = fqns[int(ids[int(np.argmax(bad))])]
         raise ManifestError(f"item {fqn!r} lies outside {name!r} or its raw offset is bad")
