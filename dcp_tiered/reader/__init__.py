@@ -30,7 +30,7 @@ from ..backends.local import LocalBackend
 from ..backends.remote import remote_backend
 from ..config import RemoteConfig
 from ..errors import CheckpointNotFoundError, DcpTieredError, ManifestError
-from ..policy import layout, manifest, manifest_types
+from ..policy import layout, manifest
 from ..policy.manifest import ItemLocation
 from ..tiers import catalog
 from ..tiers.local import LocalTier
@@ -188,11 +188,8 @@ class TieredStorageReader(ColumnReads, StorageReader):
                 try:
                     found[key] = merged[key]
                 except KeyError:
-                    raise ManifestError(
-                        f"item {key.fqn!r} (chunk at {list(key.offset or ())}) of step {m.step!r} "
-                        f"is located by no section of its manifest in {self.root}; "
-                        f"{manifest_types.REPAIR_HINT}"
-                    ) from None
+                    chunk = f" (chunk at {list(key.offset or ())})"
+                    raise self._unlocated(key.fqn, chunk) from None
                 own[key] = key
             elif mine is not key:
                 object.__setattr__(item, "storage_index", mine)  # a frozen dataclass

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 
 from .. import reader_checks
 from ..errors import ConfigError, ManifestError
-from ..policy import integrity, layout, manifest, manifest_types
+from ..policy import integrity, layout, manifest
 from ..policy.manifest_types import SHARED, FileColumns, ManifestLocations
 from ..tiers.remote import RemoteTier
 from . import _local
@@ -130,10 +130,7 @@ class ColumnReads(LocalReads):
         for fqn in targets:
             where = section.row_of(ids.get(fqn, -1), 0)
             if where is None:
-                raise ManifestError(
-                    f"item {fqn!r} of step {m.step!r} is located by no section of its manifest "
-                    f"in {self.root}; {manifest_types.REPAIR_HINT}"
-                )
+                raise self._unlocated(fqn)
             f, row = where
             rows.setdefault(id(f), []).append((f.offsets[row], row, fqn))
         reads: list[Read] = []

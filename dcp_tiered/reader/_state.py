@@ -19,8 +19,8 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from .._torch_compat import StorageReaderTransforms
 from ..backends.remote import RemoteBackend
-from ..errors import DcpTieredError, IntegrityError
-from ..policy import integrity, layout, manifest
+from ..errors import DcpTieredError, IntegrityError, ManifestError
+from ..policy import integrity, layout, manifest, manifest_types
 from ..policy.manifest import ItemLocation
 from ..tiers.local import LocalTier
 from ..tiers.step_record import CommittedStep
@@ -71,6 +71,14 @@ class ReaderState:
     @property
     def checkpoint_id(self) -> str | None:
         return self._step.name if self._step else None
+
+    def _unlocated(self, fqn: str, chunk: str = "") -> ManifestError:
+        """The error for an item the index lists that no section of its manifest locates."""
+        step = self._manifest.step if self._manifest else self.checkpoint_id
+        return ManifestError(
+            f"item {fqn!r}{chunk} of step {step!r} is located by no section of its manifest "
+            f"in {self.root}; {manifest_types.REPAIR_HINT}"
+        )
 
     def _what(self, index: MetadataIndex) -> str:
         return f"item {index.fqn!r} of step {self.checkpoint_id!r} in {self.root}"
