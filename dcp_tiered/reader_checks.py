@@ -15,6 +15,7 @@ from __future__ import annotations
 import struct
 from typing import Any
 
+import numpy as np
 import torch
 
 from .errors import (
@@ -68,6 +69,25 @@ def storage_tail_at(buf: memoryview, pos: int, end: int, nbytes: int) -> bool:
     if size == stored == nbytes:
         return True
     return end - pos >= 24 and _TAIL64.unpack_from(buf, pos)[1:] == (nbytes, nbytes)
+
+
+_DESCRIPTOR32 = int.from_bytes(_DESCRIPTOR, "little")
+
+
+def storage_tails_ok(
+    block: memoryview, pos: np.ndarray, ends: np.ndarray, nbytes: np.ndarray
+) -> np.ndarray:
+    """:func:`storage_tail_at` for many items of one block at once: per item, whether the
+    bytes of ``block`` from ``pos`` (to the item's end, ``ends``) are the 32-bit zip data
+    descriptor of a storage record of ``nbytes`` bytes. False also for a zip64 descriptor,
+    which :func:`storage_tail_at` then checks on its own."""
+    fits = (pos >= 0) & (pos + 16 <= ends) & (ends <= len(block))
+    if not len(pos) or len(block) < 16:
+        return fits & False
+    u8 = np.frombuffer(block, dtype=np.uint8)
+    at = np.minimum(np.where(fits, pos, 0), len(u8) - 16)
+    words = u8[at[:, None] + np.arange(16)].view("<u4")  # signature, CRC-32, two sizes
+    return fits & (words[:, 0] == _DESCRIPTOR32) & (words[:, 2] == nbytes) & (words[:, 3] == nbytes)
 
 
 def check_storage_tail(tail: bytes | memoryview, nbytes: int, what: str) -> None:

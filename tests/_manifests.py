@@ -77,3 +77,42 @@ def tamper(
         (step_dir / "manifest.json").write_bytes(manifest_codec.seal(body))
     elif edit_index is not None:
         (step_dir / "manifest.json").write_text(json.dumps(body))
+
+
+def entry_of(body: dict[str, Any], fqn: str) -> list[Any]:
+    """Key ``fqn``'s entry in a version-3 index as ``[entry, writers]`` (the version-2 entry
+    and its writers' progressions), moved out of the whole-tensor columns into ``others``
+    if it was there, so a test tampers with it as with any entry; the index still lists
+    the same tensors."""
+    t = body["tensors"]
+    i = t["fqns"].index(fqn)
+    at = sum(1 for s in t["shape"][:i] if s < 0)
+    if t["shape"][i] >= 0:
+        size = list(t["shapes"][t["shape"][i]])
+        entry: dict[str, Any] = {"type": "tensor", "props": t["props"][i], "size": size}
+        entry.update({"grid": [[[n, 1]] for n in size]} if size else {"chunks": [[]]})
+        t["others"].insert(at, [entry, [[t["rank"][i], 0, 1]]])
+        t["shape"][i] = t["props"][i] = t["rank"][i] = -1
+    return t["others"][at]
+
+
+def as_version_2(body: dict[str, Any]) -> dict[str, Any]:
+    """A version-3 index body as the version-2 writer wrote it (an entry per tensor, the
+    planner data as a dict): what a step saved by an earlier dcp_tiered holds."""
+    out = dict(body, version=2)
+    t = body["tensors"]
+    fqns = list(t["fqns"])
+    copy = json.loads(json.dumps(body))
+    out["tensors"] = [[fqn, *entry_of(copy, fqn)] for fqn in fqns]
+    paths = body["planner_data"]
+    out["planner_data"] = {
+        **{f: p for f, p in zip(fqns, paths["paths"]) if p is not None},
+        **paths["more"],
+    }
+    out.pop("manifest_checksum", None)
+    return out
+
+
+def tensor_id(body: dict[str, Any], fqn: str) -> int:
+    """The id a section gives key ``fqn`` (its position in the index)."""
+    return body["tensors"]["fqns"].index(fqn)

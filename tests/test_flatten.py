@@ -5,6 +5,7 @@ whole, tuples, values of any kind, keys that collide once joined), and through b
 from __future__ import annotations
 
 import collections
+import types
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_tensors
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.planner_helpers import _init_state_dict
 
 from dcp_tiered import TieredLoadPlanner, TieredSavePlanner
 from dcp_tiered.policy import flatten
@@ -74,6 +76,70 @@ def test_flatten_is_dcps_save_and_load_walk_or_gives_up(state):
         return
     _same(ours, _dcp_save_flatten(state))
     _same(ours, flatten_state_dict(_flatten_sharded_tensors(state)))
+
+
+class Box:  # a value DCP's load set-up does not know: its walk puts None in its place
+    def __eq__(self, other):
+        return isinstance(other, Box)
+
+
+load_states = st.recursive(
+    st.one_of(leaves, st.just(Box())),
+    lambda inner: st.one_of(
+        st.dictionaries(keys, inner, max_size=3),
+        st.dictionaries(keys, inner, max_size=2).map(types.MappingProxyType),
+        st.lists(inner, max_size=3),
+    ),
+    max_leaves=10,
+)
+
+
+def _rebuilt_of(old, new) -> bool:
+    """``new`` is ``old``, or a list or tuple rebuilt of the same elements (at any depth)."""
+    if new is old:
+        return True
+    return (
+        type(old) in (list, tuple)
+        and type(new) is type(old)
+        and len(new) == len(old)
+        and all(map(_rebuilt_of, old, new))
+    )
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.dictionaries(keys, load_states, max_size=4))
+def test_flatten_for_load_knows_what_dcps_load_set_up_leaves_as_it_is(state):
+    """Where it says DCP's load set-up (``_init_state_dict``) leaves the state as it is,
+    the state flattened after that set-up holds the very same values (a list or tuple: a
+    copy of the same elements) under the same keys and paths. (Where it says not, the set-up may still leave
+    it: a tuple in a list, rebuilt equal; the planner then runs DCP's set-up.)"""
+    found = flatten.flatten_for_load(state)
+    if found is None:
+        return
+    flat, paths, as_is = found
+    assert (flat, paths) == flatten.flatten(state)
+    snapshot = dict(flat)
+    _init_state_dict(state)  # DCP's, in place (no meta tensor here: no process group needed)
+    after = flatten.flatten(state)
+    changed = after is None or list(after[0]) != list(snapshot) or after[1] != paths
+    if not changed:
+        for k, v in snapshot.items():
+            if not _rebuilt_of(v, after[0][k]):
+                changed = True
+    assert not (as_is and changed), (snapshot, after)
+
+
+def test_flatten_for_load_names_what_dcps_load_set_up_replaces():
+    """Meta tensors (made real), values it does not know and Mappings that are not dicts
+    (None put in their place): none is left as it is; a model's and optimizer's state is."""
+    meta = {"a": {"w": torch.empty(3, device="meta")}, "b": torch.ones(2)}
+    for state in (meta, {"a": {"b": Box()}}, {"a": types.MappingProxyType({"w": torch.ones(1)})}):
+        assert flatten.flatten_for_load(state)[2] is False, state
+    for state in ({"a": {"b": Box()}}, {"a": types.MappingProxyType({"w": torch.ones(1)})}):
+        _init_state_dict(state)
+        assert state["a"] is None or state["a"]["b"] is None  # what DCP's set-up does
+    assert flatten.flatten_for_load(_model_state())[2] is True
+    assert flatten.flatten_for_load({"a": {"w": torch.ones(3)}, "b": [1, "x"]})[2] is True
 
 
 def test_it_gives_up_on_a_duplicate_key_and_on_what_dcps_walks_disagree_on():

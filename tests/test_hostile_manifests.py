@@ -11,8 +11,8 @@ from __future__ import annotations
 import base64
 import io
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -85,7 +85,8 @@ def _replace_section(step_dir: Path, data: bytes, node: int = -1) -> None:
 
 
 def _tensor_entry(body: dict, fqn: str) -> list:
-    return next(t for t in body["tensors"] if t[0] == fqn)
+    """``[entry, writers]`` of ``fqn`` (see _manifests.entry_of)."""
+    return _manifests.entry_of(body, fqn)
 
 
 # ---------------------------------------------------------------- sections and counts
@@ -161,11 +162,11 @@ def _parse_in_a_small_process(root: Path, step: str, load: bool = False) -> dict
 
 COUNTS = {
     # a tensor of one chunk whose writers claim 2**40 of them
-    "writers": lambda body: _tensor_entry(body, "small").__setitem__(2, [[0, 0, 2**40]]),
+    "writers": lambda body: _tensor_entry(body, "small").__setitem__(1, [[0, 0, 2**40]]),
     # a grid of 2**40 one-element splits, on a tensor the index says is that long
-    "grid": lambda body: _tensor_entry(body, "big")[1].update(size=[2**40], grid=[[[1, 2**40]]]),
+    "grid": lambda body: _tensor_entry(body, "big")[0].update(size=[2**40], grid=[[[1, 2**40]]]),
     # a writer rank past the world size (1): later lookups by rank would fail untyped
-    "writer ranks": lambda body: _tensor_entry(body, "small").__setitem__(2, [[3, 0, 1]]),
+    "writer ranks": lambda body: _tensor_entry(body, "small").__setitem__(1, [[3, 0, 1]]),
 }
 
 
@@ -253,16 +254,102 @@ COLUMNS = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(COLUMNS))
-def test_a_section_whose_item_columns_lie_is_refused_and_harms_no_other_step(tmp_path, case):
-    edit, says = COLUMNS[case]
+def _refused_alone(tmp_path: Path, says: str, **edit) -> None:
+    """Step run-2, tampered with (``edit``: as _manifests.tamper takes it), fails to load
+    with a ManifestError that says ``says``, where and what to do; run-1 still loads."""
     _save(tmp_path, "run-1", "run-2")
-    _manifests.tamper(tmp_path / "run-2", edit_section=_first_file(edit))
+    _manifests.tamper(tmp_path / "run-2", **edit)
     with pytest.raises(CheckpointException) as caught:
         _load(tmp_path, "run-2")
     cause = _cause(caught.value)
     assert isinstance(cause, ManifestError) and says in str(cause), cause
     assert "run-2" in str(cause) and "another tier" in str(cause)
+    assert torch.equal(_load(tmp_path, "run-1")["big"], BIG)
+
+
+@pytest.mark.parametrize("case", sorted(COLUMNS))
+def test_a_section_whose_item_columns_lie_is_refused_and_harms_no_other_step(tmp_path, case):
+    edit, says = COLUMNS[case]
+    _refused_alone(tmp_path, says, edit_section=_first_file(edit))
+
+
+def _index_column(column: str, key: str, value):
+    """An edit of one key's value in a column of the index's tensors."""
+
+    def edit(body: dict) -> None:
+        t = body["tensors"]
+        t[column][t["fqns"].index(key)] = value
+
+    return edit
+
+
+def _not_whole(key: str):
+    """Key ``key`` marked as an entry of ``others`` in every column, with no entry added."""
+
+    def edit(body: dict) -> None:
+        t = body["tensors"]
+        i = t["fqns"].index(key)
+        t["shape"][i] = t["props"][i] = t["rank"][i] = -1
+
+    return edit
+
+
+def _shape_of(key: str, dims: list):
+    """Key ``key`` pointed at a new row of the shapes table, ``dims``."""
+
+    def edit(body: dict) -> None:
+        t = body["tensors"]
+        t["shapes"].append(dims)
+        t["shape"][t["fqns"].index(key)] = len(t["shapes"]) - 1
+
+    return edit
+
+
+# each column of a version-3 index's tensors, edited (and resealed) as an attacker would
+INDEX_COLUMNS = {
+    "shape past the table": (_index_column("shape", "small", 99), "out of range"),
+    "rank past the world": (_index_column("rank", "small", 1), "out of range"),
+    "rank below -1": (_index_column("rank", "small", -2), "out of range"),
+    "properties past the table": (_index_column("props", "small", 7), "out of range"),
+    "a boolean rank": (_index_column("rank", "small", True), "not 3 integers"),
+    "a rank past 64 bits": (_index_column("rank", "small", 2**70), "malformed"),
+    "a whole tensor with no writer": (_index_column("rank", "small", -1), "disagree"),
+    "an entry too few": (_not_whole("small"), "do not match"),
+    "a column too short": (lambda b: b["tensors"]["props"].pop(), "not 3 integers"),
+    "a key twice": (lambda b: b["tensors"]["fqns"].__setitem__(1, "small"), "twice"),
+    "a key that is not a string": (lambda b: b["tensors"]["fqns"].__setitem__(0, 7), "strings"),
+    "a negative size": (_shape_of("small", [-6]), "positive sizes"),
+    "a size of zero": (_shape_of("small", [0]), "positive sizes"),
+    "a fractional size": (_shape_of("small", [6.0]), "positive sizes"),
+    "a boolean size": (_shape_of("small", [True]), "positive sizes"),
+    "planner data too short": (
+        lambda b: b["planner_data"]["paths"].pop(),
+        "planner data does not match",
+    ),
+    "a key given two paths": (
+        lambda b: b["planner_data"]["more"].update(small=["small"]),
+        "two paths",
+    ),
+    "columns not an object": (lambda b: b.update(tensors=[]), "not columns"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(INDEX_COLUMNS))
+def test_an_index_whose_tensor_columns_lie_is_refused_and_harms_no_other_step(tmp_path, case):
+    edit, says = INDEX_COLUMNS[case]
+    _refused_alone(tmp_path, says, edit_index=edit)
+
+
+def test_a_whole_tensor_shape_the_columns_misstate_is_caught(tmp_path):
+    """The shapes table says twice the elements for one tensor (resealed): its stored
+    bytes are checked against the manifest and the load fails typed, naming it."""
+    _save(tmp_path, "run-1", "run-2")
+    n = SMALL.numel() * 2
+    _manifests.tamper(tmp_path / "run-2", edit_index=_shape_of("small", [n]))
+    with pytest.raises(CheckpointException) as caught:
+        _load(tmp_path, "run-2", _blank(small=torch.zeros(n)))
+    cause = _cause(caught.value)
+    assert isinstance(cause, IntegrityError) and "small" in str(cause), repr(cause)
     assert torch.equal(_load(tmp_path, "run-1")["big"], BIG)
 
 
@@ -287,7 +374,7 @@ def test_a_tensor_the_index_lists_but_no_section_locates_is_a_manifest_error(tmp
 
 def _retype(fqn: str, dtype: str):
     def edit(body: dict) -> None:
-        entry = _tensor_entry(body, fqn)[1]
+        entry = _tensor_entry(body, fqn)[0]
         props = dict(body["properties"][entry["props"]], dtype=dtype)
         body["properties"].append(props)
         entry["props"] = len(body["properties"]) - 1
@@ -326,7 +413,7 @@ def test_a_shape_that_disagrees_with_the_stored_bytes_is_an_integrity_error(tmp_
     n = _state()[fqn].numel() * 2
 
     def double(body: dict) -> None:
-        _tensor_entry(body, fqn)[1].update(size=[n], grid=[[[n, 1]]])
+        _tensor_entry(body, fqn)[0].update(size=[n], grid=[[[n, 1]]])
 
     _manifests.tamper(tmp_path / "run-10", edit_index=double)
     with pytest.raises(CheckpointException) as e:
@@ -345,7 +432,7 @@ def test_a_shape_the_manifest_misstates_is_a_manifest_error_not_the_planners_val
     n = SMALL.numel() * 2
     _manifests.tamper(
         tmp_path / "run-12",
-        edit_index=lambda b: _tensor_entry(b, "small")[1].update(size=[n], grid=[[[n, 1]]]),
+        edit_index=lambda b: _tensor_entry(b, "small")[0].update(size=[n], grid=[[[n, 1]]]),
     )
     reader = TieredStorageReader(tmp_path)
     with pytest.raises(CheckpointException) as e:
@@ -362,7 +449,7 @@ def test_a_shape_the_manifest_misstates_is_a_manifest_error_not_the_planners_val
     _save(tmp_path / "mgr", "step-3")
     _manifests.tamper(
         tmp_path / "mgr" / "step-3",
-        edit_index=lambda b: _tensor_entry(b, "small")[1].update(size=[n], grid=[[[n, 1]]]),
+        edit_index=lambda b: _tensor_entry(b, "small")[0].update(size=[n], grid=[[[n, 1]]]),
     )
     with CheckpointManager(local=tmp_path / "mgr", events=None) as mgr:
         with pytest.raises(CheckpointNotFoundError, match="ManifestError.*stored bytes hold"):
@@ -387,7 +474,7 @@ def test_a_shape_whose_chunks_do_not_add_up_is_refused_before_planning(tmp_path)
     manifest is read, not DCP's planner's ValueError."""
     _save(tmp_path, "run-11")
     _manifests.tamper(
-        tmp_path / "run-11", edit_index=lambda b: _tensor_entry(b, "big")[1].update(size=[40_000])
+        tmp_path / "run-11", edit_index=lambda b: _tensor_entry(b, "big")[0].update(size=[40_000])
     )
     with pytest.raises(CheckpointException) as e:
         _load(tmp_path, "run-11", _blank(big=torch.zeros(40_000)))

@@ -177,7 +177,8 @@ def test_both_planners_flatten_the_state_with_the_collector_paused(monkeypatch, 
         monkeypatch.setattr(module, name, flatten)
 
     spied(default_planner, "flatten_state_dict")  # DCP's, where the one pass gives up
-    spied(one_pass, "flatten")
+    spied(one_pass, "flatten")  # the save's
+    spied(one_pass, "flatten_for_load")  # the load's
     state = {"model": {f"w{i}": torch.full((4,), float(i)) for i in range(8)}}
     with TieredStorageWriter(tmp_path) as writer, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from dcp_tiered import ConfigError, ManifestError
 from dcp_tiered.policy import layout, manifest, manifest_build, manifest_entries, step_names
+from tests import _manifests
 
 names = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9_-]{0,20}", fullmatch=True)
 
@@ -178,7 +179,7 @@ def test_whole_tensor_entries_decode_as_the_general_decoder_does():
         )
     md = Metadata(sdm)
     index = _build(md, locs).index
-    body = json.loads(index[: -len(b',"manifest_checksum":"01234567"}')] + b"}")
+    body = _manifests.as_version_2(json.loads(index))  # an entry per tensor
     props = [manifest.decode_properties(p) for p in body["properties"]]
     for fqn, entry, ranks in body["tensors"]:
         whole = manifest_entries.whole_tensor(entry, ranks, props, 2)
@@ -309,7 +310,7 @@ def test_manifest_rejects_unknown_types_even_with_valid_checksum(field, value):
 
     md, locs = _metadata([(4, 2)])
     body = json.loads(_build(md, locs, world_size=1, nodes=[[0]]).index)
-    entry = body["tensors"][0][1]
+    entry = _manifests.entry_of(body, body["tensors"]["fqns"][0])[0]
     entry.pop("grid", None)
     (body["properties"][0] if field == "dtype" else entry)[field] = value
     body.pop("manifest_checksum")
@@ -333,6 +334,41 @@ def test_version_1_manifests_still_parse():
     )
     parsed = manifest.parse(data, where="m.json")
     assert parsed.complete and dict(parsed.locations) == locs and parsed.version == 1
+
+
+def test_version_2_indexes_still_parse_as_version_3_ones_do():
+    """A step saved by an earlier dcp_tiered has an index entry per tensor (version 2):
+    it parses to the same metadata, writers and locations as the columns of version 3,
+    for every kind of key (sharded, whole, 0-d, an empty dimension, bytes, a planner path
+    that is not a tensor's)."""
+    from dcp_tiered.policy import manifest_codec
+
+    md, locs = _metadata([(4, 2), (6, 3)])
+    sdm = dict(md.state_dict_metadata)
+    for fqn, size in (("whole", (5, 3)), ("scalar", ()), ("empty", (0, 4)), ("twin", (5, 3))):
+        chunk = ChunkStorageMetadata(torch.Size([0] * len(size)), torch.Size(size))
+        sdm[fqn] = TensorStorageMetadata(TensorProperties(torch.float32), torch.Size(size), [chunk])
+        locs[MetadataIndex(fqn, chunk.offsets)] = manifest.ItemLocation(
+            "__1_0.distcp", 100 * len(locs), 100, "deadbeef", 1, 10**6, "cafef00d"
+        )
+    paths = {"extra": ("extra",), "whole": ("m", "whole"), "loose": ("a", 3)}
+    md = Metadata(sdm, planner_data=paths)
+    built = _build(md, locs)
+    body = json.loads(built.index)
+    columns = body["tensors"]
+    whole = [f for f, s in zip(columns["fqns"], columns["shape"]) if s >= 0]
+    assert whole == ["whole", "scalar", "twin"] and len(columns["shapes"]) == 2, columns
+    v3 = _parse(built)
+    v2 = manifest.parse(manifest_codec.seal(_manifests.as_version_2(body)), where="m.json")
+    for node, data in built.sections.items():
+        v2 = manifest.parse_section(v2, node, data, where=f"node-{node}")
+    assert (v3.version, v2.version) == (3, 2)
+    for m in (v2, v3):
+        assert m.metadata.state_dict_metadata == sdm and list(
+            m.metadata.state_dict_metadata
+        ) == list(sdm)
+        assert m.metadata.planner_data == paths and dict(m.locations) == locs
+    assert v2.writers == v3.writers and v3.writers["whole"] == [1]
 
 
 def test_remote_keys_keep_each_save_apart_and_refuse_hostile_markers():

@@ -23,7 +23,7 @@ from dcp_tiered import (
     _torch_compat,
 )
 from dcp_tiered.reader import _local
-from tests._manifests import index, items, tamper
+from tests._manifests import index, items, tamper, tensor_id
 from tests.conftest import visible
 
 
@@ -328,7 +328,7 @@ def test_targets_that_cannot_take_the_bytes_directly_still_load_exactly(tmp_path
 def test_raw_offset_that_does_not_fit_the_item_is_refused(tmp_path, read_path):
     save(tmp_path, "step-1", big_state())
     step = tmp_path / "step-1"
-    f32 = index(step)["tensors"].index(next(t for t in index(step)["tensors"] if t[0] == "f32"))
+    f32 = tensor_id(index(step), "f32")
 
     def misplace(section: dict) -> None:  # consistent checksums, inconsistent layout
         for f in section["files"]:

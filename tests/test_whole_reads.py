@@ -5,12 +5,14 @@ for its targets gets DCP's own conversion and copy."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner
 
 from dcp_tiered import TieredLoadPlanner, TieredStorageReader, TieredStorageWriter
+from dcp_tiered import reader_checks
 from dcp_tiered.reader import _local
 
 
@@ -133,8 +135,6 @@ def test_a_planner_subclass_commits_every_whole_read_detached(saved, monkeypatch
 
 
 def test_a_storage_record_tail_is_read_in_place_as_it_is_checked_from_a_copy():
-    from dcp_tiered import reader_checks
-
     def tail(sig: bytes, a: int, b: int, wide: bool) -> bytes:
         size = (
             (a.to_bytes(8, "little") + b.to_bytes(8, "little"))
@@ -155,6 +155,78 @@ def test_a_storage_record_tail_is_read_in_place_as_it_is_checked_from_a_copy():
         for end in (5 + len(case), len(buf)):
             expected = reader_checks.storage_tail_ok(buf[5:end], 96)
             assert reader_checks.storage_tail_at(buf, 5, end, 96) == expected, (case, end)
+            # a block's tails checked at once: never yes where one at a time says no, and
+            # yes for every 32-bit record (a zip64 one is left to the check one at a time)
+            at_once = reader_checks.storage_tails_ok(
+                buf, np.array([5]), np.array([end]), np.array([96])
+            ).tolist()[0]
+            assert at_once == (expected and not (wide_record(case) and not narrow(case))), case
+
+
+def wide_record(case: bytes) -> bool:
+    return (
+        len(case) >= 24
+        and case[8:16] == (96).to_bytes(8, "little") * 1
+        and case[:4] == b"PK\x07\x08"
+    )
+
+
+def narrow(case: bytes) -> bool:
+    return (
+        len(case) >= 16
+        and case[:4] == b"PK\x07\x08"
+        and case[8:16] == (96).to_bytes(4, "little") * 2
+    )
+
+
+def test_a_block_of_tails_is_checked_item_by_item():
+    """Many items of one block: each item's answer is its own (a bad one among good ones,
+    one whose record would pass the block's end, one at the block's very end)."""
+    good = b"PK\x07\x08" + b"\0" * 4 + (64).to_bytes(4, "little") * 2
+    bad = b"PK\x07\x08" + b"\0" * 4 + (64).to_bytes(4, "little") + (63).to_bytes(4, "little")
+    block = memoryview(b"".join([b"\1" * 64 + good, b"\1" * 64 + bad, b"\1" * 64 + good]))
+    pos = np.array([64, 144, 224, 224, -1])
+    ends = np.array([80, 160, 240, 239, 80])
+    got = reader_checks.storage_tails_ok(block, pos, ends, np.full(5, 64)).tolist()
+    assert got == [True, False, True, False, False]
+
+
+def _section_edit(saved, edit) -> None:
+    from tests import _manifests
+
+    _manifests.tamper(saved / "step-1", edit_section=lambda s: [edit(f) for f in s["files"]])
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "upper-case CRCs",
+        "a CRC that is not hex",
+        "raw offsets one byte on",
+        "raw offsets one byte back",
+    ],
+)
+def test_a_section_that_lies_about_whole_reads_is_caught_naming_the_item(saved, case, monkeypatch):
+    """The section (resealed) misstates items that the reader reads by columns: each such
+    item fails its check there and the general path names it; no target gets the bytes of
+    an item placed wrong (a CRC of digits only reads the same in upper case)."""
+    copies = _copies(monkeypatch)
+
+    def edit(f: dict) -> None:
+        if case == "upper-case CRCs":
+            f["crcs"] = f["crcs"].upper()
+        elif case == "a CRC that is not hex":
+            f["crcs"] = "zz" + f["crcs"][2:]
+        else:
+            step = 1 if case.endswith("on") else -1
+            f["raw"] = [r + step if r > 0 else r for r in f["raw"]]
+
+    _section_edit(saved, edit)
+    target = {k: torch.zeros_like(v) for k, v in _state().items()}
+    with pytest.raises(dcp.api.CheckpointException, match="IntegrityError"):
+        _load(saved, target, TieredLoadPlanner())
+    if case.startswith("raw"):
+        assert copies == []  # every item was refused before any copy
 
 
 def _planned(monkeypatch) -> list[list[str]]:

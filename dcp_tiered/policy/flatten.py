@@ -31,31 +31,61 @@ class _NotPlain(Exception):
 def flatten(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[Any, ...]]] | None:
     """(flat state, key -> path) exactly as DCP's save planner's ``set_up_planner`` makes them
     (and its load planner's, for a state without ShardedTensors), or None: use DCP's."""
+    found = _flatten(state)
+    return None if found is None else (found[0], found[1])
+
+
+def flatten_for_load(
+    state: Mapping[str, Any],
+) -> tuple[dict[str, Any], dict[str, tuple[Any, ...]], bool] | None:
+    """:func:`flatten`'s result, and whether DCP's load set-up (``_init_state_dict``, run
+    before it flattens) would leave ``state`` as it is but for the identity of its lists and
+    tuples. That walk makes real tensors of meta ones (DTensors too), puts a copy in place of
+    every list and tuple (the same elements), and None in place of any value it does not
+    know (not a dict, tensor, number, string, bytes, list or tuple: a Mapping that is not a
+    dict included)."""
+    found = _flatten(state)
+    if found is None:
+        return None
+    flat, paths, foreign = found
+    return flat, paths, not foreign and all(map(_left_as_is, flat.values()))
+
+
+def _flatten(
+    state: Mapping[str, Any],
+) -> tuple[dict[str, Any], dict[str, tuple[Any, ...]], list[Any]] | None:
     if _version._derived_version == "2_3":  # DCP's old traversal: not this one
         return None
     flat: dict[str, Any] = {}
     paths: dict[str, tuple[Any, ...]] = {}
+    foreign: list[Any] = []  # Mappings that are not dicts
     try:
-        _visit((), state, flat, paths)
+        _visit((), state, flat, paths, foreign)
     except _NotPlain:
         return None
-    return flat, paths
+    return flat, paths, foreign
 
 
 def _visit(
-    path: tuple[Any, ...], value: Any, flat: dict[str, Any], paths: dict[str, tuple[Any, ...]]
+    path: tuple[Any, ...],
+    value: Any,
+    flat: dict[str, Any],
+    paths: dict[str, tuple[Any, ...]],
+    foreign: list[Any],
 ) -> None:
     kind = type(value)
     if kind is dict or (kind not in _PLAIN and isinstance(value, Mapping)):
         if not all(type(k) is str for k in value) and len({str(k) for k in value}) < len(value):
             raise _NotPlain  # keys equal as strings (0 and "0"): DCP's two walks differ
+        if kind is not dict and not isinstance(value, dict):
+            foreign.append(value)
         for k, v in value.items():
-            _visit((*path, str(k)), v, flat, paths)
+            _visit((*path, str(k)), v, flat, paths, foreign)
         return
     if (kind is list or (kind not in _PLAIN and isinstance(value, list))) and not _terminal(value):
         for i, v in enumerate(value):
             before = len(flat)
-            _visit((*path, i), v, flat, paths)
+            _visit((*path, i), v, flat, paths, foreign)
             if len(flat) == before:  # an element without values ({}): a load's walk pads
                 raise _NotPlain  # the rebuilt list with None, and the two walks differ
         return
@@ -79,3 +109,20 @@ def _terminal(values: list[Any]) -> bool:
         if isinstance(entry, list) and not _terminal(entry):
             return False
     return True
+
+
+_META = torch.device("meta")
+_AS_IS = frozenset({int, float, bool, str, bytes, type(None)})  # DCP's walk returns these
+
+
+def _left_as_is(value: Any) -> bool:
+    kind = type(value)
+    if kind is torch.Tensor or kind is torch.nn.Parameter:
+        return not value.is_meta
+    if kind in _AS_IS:
+        return True
+    if kind is list or kind is tuple:  # rebuilt of the same elements (a list of values
+        return all(map(_left_as_is, value))  # a path each is not a value: not seen here)
+    if isinstance(value, torch.Tensor) and not isinstance(value, ShardedTensor):
+        return getattr(value, "device", _META) != _META  # a DTensor: its device is its mesh's
+    return False

@@ -1,21 +1,23 @@
 """The step manifest: the source of truth for what a step contains. Pure: no I/O.
 
-Version 2 is an **index** (``manifest.json``) plus one **section** per node
+Version 3 (as 2) is an **index** (``manifest.json``) plus one **section** per node
 (``manifest.node-K.json``), so that a node holds, and a rank reads, the index and the sections
 that hold its items, not every rank's:
 
 - the index: step, save id, world size, nodes, versions, every tensor's properties and chunk
   geometry (a sharded tensor as its grid of splits), which rank wrote each chunk (as
   progressions: one triple for FSDP's rank ``i`` writing chunk ``i``), and each section's name,
-  size and CRC32C. It is sealed: the CRC32C of its own bytes is its last member.
+  size and CRC32C. It is sealed: the CRC32C of its own bytes is its last member. Version 3
+  writes the tensors saved whole by one rank as columns against a table of shapes
+  (:mod:`dcp_tiered.policy.manifest_index`); version 2 wrote an entry per tensor
+  (:mod:`dcp_tiered.policy.manifest_entries`) and is still read.
 - a section: its node's data files (size, CRC32C, rank) and, per file, its items as columns
   (tensor id, chunk ordinal, length, CRC32C, raw offset); offsets follow from the lengths, as
   items are written back to back.
 
 Readers build DCP's ``Metadata`` from these and never unpickle ``.metadata``. Version 1 (one
 document with everything) is still read: :mod:`dcp_tiered.policy.manifest_v1`. This module
-parses (one index entry at a time: :mod:`dcp_tiered.policy.manifest_entries`);
-:mod:`dcp_tiered.policy.manifest_build` builds.
+parses; :mod:`dcp_tiered.policy.manifest_build` builds.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from . import (
     manifest_codec,
     manifest_columns,
     manifest_entries,
+    manifest_index,
     manifest_v1,
     records,
 )
@@ -63,6 +66,7 @@ _MAX_RANKS = 1 << 24
 # Chunks of all tensors of one step: 14.4 M at 16,384 ranks of FSDP2 (docs/scale.md). Counts in
 # a manifest are checked against this (and the tensor's own bounds) before they are expanded.
 _MAX_ITEMS = 1 << 26
+_INDEX_VERSIONS = (2, VERSION)  # 2: an entry per tensor (manifest_entries); 3: columns
 _HINT = REPAIR_HINT
 
 
@@ -123,10 +127,10 @@ def _sealed_body(data: bytes, where: str, *, head_only: bool = False) -> dict[st
     body = head if head is not None else _load(data, where)
     if body.get("format") != FORMAT:
         raise ManifestError(f"{where}: not a dcp_tiered manifest; {_HINT}")
-    if body.get("version") != VERSION:
+    if body.get("version") not in _INDEX_VERSIONS:
         raise ManifestError(
             f"{where}: manifest version {body.get('version')!r} is not supported by this "
-            f"dcp_tiered (reads versions 1 and {VERSION}); upgrade dcp_tiered"
+            f"dcp_tiered (reads versions 1 to {VERSION}); upgrade dcp_tiered"
         )
     return body
 
@@ -182,24 +186,15 @@ def _decode_index(body: dict[str, Any]) -> Manifest:
     ranks_listed = sorted(r for n in nodes for r in n)
     if len(ranks_listed) != world_size or ranks_listed != list(range(world_size)):
         raise ManifestError(f"nodes {nodes} do not cover ranks 0..{world_size - 1}")
-    sdm: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
-    writers: dict[str, list[int]] = {}
     props = [decode_properties(p) for p in body["properties"]]
-    budget = _MAX_ITEMS  # chunks of every tensor together: counts are checked against it
-    shapes: dict[tuple[int, ...], manifest_entries.Shape] = {}
-    for fqn, entry, ranks in body["tensors"]:
-        fqn = str(fqn)
-        whole = manifest_entries.whole_tensor(entry, ranks, props, world_size, shapes)
-        if whole is not None:  # most entries of a state: checked as strictly, in fewer steps
-            sdm[fqn], writers[fqn] = whole
-            budget -= 1
-            continue
-        sdm[fqn] = manifest_entries.decode_entry(entry, fqn, props, budget)
-        count = len(getattr(sdm[fqn], "chunks", [None]))
-        budget -= count
-        writers[fqn] = manifest_codec.unprogressions(
-            ranks, f"writers of {fqn!r}", length=count, low=-1, high=world_size
-        )
+    if body["version"] == VERSION:
+        sdm, writers = manifest_index.decode(body["tensors"], props, world_size, _MAX_ITEMS)
+        planner_data = manifest_index.decode_paths(body["planner_data"], list(sdm))
+    else:
+        sdm, writers = _decode_v2_tensors(body["tensors"], props, world_size)
+        planner_data = {
+            str(k): manifest_entries.path_of(v) for k, v in body["planner_data"].items()
+        }
     sections = {}
     for node, name, size, checksum in body["sections"]:
         if name != layout.manifest_section_name(node) or not SHARED <= node < len(nodes):
@@ -207,7 +202,7 @@ def _decode_index(body: dict[str, Any]) -> Manifest:
         sections[int(node)] = SectionRef(int(node), str(name), int(size), str(checksum))
     metadata = Metadata(
         state_dict_metadata=sdm,
-        planner_data={str(k): manifest_entries.path_of(v) for k, v in body["planner_data"].items()},
+        planner_data=planner_data,
         storage_data={},
         storage_meta=StorageMeta(
             checkpoint_id=body["storage_meta"]["checkpoint_id"],
@@ -225,12 +220,36 @@ def _decode_index(body: dict[str, Any]) -> Manifest:
         metadata=metadata,
         locations={},
         promote=bool(body.get("promote", True)),
-        version=VERSION,
+        version=body["version"],
         sections=sections,
         writers=writers,
         fqns=tuple(sdm),
         run_id=_run_id(body.get("run_id")),
     )
+
+
+def _decode_v2_tensors(
+    tensors: Any, props: list[Any], world_size: int
+) -> tuple[dict[str, TensorStorageMetadata | BytesStorageMetadata], dict[str, list[int]]]:
+    """Each key's metadata and writers from a version-2 index: an entry per tensor."""
+    sdm: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+    writers: dict[str, list[int]] = {}
+    budget = _MAX_ITEMS  # chunks of every tensor together: counts are checked against it
+    shapes: dict[tuple[int, ...], manifest_entries.Shape] = {}
+    for fqn, entry, ranks in tensors:
+        fqn = str(fqn)
+        whole = manifest_entries.whole_tensor(entry, ranks, props, world_size, shapes)
+        if whole is not None:  # most entries of a state: checked as strictly, in fewer steps
+            sdm[fqn], writers[fqn] = whole
+            budget -= 1
+            continue
+        sdm[fqn] = manifest_entries.decode_entry(entry, fqn, props, budget)
+        count = len(getattr(sdm[fqn], "chunks", [None]))
+        budget -= count
+        writers[fqn] = manifest_codec.unprogressions(
+            ranks, f"writers of {fqn!r}", length=count, low=-1, high=world_size
+        )
+    return sdm, writers
 
 
 def _run_id(value: Any) -> str | None:

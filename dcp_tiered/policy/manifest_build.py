@@ -18,10 +18,11 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ..errors import ManifestError
-from . import integrity, layout, manifest_codec
+from . import integrity, layout, manifest_codec, manifest_index
 from .manifest_types import (
     FORMAT,
     SECTION_FORMAT,
+    SECTION_VERSION,
     SHARED,
     VERSION,
     ItemLocation,
@@ -146,7 +147,7 @@ def build_files(
         node: json.dumps(
             {
                 "format": SECTION_FORMAT,
-                "version": VERSION,
+                "version": SECTION_VERSION,
                 "step": step,
                 "save_id": save_id,
                 "node": node,
@@ -212,14 +213,10 @@ def tensors_fragment(metadata: Metadata, writers: dict[str, list[int]]) -> str:
 
 def _fragment(metadata: Metadata, writers: Mapping[str, list[int]]) -> str:
     _, _, _, entries, props = _described(metadata)
-    planner_data = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
     members = {
-        "tensors": [
-            [fqn, entry, manifest_codec.progressions(writers[fqn])]
-            for fqn, entry in entries.items()
-        ],
+        "tensors": manifest_index.encode(entries, writers),
         "properties": props,
-        "planner_data": {fqn: list(path) for fqn, path in planner_data.items()},
+        "planner_data": manifest_index.encode_paths(list(entries), metadata.planner_data),
     }
     return json.dumps(members, separators=(",", ":"), ensure_ascii=False)[1:-1]
 

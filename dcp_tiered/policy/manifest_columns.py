@@ -24,8 +24,8 @@ from .manifest_types import (
     MAX_ITEM_FRAMING_BYTES,
     REPAIR_HINT,
     SECTION_FORMAT,
+    SECTION_VERSION,
     SHARED,
-    VERSION,
     FileColumns,
     Manifest,
     check_item_length,
@@ -70,7 +70,7 @@ def section_body(m: Manifest, node: int, data: bytes, *, where: str) -> dict[str
     with malformed(where, "manifest section"):
         if (
             body.get("format") != SECTION_FORMAT
-            or body.get("version") != VERSION
+            or body.get("version") != SECTION_VERSION
             or (body.get("step"), body.get("save_id"), body.get("node"))
             != (m.step, m.save_id, node)
         ):

@@ -8,6 +8,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorProperties
 
@@ -15,7 +16,10 @@ from ..errors import ManifestError
 
 FORMAT = "dcp-tiered-manifest"
 SECTION_FORMAT = "dcp-tiered-manifest-section"
-VERSION = 2  # an index and a section per node (1: one document, see manifest_v1)
+# 3: an index (its tensors as columns: manifest_index) and a section per node; 2: the same
+# with an index entry per tensor (still read); 1: one document (manifest_v1)
+VERSION = 3
+SECTION_VERSION = 2  # a node's section: unchanged since version 2
 SHARED = -1  # the section of the items every rank reads, whatever its node
 # torch.save's archive around a tensor's own bytes: about 1.5 KiB (docs: item-format findings);
 # a stored tensor item is never longer than its chunk's bytes plus this.
@@ -180,6 +184,7 @@ class SectionLocations(Mapping[MetadataIndex, ItemLocation]):
             rows = zip(itertools.repeat(f), range(len(columns.ids)))
             self._rows.update(zip(zip(columns.ids, columns.chunks), rows))
         self._ids: dict[str, int] | None = None  # fqn -> tensor id, made at the first lookup
+        self._first: tuple[np.ndarray, np.ndarray] | None = None  # see first_chunks
 
     @property
     def files(self) -> list[FileColumns]:
@@ -190,6 +195,19 @@ class SectionLocations(Mapping[MetadataIndex, ItemLocation]):
         if self._ids is None:
             self._ids = {fqn: n for n, fqn in enumerate(self._fqns)}
         return self._ids
+
+    def first_chunks(self) -> tuple[np.ndarray, np.ndarray]:
+        """For every tensor id, the index in ``files`` and the row of its first chunk's
+        item (-1, -1: none here), as :meth:`row_of` finds them (a later row wins)."""
+        if self._first is None:
+            where = np.full(len(self._fqns), -1, dtype=np.int64)
+            rows = np.full(len(self._fqns), -1, dtype=np.int64)
+            for n, columns in enumerate(self._files):
+                first = np.flatnonzero(np.asarray(columns.chunks, dtype=np.int64) == 0)
+                ids = np.asarray(columns.ids, dtype=np.int64)[first]
+                where[ids], rows[ids] = n, first  # an id repeated: its last row is kept
+            self._first = where, rows
+        return self._first
 
     def row_of(self, tensor_id: int, chunk: int) -> tuple[FileColumns, int] | None:
         """The file and row that locate chunk ``chunk`` of tensor ``tensor_id``, if any."""

@@ -4,10 +4,12 @@ read in blocks, every item checked against its checksum and its archive's storag
 before its bytes are copied into the target.
 
 A restore of 20,000 small tensors spent more on a read item, a key and a location per
-tensor (made, hashed, looked up, sorted) than on its reading. Here a tensor costs a row
-lookup; whatever cannot be copied straight in (a large tensor read in place, an empty one,
-a file that is not here, bytes that fail a check) becomes the read item the planner would
-have made and takes the general path, which reads it from the remote or names the failure.
+tensor (made, hashed, looked up, sorted) than on its reading. Here the rows are found, cut
+into blocks (:mod:`dcp_tiered.policy.read_blocks`) and their storage records checked with
+numpy, a whole column at a time; per tensor there is a CRC32C and a memmove. Whatever
+cannot be copied straight in (a large tensor read in place, an empty one, a file that is not
+here, bytes that fail a check) becomes the read item the planner would have made and takes
+the general path, which reads it from the remote or names the failure.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
@@ -25,8 +28,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 
 from .. import reader_checks
 from ..errors import ConfigError, ManifestError
-from ..policy import integrity, layout, manifest
-from ..policy.manifest_types import SHARED, FileColumns, ManifestLocations
+from ..policy import integrity, layout, manifest, read_blocks
+from ..policy.manifest_types import SHARED, ManifestLocations
 from ..tiers.remote import RemoteTier
 from . import _local
 from ._local import (
@@ -52,32 +55,40 @@ class ColumnBatch:
     item_of: Callable[[str], ReadItem]
 
     def deliver(self, r: Read, block: memoryview, planner: LoadPlanner) -> None:
-        """Copies the items of column read ``r`` (fqn, offset, length, CRC32C, raw offset) into
-        their targets, each after the checks ``_copy_stored`` makes; an item that fails one goes
-        to the general path (``self.leftover``), which reads it again and names what is wrong
-        or reads the remote copy."""
-        targets, leftover = self.targets, self.leftover
+        """Copies the items of column read ``r`` (its ``rows``) into their targets, each
+        after the checks ``_copy_stored`` makes (its CRC32C; its archive's storage record
+        right where the target's bytes end, of that many bytes: checked for the whole block
+        at once); an item that fails one goes to the general path (``self.leftover``),
+        which reads it again and names what is wrong or reads the remote copy."""
+        rows: read_blocks.BlockRows = r.rows
+        lo = rows.offsets - r.start
+        ends = lo + rows.lengths
+        pos = lo + rows.raws + rows.nbytes  # where each target's bytes end in the block
+        tails = reader_checks.storage_tails_ok(block, pos, ends, rows.nbytes)
         base = _local._address(block)
         crc, tail_at = integrity.checksum, reader_checks.storage_tail_at
         copy = _local._straight_copy  # looked up now: tests count the copies
-        start = r.start
-        for fqn, offset, length, expected, raw in r.groups:  # type: ignore[misc]
-            lo = offset - start
-            data = block[lo : lo + length]
-            target = targets[fqn]
-            nbytes = target.nbytes
+        for fqn, a, b, expected, ok, p, dst, nbytes in zip(
+            rows.fqns,
+            lo.tolist(),
+            ends.tolist(),
+            rows.crcs.tolist(),
+            tails.tolist(),
+            pos.tolist(),
+            rows.dst,
+            rows.nbytes.tolist(),
+        ):
             if (
-                len(data) != length
-                or (expected and f"{crc(data):08x}" != expected)
-                or raw + nbytes > length
-                or not tail_at(block, lo + raw + nbytes, lo + length, nbytes)
+                b > len(block)  # a short read
+                or crc(block[a:b]) != expected
+                or not (ok or tail_at(block, p, b, nbytes))  # a zip64 record, or a lie
             ):
-                leftover.append(self.item_of(fqn))
+                self.leftover.append(self.item_of(fqn))
                 continue
             if nbytes:
-                copy(target.data_ptr(), base + lo + raw, nbytes)
+                copy(dst, base + p - nbytes, nbytes)
             if self.commits:
-                planner.commit_tensor(self.item_of(fqn), target.detach())
+                planner.commit_tensor(self.item_of(fqn), self.targets[fqn].detach())
 
 
 class ColumnReads(LocalReads):
@@ -86,7 +97,8 @@ class ColumnReads(LocalReads):
 
     def reads_by_columns(self, metadata: Any) -> bool:
         """See :class:`dcp_tiered.whole_reads.ColumnReader`: the metadata this reader
-        returned, of a version-2 step held locally (its data files are read here)."""
+        returned, of a step with manifest sections (version 2 or 3) held locally (its data
+        files are read here)."""
         return (
             metadata is self._offered
             and self._manifest is not None
@@ -124,23 +136,35 @@ class ColumnReads(LocalReads):
             [],
             self._item_of,
         )
-        ids = section.tensor_ids()
-        rows: dict[int, list[tuple[int, int, str]]] = {}  # file -> (offset, row, fqn)
-        files = {id(f): f for f in section.files}
-        for fqn in targets:
-            where = section.row_of(ids.get(fqn, -1), 0)
-            if where is None:
-                raise self._unlocated(fqn)
-            f, row = where
-            rows.setdefault(id(f), []).append((f.offsets[row], row, fqn))
+        fqns = list(targets)
+        tids = section.tensor_ids()
+        ids = np.asarray([tids.get(fqn, -1) for fqn in fqns], dtype=np.int64)
+        where, rows = section.first_chunks()
+        found = np.where(ids >= 0, where[ids], -1)
+        if (found < 0).any():
+            raise self._unlocated(fqns[int(np.argmax(found < 0))])
+        values = list(targets.values())
+        dst = [t.data_ptr() for t in values]
+        nbytes = np.asarray([t.nbytes for t in values], dtype=np.int64)
         reads: list[Read] = []
-        for key, placed in rows.items():
-            f = files[key]
+        for n in np.unique(found).tolist():
+            f = section.files[n]
+            mine = np.flatnonzero(found == n)
             if not self._valid_locally(f.name):  # the general path reads it remotely
-                batch.leftover.extend(self._item_of(fqn) for _, _, fqn in placed)
+                batch.leftover.extend(self._item_of(fqns[i]) for i in mine.tolist())
                 continue
-            placed.sort()
-            reads.extend(_blocks(f, placed, batch))
+            blocks, left = read_blocks.plan(
+                f,
+                rows[ids[mine]],
+                [fqns[i] for i in mine.tolist()],
+                [dst[i] for i in mine.tolist()],
+                nbytes[mine],
+                block_bytes=_LOCAL_BLOCK_BYTES,
+                gap_bytes=_LOCAL_GAP_BYTES,
+                alone_bytes=_IN_PLACE_MIN_BYTES,
+            )
+            batch.leftover.extend(map(self._item_of, left))
+            reads += [Read(f.name, b.start, b.end, [], columns=batch, rows=b.rows) for b in blocks]
         self._run_reads(reads, planner)
         return batch.leftover
 
@@ -172,29 +196,3 @@ class ColumnReads(LocalReads):
         offsets = md.chunks[0].offsets
         index = MetadataIndex(fqn, offsets, 0)
         return ReadItem(LoadItemType.TENSOR, index, offsets, index, offsets, md.size)
-
-
-def _blocks(f: FileColumns, placed: list[tuple[int, int, str]], batch: ColumnBatch) -> list[Read]:
-    """The block reads of file ``f``'s rows ``placed`` (sorted by offset); a row whose
-    tensor is large (read in place) or has no located raw bytes goes to the general path."""
-    reads: list[Read] = []
-    block: Read | None = None
-    lengths, raws = f.lengths, f.raws
-    for start, row, fqn in placed:
-        length = lengths[row]
-        if length >= _IN_PLACE_MIN_BYTES or raws[row] < 0:
-            batch.leftover.append(batch.item_of(fqn))
-            continue
-        end = start + length
-        entry = (fqn, start, length, f.crc(row), raws[row])
-        if (
-            block is not None
-            and block.end <= start <= block.end + _LOCAL_GAP_BYTES
-            and end - block.start <= _LOCAL_BLOCK_BYTES
-        ):
-            block.end = end
-            block.groups.append(entry)  # type: ignore[arg-type]
-        else:
-            block = Read(f.name, start, end, [entry], columns=batch)  # type: ignore[list-item]
-            reads.append(block)
-    return reads
