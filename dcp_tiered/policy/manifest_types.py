@@ -198,7 +198,7 @@ class SectionLocations(Mapping[MetadataIndex, ItemLocation]):
 
     def first_chunks(self) -> tuple[np.ndarray, np.ndarray]:
         """For every tensor id, the index in ``files`` and the row of its first chunk's
-        item (-1, -1: none here), as :meth:`row_of` finds them (a later row wins)."""
+        item (-1, -1: none here), as lookups by key find them (a later row wins)."""
         if self._first is None:
             where = np.full(len(self._fqns), -1, dtype=np.int64)
             rows = np.full(len(self._fqns), -1, dtype=np.int64)
@@ -208,11 +208,6 @@ class SectionLocations(Mapping[MetadataIndex, ItemLocation]):
                 where[ids], rows[ids] = n, first  # an id repeated: its last row is kept
             self._first = where, rows
         return self._first
-
-    def row_of(self, tensor_id: int, chunk: int) -> tuple[FileColumns, int] | None:
-        """The file and row that locate chunk ``chunk`` of tensor ``tensor_id``, if any."""
-        found = self._rows.get((tensor_id, chunk))
-        return None if found is None else (self._files[found[0]], found[1])
 
     def __getitem__(self, key: MetadataIndex) -> ItemLocation:
         f, row = self._rows[self._chunk_of(key)]

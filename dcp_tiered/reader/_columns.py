@@ -60,7 +60,8 @@ class ColumnBatch:
         right where the target's bytes end, of that many bytes: checked for the whole block
         at once); an item that fails one goes to the general path (``self.leftover``),
         which reads it again and names what is wrong or reads the remote copy."""
-        rows: read_blocks.BlockRows = r.rows
+        rows = r.rows
+        assert rows is not None  # a column read: planned with its rows
         lo = rows.offsets - r.start
         ends = lo + rows.lengths
         pos = lo + rows.raws + rows.nbytes  # where each target's bytes end in the block

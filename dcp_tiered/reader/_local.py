@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 
 from .. import reader_checks
 from ..errors import IntegrityError, MissingShardError
-from ..policy import integrity
+from ..policy import integrity, read_blocks
 from ..policy.manifest import ItemLocation
 from ._deliver import Delivery
 from ._remote import RemoteReads
@@ -359,4 +359,4 @@ class Read:
     # whole reads by columns: ``columns`` delivers the block, whose items are ``rows``
     # (reader._columns), and ``groups`` is empty
     columns: ColumnDelivery | None = None
-    rows: Any = None
+    rows: read_blocks.BlockRows | None = None
