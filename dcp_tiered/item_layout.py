@@ -34,6 +34,7 @@ from . import item_writer
 from .backends.local import LocalBackend
 from .item_frame import FRAMER, Frame
 from .policy import integrity
+from .policy.item_keys import ItemKeys
 
 # Staging buffers kept in all (every layout holds its small tensors' bytes and every frame)
 MAX_STAGING_BYTES = 256 * 2**20
@@ -52,6 +53,7 @@ class Layout:
         self._item_at: list[tuple[int, int]] = []  # (start, length) of each item in the file
         raw: list[int | None] = []
         self._frames: list[Frame] = []  # of the large items
+        self._large_sizes: list[int] = []  # their tensors' bytes
         self._large_parts: list[tuple[int, bytes]] = []  # each one's (head's CRC, tail)
         cuts: list[int] = []  # staging offsets where a large tensor's bytes go
         slots: list[tuple[int, int, torch.dtype, torch.Size]] = []  # small tensors'
@@ -75,6 +77,7 @@ class Layout:
                 self._large.append(k)
                 cuts.append(staged + len(head))
                 self._frames.append(frame)
+                self._large_sizes.append(len(body))
                 self._large_parts.append((integrity.checksum(head), tail))
                 staged += length - len(body)
             heads.append(tail)
@@ -96,10 +99,10 @@ class Layout:
             for _, at, dtype, shape in slots
         ]
         self._small_views = [staging[at : at + n] for at, n in small_items]
-        self.keys = [
+        self.keys = ItemKeys.packed(
             (i.index.fqn, None if i.index.offset is None else tuple(i.index.offset), i.index.index)
             for i in items
-        ]
+        )
         self.offsets = [at for at, _ in self._item_at]
         self.lengths = [n for _, n in self._item_at]
         self.raw_offsets = raw
@@ -127,11 +130,19 @@ class Layout:
         nothing, where they do not match this layout (the caller frames them anew)."""
         if _signature(tensors) != self.signature:
             return None
-        large = [item_writer.as_saveable(tensors[k]) for k in self._large]
-        # a large tensor's bytes are written as they are: its frame must be the kept one
+        # A large tensor's bytes are written from its own memory: the same dtype and shape
+        # (the signature) in row-major order there is the kept frame's tensor. Any other (a
+        # view, a lazy conjugate) is made plain first, and must then frame as kept
         # (FRAMER's own checks: a class or layout it does not frame is DataFile's to write)
-        if any(FRAMER.frame(t) != frame for t, frame in zip(large, self._frames)):
-            return None
+        large = [tensors[k] for k in self._large]  # held: the views do not keep them alive
+        bodies: list[memoryview] = []
+        for j, body in enumerate(item_writer.raw_views(large, self._large_sizes)):
+            if body is None:
+                large[j] = plain = item_writer.as_saveable(large[j])
+                if FRAMER.frame(plain) != self._frames[j]:
+                    return None
+                body = item_writer.memory_of(plain, self._large_sizes[j])
+            bodies.append(body)
         for k, at, n in self._bytes:
             with tensors[k].getbuffer() as value:
                 self.staging[at : at + n] = value
@@ -139,9 +150,9 @@ class Layout:
             with torch.no_grad():
                 torch._foreach_copy_(self._slots, [tensors[k] for k in self._copied])
         crcs = [0] * len(self._item_at)
-        for k, view in zip(self._small, self._small_views):  # in the cache after the copy
-            crcs[k] = integrity.checksum(view)
-        bodies = [item_writer.memory_of(t, t.numel() * t.element_size()) for t in large]
+        # in the cache after the copy
+        for k, crc in zip(self._small, integrity.checksums(self._small_views)):
+            crcs[k] = crc
         # Written in batches as DataFile writes them, each started to the disk; a batch's
         # large tensors are checksummed just after it is written, while still in the cache
         file_crc, batch, done, written = 0, [self._segments[0]], 0, 0
@@ -233,13 +244,13 @@ _kept: OrderedDict[int, _Kept] = OrderedDict()  # by id of the item list, oldest
 def write_items(
     f: BinaryIO,
     items: Sequence[WriteItem],
-    resolve: Callable[[WriteItem], Any],
+    resolve: Callable[[Sequence[WriteItem]], list[Any]],
     *,
     writeback: bool = False,
 ) -> item_writer.Written:
-    """Write ``items`` (their data from ``resolve``, DCP's ``planner.resolve_data``) into
-    ``f``: with the list's kept layout where there is one that fits, else framed anew."""
-    data = [resolve(item) for item in items]
+    """Write ``items`` (their data from ``resolve``: DCP's ``planner.resolve_data`` of each)
+    into ``f``: with the list's kept layout where there is one that fits, else framed anew."""
+    data = resolve(items)
     layout = _layout_for(items, data)
     if layout is not None and layout.busy.acquire(blocking=False):
         try:

@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections import ChainMap
+import threading
+from collections import ChainMap, OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -43,6 +45,8 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemT
 from . import _gc, _torch_compat, metadata_broadcast
 from .policy import flatten
 from .policy.chunk_grid import plan_errors
+
+_PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
 
 # planner cache key -> (structure, flattening map, local plan) of its last save
 _LOCAL_PLANS: dict[str, tuple[list[Any], Any, SavePlan]] = {}
@@ -197,6 +201,30 @@ class TieredSavePlanner(DefaultSavePlanner):
                     return found  # what DCP's find_tensor_shard returns for it
         return super().resolve_data(write_item)
 
+    def resolve_items(self, items: Sequence[WriteItem]) -> list[Any]:
+        """:meth:`resolve_data` of each of ``items``, in order: the plain tensors saved whole
+        looked up in one pass (a data file's thousands of items; 20,000 tensors: 0.1 s of
+        the writer's time item by item, profiled), every other item item by item."""
+        if not _default_lookup(type(self)):
+            return [self.resolve_data(item) for item in items]
+        fqns, dims, whole = _whole_tensor_keys(items)
+        found: list[Any] = list(map(self.state_dict.get, fqns))
+        if (  # the common case, checked by columns
+            whole
+            and set(map(type, found)) <= _PLAIN_TENSORS
+            and list(map(torch.Tensor.dim, found)) == dims
+        ):
+            return found
+        for k, (value, dim) in enumerate(zip(found, dims)):
+            kind = type(value)
+            if (
+                dim is None
+                or (kind is not torch.Tensor and kind is not torch.nn.Parameter)
+                or (dim >= 0 and value.dim() != dim)
+            ):
+                found[k] = self.resolve_data(items[k])
+        return found
+
     # DefaultSavePlanner's own steps (torch 2.13-2.15: dedup, global plan, planner data),
     # but for the check. Both the uncached and the plan-caching paths call this.
     def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
@@ -212,6 +240,43 @@ class TieredSavePlanner(DefaultSavePlanner):
             raise ValueError(f"Failed to validate global plan: {summary}")
         # what dcp.save broadcasts at the end of each save: see metadata_broadcast
         return global_plan, metadata_broadcast.broadcastable(metadata)
+
+
+# The last item lists' keys, by id (the list is held: its id stays its own). DCP's plan
+# caching hands every save of one structure the same lists; each writer thread has its own.
+_KEYS: OrderedDict[int, tuple[Sequence[WriteItem], list[str], list[int | None], bool]] = (
+    OrderedDict()
+)
+_KEYS_KEPT = 16
+_keys_lock = threading.Lock()
+
+
+def _whole_tensor_keys(
+    items: Sequence[WriteItem],
+) -> tuple[list[str], list[int | None], bool]:
+    """Each item's fqn, and what ``resolve_data`` asks of the plain tensor found there to
+    return it as it is: its number of dimensions (-1: any), or None where it does not
+    (not a tensor item, or a chunk other than the whole tensor's); and whether every item
+    asks for a number of dimensions."""
+    with _keys_lock:
+        kept = _KEYS.get(id(items))
+        if kept is not None and kept[0] is items:
+            _KEYS.move_to_end(id(items))
+            return kept[1], kept[2], kept[3]
+    fqns = [item.index.fqn for item in items]
+    dims: list[int | None] = []
+    for item in items:
+        offset = item.index.offset
+        if item.type is not WriteItemType.TENSOR or (offset is not None and any(offset)):
+            dims.append(None)
+        else:
+            dims.append(-1 if offset is None else len(offset))
+    whole = all(dim is not None and dim >= 0 for dim in dims)
+    with _keys_lock:
+        _KEYS[id(items)] = (items, fqns, dims, whole)
+        while len(_KEYS) > _KEYS_KEPT:
+            _KEYS.popitem(last=False)
+    return fqns, dims, whole
 
 
 @functools.cache

@@ -200,3 +200,57 @@ def test_a_lazy_conjugate_or_negation_restores_its_values_with_our_reader(tmp_pa
         state, checkpoint_id="step-1", storage_writer=TieredStorageWriter(tmp_path), no_dist=True
     )
     _loads_bit_exact(tmp_path, "step-1", state)
+
+
+def test_raw_views_are_a_saveable_tensors_bytes_in_place_or_none():
+    """A tensor whose bytes are its values in row-major order gets a view of them where it
+    lies (a row of a matrix, a Parameter, an odd stride on a size-1 dimension); every other
+    one None, to be made plain first. A size other than the tensor's own is refused."""
+    base = torch.randn(64, 100)
+    z = torch.randn(2048, dtype=torch.complex64)
+    cases = {
+        "plain": (torch.randn(64, 100), True),
+        "row_of_a_matrix": (base[3], True),
+        "parameter": (torch.nn.Parameter(torch.randn(40, 100)), True),
+        "requires_grad": (torch.randn(4000, requires_grad=True), True),
+        "size_one_stride": (torch.randn(4096, 1).t(), True),  # (1, 4096), strides (1, 1)
+        "transposed": (base.t(), False),
+        "expanded": (torch.randn(1, 500).expand(8, 500), False),
+        "conj": (z.conj(), False),
+        "neg": (z.conj().imag, False),
+        "meta": (torch.empty(5000, device="meta"), False),
+        "empty": (torch.empty(0, 3), False),
+    }
+    tensors = [t for t, _ in cases.values()]
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    views = item_writer.raw_views(tensors, sizes)
+    for (name, (t, in_place)), view, n in zip(cases.items(), views, sizes):
+        if not in_place:
+            assert view is None, name
+            continue
+        assert view is not None and view.readonly, name
+        plain = item_writer.as_saveable(t)
+        assert bytes(view) == bytes(item_writer.memory_of(plain, n)), name
+        assert view.nbytes == n, name
+    assert item_writer.raw_views([base, base], [base.nbytes + 4, base.nbytes - 4]) == [None, None]
+
+
+def test_a_large_tensor_in_place_anywhere_is_written_from_the_layout(tmp_path, monkeypatch):
+    """A large tensor replaced by one of the same dtype and shape whose bytes lie elsewhere (a
+    row of a bigger matrix, an odd stride on a size-1 dimension) is written from its own
+    memory by the kept layout, not framed anew, and loads bit-exact by vanilla DCP and ours."""
+    saver = _Saver(tmp_path, monkeypatch)
+    state = {"a": torch.randn(64, 100), "b": torch.randn(1, 8192), "c": torch.randn(3), "n": 1}
+    for step in ("step-1", "step-2"):
+        saver.save(step, state)
+    bigger = torch.randn(10, 64 * 100)
+    state["a"] = bigger[3].view(64, 100)
+    state["b"] = torch.randn(8192, 1).t()
+    assert state["a"].storage_offset() and state["b"].stride() == (1, 1)
+    assert saver.save("step-3", state) == []
+    _loads_bit_exact(tmp_path, "step-3", state)
+    state["a"] = torch.randn(100, 64).t()  # not in place: made plain, then the kept frame
+    state["b"] = torch.randn(8192, 2)[:, 0].view(1, 8192)  # every other float: likewise
+    assert not state["a"].is_contiguous() and not state["b"].is_contiguous()
+    assert saver.save("step-4", state) == []
+    _loads_bit_exact(tmp_path, "step-4", state)

@@ -253,3 +253,59 @@ def test_every_writer_plans_under_a_cache_key_of_its_own(tmp_path):
         del writer
     assert len(keys) == 20
     assert len(ids) < 20  # ids were reused here: keys made of them would have repeated
+
+
+def test_resolve_items_gives_each_items_resolve_data():
+    """A data file's items resolved together are what ``resolve_data`` gives each one: the
+    flat state's own tensors (looked up anew on every call: the item list's keys are kept,
+    never its values), a bytes item serialised, and DCP's errors for a tensor that no longer
+    fits its item."""
+    state = {"w": torch.ones(2, 3), "p": torch.nn.Parameter(torch.zeros(4)), "v": torch.ones(5)}
+    ours = TieredSavePlanner()
+    ours.set_up_planner(state, None, True)
+    items = ours.create_local_plan().items
+    for attempt in range(2):  # the second call finds the list's keys kept
+        got = ours.resolve_items(items)
+        assert [g is state[i.index.fqn] for g, i in zip(got, items)] == [True] * 3, attempt
+    state = {
+        "w": torch.full((2, 3), 2.0),
+        "p": torch.nn.Parameter(torch.ones(4)),
+        "v": torch.ones(5),
+    }
+    ours.set_up_planner(state, None, True)
+    assert [g is state[i.index.fqn] for g, i in zip(ours.resolve_items(items), items)] == [True] * 3
+
+    mixed = {**state, "n": 7}
+    ours.set_up_planner(mixed, None, True)
+    items = ours.create_local_plan().items
+    got = ours.resolve_items(items)
+    for item, mine in zip(items, got):
+        want = ours.resolve_data(item)
+        assert (
+            mine is want if isinstance(want, torch.Tensor) else mine.getvalue() == want.getvalue()
+        )
+
+    for changed, error in (
+        ({"v": torch.ones(5, 1)}, "is not a ShardedTensor"),
+        ({"v": None}, None),
+    ):
+        ours.set_up_planner({**mixed, **changed}, None, True)
+        with pytest.raises((ValueError, TypeError, AttributeError)) as by_item:
+            [ours.resolve_data(i) for i in items]
+        with pytest.raises(type(by_item.value), match=error) as together:
+            ours.resolve_items(items)
+        assert str(together.value) == str(by_item.value)
+
+    class Halving(TieredSavePlanner):
+        def transform_object(self, write_item, object):
+            return object / 2 if isinstance(object, torch.Tensor) else object
+
+    halving = Halving()
+    halving.set_up_planner(state, None, True)
+    items = halving.create_local_plan().items
+    halved = {i.index.fqn: t for i, t in zip(items, halving.resolve_items(items))}
+    assert {k: float(t.detach().flatten()[0]) for k, t in halved.items()} == {
+        "w": 1.0,
+        "p": 0.5,
+        "v": 0.5,
+    }

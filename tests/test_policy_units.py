@@ -410,3 +410,19 @@ def test_planner_data_paths_decode_as_before():
         "a",
         "b",
     )  # not a list: each element, as it always was
+
+
+def test_manifest_sections_are_the_compact_json_of_their_members():
+    """A section is spliced from JSON text made once per layout: it is exactly what
+    json.dumps makes of its members (compact, UTF-8 as it is), in their order."""
+    md, locs = _metadata([(4, 2), (6, 3)])
+    built = _build(md, locs, step="шаг-3", world_size=2, nodes=[[0], [1]])
+    assert set(built.sections) == {manifest.SHARED, 0, 1}
+    for node, data in built.sections.items():
+        body = json.loads(data)
+        assert list(body) == ["format", "version", "step", "save_id", "node", "files"]
+        assert body["node"] == node and body["step"] == "шаг-3"
+        assert json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode() == data
+        for entry in body["files"]:
+            assert list(entry)[:3] == ["name", "size", "checksum"] and "crcs" in entry
+    _parse(built)  # and reads back, every section checked against the index

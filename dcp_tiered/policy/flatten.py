@@ -24,6 +24,9 @@ from torch.distributed.checkpoint import _version
 _PLAIN = frozenset({torch.Tensor, torch.nn.Parameter, int, float, bool, str, bytes, type(None)})
 
 
+_STR_ONLY = frozenset({str})
+
+
 class _NotPlain(Exception):
     """Something only DCP's own walk handles: a ShardedTensor, or a duplicate key."""
 
@@ -75,12 +78,21 @@ def _visit(
 ) -> None:
     kind = type(value)
     if kind is dict or (kind not in _PLAIN and isinstance(value, Mapping)):
-        if not all(type(k) is str for k in value) and len({str(k) for k in value}) < len(value):
+        if not _STR_ONLY >= set(map(type, value)) and len({str(k) for k in value}) < len(value):
             raise _NotPlain  # keys equal as strings (0 and "0"): DCP's two walks differ
         if kind is not dict and not isinstance(value, dict):
             foreign.append(value)
+        prefix = ".".join(map(str, path)) + "." if path else ""
         for k, v in value.items():
-            _visit((*path, str(k)), v, flat, paths, foreign)
+            key = str(k)
+            if type(v) in _PLAIN:  # a leaf, taken here: most of a state (no call per value)
+                fqn = prefix + key
+                if fqn in flat:
+                    raise _NotPlain  # DCP raises its own error for it
+                flat[fqn] = v
+                paths[fqn] = (*path, key)
+            else:
+                _visit((*path, key), v, flat, paths, foreign)
         return
     if (kind is list or (kind not in _PLAIN and isinstance(value, list))) and not _terminal(value):
         for i, v in enumerate(value):

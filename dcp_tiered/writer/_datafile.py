@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO
 
@@ -92,7 +92,16 @@ def write_file(
     caller); ``sync``: start each batch's way to the disk as soon as it is written. The
     same list of items as an earlier save (DCP's plan caching) is written by its kept
     layout (:mod:`dcp_tiered.item_layout`)."""
-    return item_layout.write_items(f, items, planner.resolve_data, writeback=sync)
+    return item_layout.write_items(f, items, resolver(planner), writeback=sync)
+
+
+def resolver(planner: SavePlanner) -> Callable[[Sequence[WriteItem]], list[Any]]:
+    """The planner's data of a list of items: ``resolve_items`` where it has one (ours looks
+    the plain tensors up together), else ``resolve_data`` item by item."""
+    resolve_items = getattr(planner, "resolve_items", None)
+    if resolve_items is not None:
+        return resolve_items
+    return lambda items: [planner.resolve_data(item) for item in items]
 
 
 def _file_written(tiers: Tiers, save: SaveInfo, name: str, out: item_writer.Written) -> WriteResult:

@@ -97,6 +97,8 @@ def describe(
             if kept is not None and not same:
                 kept.layouts, kept.file_plan, kept.plan_of = layouts, plan, plan_of
                 kept.pickled = b""  # pickled for other layouts
+            elif kept is not None:  # equal: the newest keys, packed where they came packed
+                kept.layouts = layouts
         built_at = time.perf_counter()
         metadata_bytes = vanilla_metadata(
             metadata,
