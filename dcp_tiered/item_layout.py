@@ -134,7 +134,10 @@ class Layout:
         # (the signature) in row-major order there is the kept frame's tensor. Any other (a
         # view, a lazy conjugate) is made plain first, and must then frame as kept
         # (FRAMER's own checks: a class or layout it does not frame is DataFile's to write)
-        large = [tensors[k] for k in self._large]  # held: the views do not keep them alive
+        large = [tensors[k] for k in self._large]
+        # held until written: the views keep nothing alive (a tensor resized meanwhile,
+        # against DCP's rules, leaves its old storage here, not freed memory)
+        held = list(map(torch.Tensor.untyped_storage, large))
         bodies: list[memoryview] = []
         for j, body in enumerate(item_writer.raw_views(large, self._large_sizes)):
             if body is None:
@@ -172,6 +175,7 @@ class Layout:
         if batch:  # no large tensors: the staging buffer is the file
             _write(f, batch, written, writeback)
         file_crc = integrity.checksum(self._segments[-1], file_crc)
+        del held  # written and checksummed
         return item_writer.Written(
             position=self.size,
             file_crc=file_crc,

@@ -332,8 +332,8 @@ def raw_views(tensors: Sequence[torch.Tensor], sizes: Sequence[int]) -> list[mem
     """Each tensor's ``sizes[k]`` bytes in place, where they are its values in row-major
     order (a plain CPU tensor, contiguous, no lazy conjugate or negation): what
     ``memory_of(as_saveable(t))`` gives, checked a whole list at a time. None for any other
-    tensor (``as_saveable`` makes it one). The views do not keep the tensors alive: the
-    caller holds ``tensors`` while it uses them."""
+    tensor (``as_saveable`` makes it one). The views keep nothing alive: the caller holds
+    the tensors' storages while it uses them."""
     in_place = map(
         _in_place,
         map(type, tensors),
