@@ -203,27 +203,25 @@ class TieredSavePlanner(DefaultSavePlanner):
 
     def resolve_items(self, items: Sequence[WriteItem]) -> list[Any]:
         """:meth:`resolve_data` of each of ``items``, in order: the plain tensors saved whole
-        looked up in one pass (a data file's thousands of items; 20,000 tensors: 0.1 s of
-        the writer's time item by item, profiled), every other item item by item."""
-        if not _default_lookup(type(self)):
-            return [self.resolve_data(item) for item in items]
-        fqns, dims, whole = _whole_tensor_keys(items)
-        found: list[Any] = list(map(self.state_dict.get, fqns))
-        if (  # the common case, checked by columns
-            whole
-            and set(map(type, found)) <= _PLAIN_TENSORS
-            and list(map(torch.Tensor.dim, found)) == dims
-        ):
-            return found
-        for k, (value, dim) in enumerate(zip(found, dims)):
-            kind = type(value)
+        looked up and checked by columns (a data file's thousands of items; 20,000 tensors:
+        0.1 s of the writer's time item by item, profiled), the other items item by item;
+        every item by :meth:`resolve_data` where a column check fails (its errors)."""
+        if _default_lookup(type(self)):
+            at, fqns, dims, rest = _whole_tensor_keys(items)
+            found: list[Any] = list(map(self.state_dict.get, fqns))
             if (
-                dim is None
-                or (kind is not torch.Tensor and kind is not torch.nn.Parameter)
-                or (dim >= 0 and value.dim() != dim)
+                set(map(type, found)) <= _PLAIN_TENSORS
+                and list(map(torch.Tensor.dim, found)) == dims
             ):
-                found[k] = self.resolve_data(items[k])
-        return found
+                if not rest:
+                    return found  # what resolve_data gives each of them
+                out: list[Any] = [None] * len(items)
+                for k, value in zip(at, found):
+                    out[k] = value
+                for k in rest:
+                    out[k] = self.resolve_data(items[k])
+                return out
+        return [self.resolve_data(item) for item in items]
 
     # DefaultSavePlanner's own steps (torch 2.13-2.15: dedup, global plan, planner data),
     # but for the check. Both the uncached and the plan-caching paths call this.
@@ -244,39 +242,38 @@ class TieredSavePlanner(DefaultSavePlanner):
 
 # The last item lists' keys, by id (the list is held: its id stays its own). DCP's plan
 # caching hands every save of one structure the same lists; each writer thread has its own.
-_KEYS: OrderedDict[int, tuple[Sequence[WriteItem], list[str], list[int | None], bool]] = (
-    OrderedDict()
-)
+_Keys = tuple[list[int], list[str], list[int], list[int]]
+_KEYS: OrderedDict[int, tuple[Sequence[WriteItem], _Keys]] = OrderedDict()
 _KEYS_KEPT = 16
 _keys_lock = threading.Lock()
 
 
-def _whole_tensor_keys(
-    items: Sequence[WriteItem],
-) -> tuple[list[str], list[int | None], bool]:
-    """Each item's fqn, and what ``resolve_data`` asks of the plain tensor found there to
-    return it as it is: its number of dimensions (-1: any), or None where it does not
-    (not a tensor item, or a chunk other than the whole tensor's); and whether every item
-    asks for a number of dimensions."""
+def _whole_tensor_keys(items: Sequence[WriteItem]) -> _Keys:
+    """The positions of the items that are whole tensors' (a tensor item at offset zero:
+    ``resolve_data`` returns the plain tensor of that many dimensions at its fqn as it is),
+    their fqns and numbers of dimensions, and the positions of every other item."""
     with _keys_lock:
         kept = _KEYS.get(id(items))
         if kept is not None and kept[0] is items:
             _KEYS.move_to_end(id(items))
-            return kept[1], kept[2], kept[3]
-    fqns = [item.index.fqn for item in items]
-    dims: list[int | None] = []
-    for item in items:
+            return kept[1]
+    at: list[int] = []
+    rest: list[int] = []
+    for k, item in enumerate(items):
         offset = item.index.offset
-        if item.type is not WriteItemType.TENSOR or (offset is not None and any(offset)):
-            dims.append(None)
-        else:
-            dims.append(-1 if offset is None else len(offset))
-    whole = all(dim is not None and dim >= 0 for dim in dims)
+        whole = item.type is WriteItemType.TENSOR and offset is not None and not any(offset)
+        (at if whole else rest).append(k)
+    keys = (
+        at,
+        [items[k].index.fqn for k in at],
+        [len(items[k].index.offset or ()) for k in at],
+        rest,
+    )
     with _keys_lock:
-        _KEYS[id(items)] = (items, fqns, dims, whole)
+        _KEYS[id(items)] = (items, keys)
         while len(_KEYS) > _KEYS_KEPT:
             _KEYS.popitem(last=False)
-    return fqns, dims, whole
+    return keys
 
 
 @functools.cache

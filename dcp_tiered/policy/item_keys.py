@@ -34,17 +34,15 @@ class ItemKeys(Sequence[Key]):
         assert out._tuples is not None
         numbers = array("q")
         for _, offset, index in out._tuples:
+            if (index is not None and index < 0) or min(offset or (), default=0) < 0:
+                return out  # -1 is None when packed: these go as tuples
             if offset is None:
                 numbers.append(-1)
             else:
                 numbers.append(len(offset))
                 numbers.extend(offset)
             numbers.append(-1 if index is None else index)
-        if not any(
-            (index is not None and index < 0) or (offset is not None and min(offset, default=0) < 0)
-            for _, offset, index in out._tuples
-        ):
-            out._packed = ([fqn for fqn, _, _ in out._tuples], numbers.tobytes())
+        out._packed = ([fqn for fqn, _, _ in out._tuples], numbers.tobytes())
         return out
 
     def _unpacked(self) -> list[Key]:
