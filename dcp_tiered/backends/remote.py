@@ -14,12 +14,10 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-import fsspec
-
 from .. import _retry
 from ..config import RemoteConfig, RetryConfig
 from ..errors import ConfigError, PermanentTierError, TransientTierError
-from . import s3_checksums
+from . import _clients, s3_checksums
 from ._remote_files import LOCAL_PROTOCOLS, mtime_of, split_url, tag_of, write_whole
 from ._remote_tagged import TaggedObjects
 from .base import Backend
@@ -57,9 +55,7 @@ class RemoteBackend(TaggedObjects, Backend):
     @property
     def fs(self) -> Any:
         if self._fs is None or self._fs_pid != os.getpid():
-            self._fs = fsspec.filesystem(
-                self.protocol, skip_instance_cache=True, **dict(self.config.storage_options)
-            )
+            self._fs = _clients.filesystem(self.protocol, self.config.storage_options)
             self._fs_pid = os.getpid()
         return self._fs
 

@@ -28,11 +28,11 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, TypeVar
 
-import fsspec
 from fsspec.asyn import sync
 
 from ..errors import IntegrityError, PermanentTierError, TransientTierError
 from ..policy import integrity, layout
+from . import _clients
 
 T = TypeVar("T")
 
@@ -148,9 +148,7 @@ def _probe(backend: RemoteBackend, where: tuple[str, str]) -> bool | None:
     opts = dict(backend.config.storage_options)
     config_kwargs = {**(opts.get("config_kwargs") or {})}
     config_kwargs["retries"] = {"mode": "standard", "max_attempts": 1}
-    fs = fsspec.filesystem(
-        backend.protocol, skip_instance_cache=True, **{**opts, "config_kwargs": config_kwargs}
-    )
+    fs = _clients.filesystem(backend.protocol, {**opts, "config_kwargs": config_kwargs})
 
     def put(value: int) -> None:
         fs.call_s3(
