@@ -308,6 +308,7 @@ def summarise(local: dict, s3: dict, training: dict | None, found: dict) -> dict
             "verdicts": verdicts,
             "pass": bool(verdicts) and all(verdicts.values()),
             "state_mib": training["state_mib"],
+            "step_secs": training.get("step_secs"),
             "steps_per_s": training["steps_per_s"],
         }
     return {
@@ -367,7 +368,8 @@ def render(report: dict, local: dict, s3: dict) -> str:
             for p, ok in train.get("verdicts", {}).items()
         )
         parts.append(
-            f"\nTraining loop ({train['state_mib']} MiB state), throughput vs an adjacent run "
+            f"\nTraining loop ({train['state_mib']} MiB state, {train.get('step_secs')} s a step "
+            "alone), throughput vs an adjacent run "
             f"without checkpoints, median (min-max) of paired rounds (target: ours at each "
             f"peer's cadence at least the peer's): {', '.join(cells)} -> {verdicts}"
         )

@@ -171,6 +171,7 @@ def main() -> None:
         peers["torch-checkpointing"].close()
     result = {
         "state_mib": round(state_bytes(train.state()) / 2**20, 1),
+        "step_secs": round(statistics.median(1 / r for r in rates["none"]), 3),
         "steps": a.steps,
         "every": a.every,
         "steps_per_s": rates,

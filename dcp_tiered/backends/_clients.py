@@ -50,7 +50,7 @@ def filesystem(protocol: str, options: Mapping[str, Any]) -> Any:
         if fs is None:
             if key[0] not in {pid for pid, _, _ in _shared}:
                 _shared.clear()  # a forked child: the parent's clients are not its own
-            # A copy: s3fs changes the nested dicts it is given (config_kwargs) in place.
+            # A copy: botocore rewrites a ``config_kwargs['retries']`` dict it is given in place.
             fs = fsspec.filesystem(
                 protocol, skip_instance_cache=True, **copy.deepcopy(dict(options))
             )
