@@ -12,10 +12,18 @@ two such objects can print alike and differ. The clients read the environment wh
 (``AWS_ENDPOINT_URL``, ``AWS_PROFILE``, credentials, ...), so the store's variables are part of
 what is compared: a backend made after one of them changed gets a filesystem that sees it.
 
+Credentials a client read from the shared credentials or config file stay with it: the files'
+modification times are part of the key, so a backend made after a sidecar rewrote them gets a
+client that reads them again (self-refreshing providers, such as instance roles, refresh
+inside one client anyway).
+
 Private to this package, not fsspec's instance cache: a caller's own ``fsspec.filesystem`` with
 the same options never gets ours, nor we theirs. A forked child makes its own (a parent's
-client belongs to the parent's event loop). Listings are read with the cache invalidated
-first (see :mod:`dcp_tiered.backends.remote`), so sharing one filesystem shares no stale view.
+client belongs to the parent's event loop) and never frees the parent's: freeing one closes
+its pooled connections, and closing them in the child takes their sockets off the event
+loop's epoll set, which the child shares with the parent (the parent's requests on them would
+then hang until their read timeout). Listings ask the store every time (see
+:mod:`dcp_tiered.backends.remote`), so sharing one filesystem shares no stale view.
 """
 
 from __future__ import annotations
@@ -30,9 +38,14 @@ from typing import Any
 import fsspec
 
 _lock = threading.Lock()
-_shared: dict[tuple[int, str, str], Any] = {}
+_shared: dict[tuple[str, str], Any] = {}
+_inherited: list[Any] = []  # in a forked child: the parent's filesystems, never freed here
 # Environment variables the stores' clients read when made (botocore, gcsfs, adlfs, fsspec).
 _ENV_PREFIXES = ("AWS_", "BOTO", "GOOGLE_", "GCS", "AZURE_", "FSSPEC_")
+_CREDENTIAL_FILES = (
+    ("AWS_SHARED_CREDENTIALS_FILE", "~/.aws/credentials"),
+    ("AWS_CONFIG_FILE", "~/.aws/config"),
+)
 _KEEP = 16  # the newest filesystems kept; an older one lives on with the backends holding it
 
 
@@ -41,20 +54,45 @@ def filesystem(protocol: str, options: Mapping[str, Any]) -> Any:
     one every time where ``options`` hold anything but plain data)."""
     try:
         env = {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)}
-        text = json.dumps([dict(options), env], sort_keys=True, allow_nan=False)
+        text = json.dumps([dict(options), env, _file_times()], sort_keys=True, allow_nan=False)
     except (TypeError, ValueError):  # not plain data: not compared, not shared
         return fsspec.filesystem(protocol, skip_instance_cache=True, **dict(options))
-    key = (os.getpid(), protocol, text)
+    key, dropped = (protocol, text), []
     with _lock:
         fs = _shared.get(key)
         if fs is None:
-            if key[0] not in {pid for pid, _, _ in _shared}:
-                _shared.clear()  # a forked child: the parent's clients are not its own
             # A copy: botocore rewrites a ``config_kwargs['retries']`` dict it is given in place.
             fs = fsspec.filesystem(
                 protocol, skip_instance_cache=True, **copy.deepcopy(dict(options))
             )
             _shared[key] = fs
             while len(_shared) > _KEEP:
-                del _shared[next(iter(_shared))]
-        return fs
+                dropped.append(_shared.pop(next(iter(_shared))))
+    del dropped  # freed here, outside the lock: closing a client's session can take a while
+    return fs
+
+
+def keep_inherited(fs: Any) -> None:
+    """A filesystem a forked child found in an object from its parent: never freed here."""
+    _inherited.append(fs)
+
+
+def _file_times() -> list[int | None]:
+    """Modification times of the shared credentials and config files (None: absent)."""
+    times: list[int | None] = []
+    for variable, default in _CREDENTIAL_FILES:
+        try:
+            times.append(os.stat(os.path.expanduser(os.environ.get(variable, default))).st_mtime_ns)
+        except OSError:
+            times.append(None)
+    return times
+
+
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()  # a parent thread may have held it at the fork
+    _inherited.extend(_shared.values())
+    _shared.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

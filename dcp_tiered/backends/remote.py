@@ -55,6 +55,8 @@ class RemoteBackend(TaggedObjects, Backend):
     @property
     def fs(self) -> Any:
         if self._fs is None or self._fs_pid != os.getpid():
+            if self._fs is not None:  # a forked child's copy of the parent's: never freed here
+                _clients.keep_inherited(self._fs)
             self._fs = _clients.filesystem(self.protocol, self.config.storage_options)
             self._fs_pid = os.getpid()
         return self._fs
@@ -278,9 +280,8 @@ class RemoteBackend(TaggedObjects, Backend):
     def children(self, prefix: str = "") -> list[str]:
         """The names directly under ``prefix`` (default: the remote root), in one listing."""
         path = self.path(prefix) if prefix else self.base
-        self.fs.invalidate_cache(path)
-        try:
-            found = self._call("list", prefix, lambda: self.fs.ls(path, detail=False))
+        try:  # refresh: never a listing cached by this or another backend sharing the client
+            found = self._call("list", prefix, lambda: self.fs.ls(path, detail=False, refresh=True))
         except FileNotFoundError:
             return []
         return sorted({p.rstrip("/").rpartition("/")[2] for p in found})
@@ -288,11 +289,14 @@ class RemoteBackend(TaggedObjects, Backend):
     def glob(self, pattern: str) -> list[str]:
         """Relative keys matching ``pattern`` (fsspec glob, relative to the root), as the store
         holds them now."""
-        # All of it: s3fs drops only the path and its parents, and glob reads the prefixes'
-        # own cached listings, so a long-lived reader would miss keys written since.
+        # Every listing asked for anew (``refresh``, passed down to each ``ls``): one cached by
+        # this or another backend sharing the client would miss keys written since. The
+        # invalidation too, for a filesystem that does not take ``refresh``.
         self.fs.invalidate_cache()
         try:
-            found = self._call("list", "", lambda: self.fs.glob(f"{self.base}/{pattern}"))
+            found = self._call(
+                "list", "", lambda: self.fs.glob(f"{self.base}/{pattern}", refresh=True)
+            )
         except FileNotFoundError:
             return []
         return sorted(p[len(self.base) + 1 :] for p in found)
