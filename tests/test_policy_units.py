@@ -371,6 +371,39 @@ def test_version_2_indexes_still_parse_as_version_3_ones_do():
     assert v2.writers == v3.writers and v3.writers["whole"] == [1]
 
 
+def test_parsing_an_index_of_many_whole_tensors_makes_one_object_each_for_the_collector():
+    """A restore's first garbage collection walks every object the manifest's parse made and
+    kept: whole tensors of one shape share one chunk list, and those of one writer one
+    writers list, so a whole tensor costs its TensorStorageMetadata and its planner path (a
+    tuple of strings, which the collector stops tracking once it has seen it), not five
+    objects. The values are those of unshared lists."""
+    import gc
+
+    sdm, locs = {}, {}
+    for i in range(2000):
+        size = torch.Size((4, 1 + i % 3))
+        chunk = ChunkStorageMetadata(torch.Size([0, 0]), size)
+        sdm[f"t{i}"] = TensorStorageMetadata(TensorProperties(torch.float32), size, [chunk])
+        locs[MetadataIndex(f"t{i}", chunk.offsets)] = manifest.ItemLocation(
+            f"__{i % 2}_0.distcp", 100 * i, 100, "deadbeef", i % 2, 10**6, "cafef00d"
+        )
+    paths = {f"t{i}": ("model", f"t{i}") for i in range(2000)}
+    built = _build(Metadata(sdm, planner_data=paths), locs)
+    gc.collect()
+    gc.disable()
+    try:
+        before = len(gc.get_objects())
+        parsed = manifest.parse(built.index, where="m.json")
+        made = len(gc.get_objects()) - before
+    finally:
+        gc.enable()
+    assert made < 2.2 * 2000, made  # 5 per tensor when each had lists of its own
+    md = parsed.metadata.state_dict_metadata
+    assert md == sdm and parsed.metadata.planner_data == paths
+    assert parsed.writers["t0"] == [0] and parsed.writers["t1"] == [1]
+    assert md["t0"].chunks is md["t3"].chunks and md["t0"].chunks is not md["t1"].chunks
+
+
 def test_remote_keys_keep_each_save_apart_and_refuse_hostile_markers():
     from dcp_tiered.policy.layout import RemoteKeys, keys_of_marker, save_id_of_key
     from dcp_tiered.policy.prefixes import PrefixStrategy

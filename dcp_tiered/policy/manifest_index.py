@@ -119,11 +119,16 @@ def decode(
     writers: dict[str, list[int]] = {}
     budget -= int(whole.sum())
     rest = iter(others)
+    # The whole tensors of one shape share its one chunk list, and those of one writer its
+    # writers list: a loaded step's metadata is read, never changed, and every object made
+    # here is one the collector walks after the parse (20,000 tensors: 60,000 fewer).
+    chunks = [(size, [ChunkStorageMetadata(offsets, size)]) for size, offsets in shapes]
+    ones: dict[int, list[int]] = {}
     for fqn, s, p, r in zip(fqns, shape.tolist(), which.tolist(), rank.tolist()):
         if s >= 0:
-            size, offsets = shapes[s]  # torch.Size: immutable, so shared
-            sdm[fqn] = TensorStorageMetadata(props[p], size, [ChunkStorageMetadata(offsets, size)])
-            writers[fqn] = [r]
+            size, chunk_list = chunks[s]
+            sdm[fqn] = TensorStorageMetadata(props[p], size, chunk_list)
+            writers[fqn] = ones.get(r) or ones.setdefault(r, [r])
             continue
         entry, ranks = next(rest)
         md = manifest_entries.decode_entry(entry, fqn, props, budget)
