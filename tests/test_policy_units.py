@@ -404,6 +404,36 @@ def test_parsing_an_index_of_many_whole_tensors_makes_one_object_each_for_the_co
     assert md["t0"].chunks is md["t3"].chunks and md["t0"].chunks is not md["t1"].chunks
 
 
+_PATH_PART = st.one_of(
+    st.text(max_size=3), st.integers(-5, 5), st.floats(allow_nan=False), st.booleans()
+)
+
+
+@settings(max_examples=200)
+@given(
+    st.lists(
+        st.one_of(
+            st.none(),
+            st.lists(st.one_of(st.text(max_size=3), st.integers(0, 9)), max_size=3),
+            st.lists(_PATH_PART, max_size=3),
+            st.text(max_size=3),
+            st.lists(st.lists(st.integers(), max_size=2), max_size=2),
+        ),
+        max_size=6,
+    )
+)
+def test_planner_paths_decode_as_each_one_alone_would(paths):
+    """The planner data's paths, checked and made tuples a column at a time, are what
+    ``path_of`` makes of each path alone (None: no path for that key), whatever JSON holds."""
+    from dcp_tiered.policy import manifest_entries, manifest_index
+
+    fqns = [f"k{i}" for i in range(len(paths))]
+    got = manifest_index.decode_paths({"paths": paths, "more": {}}, fqns)
+    want = {f: manifest_entries.path_of(p) for f, p in zip(fqns, paths) if p is not None}
+    assert got == want and list(got) == list(want)
+    assert all(type(v) is tuple for v in got.values())
+
+
 def test_remote_keys_keep_each_save_apart_and_refuse_hostile_markers():
     from dcp_tiered.policy.layout import RemoteKeys, keys_of_marker, save_id_of_key
     from dcp_tiered.policy.prefixes import PrefixStrategy
