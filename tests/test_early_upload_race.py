@@ -57,6 +57,7 @@ def test_a_commit_between_the_reads_of_an_early_upload_does_not_defer_it(tmp_pat
     backend = CommitsDuringTheUpload(tmp_path / "root", at, after)
     tmp = backend.path_of(layout.tmp_dir_name(STEP, SAVE_ID))
     os.makedirs(tmp)
+    os.makedirs(backend.path_of(layout.upload_area_name(STEP, SAVE_ID)))  # as upload_early does
     with open(os.path.join(tmp, NAME), "wb") as f:
         f.write(data)
     checksum = integrity.format_checksum(crc32c.crc32c(data))
@@ -78,8 +79,33 @@ def test_an_early_upload_of_an_abandoned_save_is_deferred(tmp_path):
     caller (which leaves the file to the promotion) and nothing is uploaded."""
     backend = LocalBackend(tmp_path / "root")
     os.makedirs(backend.path_of(layout.tmp_dir_name(STEP, SAVE_ID)))
+    os.makedirs(backend.path_of(layout.upload_area_name(STEP, SAVE_ID)))  # as upload_early does
     remote = RemoteBackend(RemoteConfig(url=f"file://{tmp_path / 'remote'}"))
     keys = RemoteTier(remote).keys(STEP, SAVE_ID)
     with pytest.raises(FileNotFoundError):
         upload_locked(LocalTier(backend), remote, keys, NAME, "00000000", early=True)
     assert not (tmp_path / "remote" / keys.file(NAME)).exists()
+
+
+def test_an_early_upload_that_runs_after_the_promotion_leaves_nothing_behind(tmp_path):
+    """An early upload is queued when its file is written (its upload area made then) and
+    may run only after the commit's promotion uploaded the file and removed the area (a CI
+    run under load once left the area behind, made again by the late upload): it uploads
+    nothing and makes no area again."""
+    data = os.urandom(2**20)
+    backend = LocalBackend(tmp_path / "root")
+    os.makedirs(backend.path_of(STEP))  # committed
+    with open(backend.path_of(STEP, NAME), "wb") as f:
+        f.write(data)
+    remote = RemoteBackend(RemoteConfig(url=f"file://{tmp_path / 'remote'}"))
+    keys = RemoteTier(remote).keys(STEP, SAVE_ID)
+    checksum = integrity.format_checksum(crc32c.crc32c(data))
+    # the promotion, the area gone: upload_locked without the area, as the promotion runs it
+    upload_locked(LocalTier(backend), remote, keys, NAME, checksum, size=len(data))
+    uploaded = os.stat(tmp_path / "remote" / keys.file(NAME)).st_mtime_ns
+    area = layout.upload_area_name(STEP, SAVE_ID)
+    assert not backend.exists(area)
+
+    assert upload_locked(LocalTier(backend), remote, keys, NAME, checksum, early=True) is None
+    assert not backend.exists(area), "the late early upload made its area again"
+    assert os.stat(tmp_path / "remote" / keys.file(NAME)).st_mtime_ns == uploaded

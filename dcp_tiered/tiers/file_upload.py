@@ -70,8 +70,11 @@ def upload_locked(
     Returns the stored object's tag (None where not known, or not uploaded early)."""
     backend, step = tier.backend, keys.step
     area, key = layout.upload_area_name(step, str(keys.save_id)), keys.file(name)
-    if early:  # before the lock: a promotion starting now waits on it
-        backend.make_dir(area)
+    if early and not backend.is_dir(area):
+        # Made when the upload was queued, before the commit (a promotion waits on its
+        # locks); gone now, the promotion finished and removed it, or the save was
+        # abandoned and swept: nothing left to upload early, and nothing to make again.
+        return None
     lock = backend.lock_exclusive(area, f"{name}.lock") if backend.is_dir(area) else None
     try:
         if lock is not None and (early or trust_records) and backend.exists(area, f"{name}.done"):
