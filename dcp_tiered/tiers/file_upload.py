@@ -76,6 +76,8 @@ def upload_locked(
         # abandoned and swept: nothing left to upload early, and nothing to make again.
         return None
     lock = backend.lock_exclusive(area, f"{name}.lock") if backend.is_dir(area) else None
+    if early and lock is None:  # removed since the check above: as there
+        return None
     try:
         if lock is not None and (early or trust_records) and backend.exists(area, f"{name}.done"):
             if early:
