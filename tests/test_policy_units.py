@@ -371,7 +371,7 @@ def test_version_2_indexes_still_parse_as_version_3_ones_do():
     assert v2.writers == v3.writers and v3.writers["whole"] == [1]
 
 
-def test_parsing_an_index_of_many_whole_tensors_makes_one_object_each_for_the_collector():
+def test_parsing_an_index_of_many_whole_tensors_makes_two_objects_each_for_the_collector():
     """A restore's first garbage collection walks every object the manifest's parse made and
     kept: whole tensors of one shape share one chunk list, and those of one writer one
     writers list, so a whole tensor costs its TensorStorageMetadata and its planner path (a

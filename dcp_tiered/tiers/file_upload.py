@@ -61,22 +61,21 @@ def upload_locked(
     hold the file's lock in the save's upload area, and the one that uploads leaves a
     ``<file>.done`` record (with the tag the store gave the bytes it verified) for the other.
 
-    Early: any record means the promotion got there first (the area is this save's, made by
-    live processes); ``may_start()`` is asked under the lock (the remote step is free); the file
-    is read from the save's temporary directory, or the step if it was committed meanwhile.
+    Early: no area, or any record in it, means the promotion got there first (the area is
+    this save's, made by live processes when they queue the upload); ``may_start()`` is asked
+    under the lock (the remote step is free); the file is read from the save's temporary
+    directory, or the step if it was committed meanwhile.
     Promotion (of ``size`` bytes): a record counts only if this process wrote it
     (``trust_records``); else the store is asked first (a resumed promotion after a restart),
     and a leftover multipart upload of the key is aborted before it is uploaded again.
     Returns the stored object's tag (None where not known, or not uploaded early)."""
     backend, step = tier.backend, keys.step
     area, key = layout.upload_area_name(step, str(keys.save_id)), keys.file(name)
-    if early and not backend.is_dir(area):
-        # Made when the upload was queued, before the commit (a promotion waits on its
-        # locks); gone now, the promotion finished and removed it, or the save was
-        # abandoned and swept: nothing left to upload early, and nothing to make again.
-        return None
     lock = backend.lock_exclusive(area, f"{name}.lock") if backend.is_dir(area) else None
-    if early and lock is None:  # removed since the check above: as there
+    if early and lock is None:
+        # The area is made when the upload is queued, before the commit (a promotion waits
+        # on its locks); gone now, the promotion finished and removed it, or the save was
+        # abandoned and swept: nothing left to upload early, and nothing to make again.
         return None
     try:
         if lock is not None and (early or trust_records) and backend.exists(area, f"{name}.done"):
