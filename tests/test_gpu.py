@@ -31,3 +31,5 @@ def test_cuda_state_saves_and_restores_exactly_through_pinned_staging_on_nccl(tm
         # restore returns the step to go on from: one past step 4
         assert seen["manager_exact"] and seen["manager_restored"] == "5", seen
         assert seen["disk_exact"] and seen["disk_restored"] == "5", seen
+        assert seen["sync_save_load_exact"], seen
+        assert seen["many_exact"] and seen["many_restored"] == "6", seen
