@@ -22,6 +22,7 @@ from dcp_tiered import (
     TieredStorageWriter,
     _torch_compat,
     batch_copy,
+    host_copy,
     item_frame,
     item_writer,
 )
@@ -267,6 +268,59 @@ def test_a_dict_of_tensors_is_checked_as_closely_as_the_general_walk():
     with pytest.raises(batch_copy.Mismatch):
         batch_copy.copy_into(src, other, descriptions=known)
     assert set(known) == {id(buf), id(other)}  # each dict described once, by its owner's cache
+
+
+def test_thousands_of_tensors_are_each_checked_before_they_are_copied(monkeypatch):
+    """A dict of 5,000 tensors (host_copy checks stretches of them on one thread while the
+    helper copies the stretches already checked): the copy is exact, no tensor is copied
+    before its stretch was checked, and a shape or dtype that changed anywhere (the first
+    stretch, the last) raises Mismatch; the buffers then take a good copy again."""
+    count = 5000
+    assert count >= host_copy._PIPELINE_MIN_TENSORS
+    sizes = [20_000 if i % 700 == 0 else i % 37 + 1 for i in range(count)]  # some memcpy'd
+    src = {f"t{i}": torch.randn(n) for i, n in enumerate(sizes)}
+    buf = {k: torch.zeros_like(v) for k, v in src.items()}
+    number = {id(t): i for i, t in enumerate(buf.values())}
+    known = batch_copy.new_descriptions()
+    events: list[tuple[str, int, int]] = []
+    real_check, real_by_memcpy = batch_copy.Expected.check, host_copy._by_memcpy
+
+    def check(self, start, end):
+        real_check(self, start, end)
+        events.append(("checked", start, end))
+
+    def by_memcpy(dsts, srcs):
+        first = number[id(dsts[0])]
+        events.append(("copied", first, first + len(dsts)))
+        return real_by_memcpy(dsts, srcs)
+
+    monkeypatch.setattr(batch_copy.Expected, "check", check)
+    monkeypatch.setattr(host_copy, "_by_memcpy", by_memcpy)
+    for _ in range(2):  # the second time with the buffers' description kept
+        events.clear()
+        out = batch_copy.copy_into(src, buf, descriptions=known)
+        assert all(out[k] is buf[k] and torch.equal(buf[k], v) for k, v in src.items())
+        checked_to = 0
+        copied = []
+        for kind, start, end in events:
+            if kind == "checked":
+                assert start == checked_to  # in order, each tensor once
+                checked_to = end
+            else:
+                assert end <= checked_to, events  # never ahead of the checks
+                copied.append((start, end))
+        assert checked_to == count and len(events) > 2
+        assert sorted(copied)[0][0] == 0 and sum(e - s for s, e in copied) == count
+    for bad in (
+        dict(src, t4990=src["t4990"].reshape(1, -1)),  # same bytes, another shape
+        dict(src, t10=src["t10"].double()),
+    ):
+        with pytest.raises(batch_copy.Mismatch):
+            batch_copy.copy_into(bad, buf, descriptions=known)
+    for t in buf.values():
+        t.zero_()
+    batch_copy.copy_into(src, buf, descriptions=known)
+    assert all(torch.equal(buf[k], v) for k, v in src.items())
 
 
 def _trained_state() -> dict:
