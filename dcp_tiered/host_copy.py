@@ -32,9 +32,11 @@ _SPLIT_MIN_TENSORS = 16
 # A checked copy of this many tensors or more checks one stretch while copying another
 _PIPELINE_MIN_TENSORS = 4096
 _CHECK_STRETCH = 1024
+_SEGMENT_PIECE_BYTES = 16 * 2**20  # and its large tensors are copied in pieces of this size
 _nbytes = attrgetter("nbytes")
 
 Segment = tuple[int, int, int]  # (destination address, source address, bytes)
+_Work = tuple[list[Segment], list[torch.Tensor], list[torch.Tensor]]  # what _run copies
 PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # not subclasses (DTensor, ...)
 _memmove = ctypes.memmove  # a foreign call: the GIL is released while it copies
 
@@ -82,11 +84,11 @@ def _check_while_copying(
     dsts: list[torch.Tensor], srcs: list[torch.Tensor], check: Callable[[int, int], None]
 ) -> None:
     """Many tensors: this thread checks them a stretch at a time and queues each stretch for
-    the helper, which copies one while this thread checks the next; then both copy what is
-    left. The checks (a shape and a dtype per tensor, read from tensors no longer in any
+    the helper (its large tensors in pieces), which copies one while this thread checks the
+    next; then both copy what is left. The checks (a shape and a dtype per tensor, read from tensors no longer in any
     cache) cost a third as much as the copy with 20,000 small tensors; the copy needs no
     GIL, so the two overlap."""
-    checked: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
+    checked: queue.SimpleQueue[_Work | None] = queue.SimpleQueue()
 
     def copy_checked(stop_at_end: bool) -> None:
         while True:
@@ -97,17 +99,17 @@ def _check_while_copying(
             if item is None:  # nothing more will come: leave it for the other thread
                 checked.put(None)
                 return
-            segments, small_d, small_s = _by_memcpy(
-                dsts[item[0] : item[1]], srcs[item[0] : item[1]]
-            )
-            _run(segments, small_d, small_s)
+            _run(*item)
 
     other = _helper().submit(copy_checked, False)
     try:
         for start in range(0, len(dsts), _CHECK_STRETCH):
             end = min(len(dsts), start + _CHECK_STRETCH)
             check(start, end)
-            checked.put((start, end))
+            segments, small_d, small_s = _by_memcpy(dsts[start:end], srcs[start:end])
+            checked.put(([], small_d, small_s))
+            for piece in _pieces(segments, _SEGMENT_PIECE_BYTES):  # a large tensor: both
+                checked.put(([piece], [], []))  # threads copy it, as copy_all's halves do
             time.sleep(0)  # the GIL to the helper now, not at the next switch interval (5 ms)
         checked.put(None)
         copy_checked(True)
@@ -124,16 +126,20 @@ def _by_memcpy(
     many-tensor state) are passed on by C-level maps."""
     large = [i for i, n in enumerate(map(_nbytes, dsts)) if n >= MEMCPY_MIN_BYTES]
     segments: list[Segment] = []
-    copied = [False] * len(dsts) if large else []
+    rest = [True] * len(dsts) if large else []  # the pairs left to _foreach
     for i in large:
         segment = as_segment(dsts[i], srcs[i])
         if segment is not None:
             segments.append(segment)
-            copied[i] = True
+            rest[i] = False
     if not segments:
         return segments, dsts, srcs
-    rest = [not c for c in copied]
     return segments, list(compress(dsts, rest)), list(compress(srcs, rest))
+
+
+def _pieces(segments: list[Segment], most: int) -> list[Segment]:
+    """The segments cut into pieces of at most ``most`` bytes."""
+    return [(d + at, s + at, min(most, n - at)) for d, s, n in segments for at in range(0, n, most)]
 
 
 def side_by_side(mine: Callable[[], None], theirs: Callable[[], None]) -> None:

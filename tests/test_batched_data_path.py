@@ -273,44 +273,58 @@ def test_a_dict_of_tensors_is_checked_as_closely_as_the_general_walk():
 def test_thousands_of_tensors_are_each_checked_before_they_are_copied(monkeypatch):
     """A dict of 5,000 tensors (host_copy checks stretches of them on one thread while the
     helper copies the stretches already checked): the copy is exact, no tensor is copied
-    before its stretch was checked, and a shape or dtype that changed anywhere (the first
-    stretch, the last) raises Mismatch; the buffers then take a good copy again."""
+    before its stretch was checked, a large tensor is copied in pieces (both threads take
+    them), and a shape or dtype that changed anywhere (the first stretch, the last) raises
+    Mismatch; the buffers then take a good copy again."""
+    import bisect
+
     count = 5000
     assert count >= host_copy._PIPELINE_MIN_TENSORS
     sizes = [20_000 if i % 700 == 0 else i % 37 + 1 for i in range(count)]  # some memcpy'd
+    sizes[2500] = 10 * 2**20  # 40 MiB: more than one piece
     src = {f"t{i}": torch.randn(n) for i, n in enumerate(sizes)}
     buf = {k: torch.zeros_like(v) for k, v in src.items()}
     number = {id(t): i for i, t in enumerate(buf.values())}
+    starts = sorted((t.data_ptr(), i) for i, t in enumerate(buf.values()))
     known = batch_copy.new_descriptions()
     events: list[tuple[str, int, int]] = []
-    real_check, real_by_memcpy = batch_copy.Expected.check, host_copy._by_memcpy
+    real_check, real_run = batch_copy.Expected.check, host_copy._run
 
     def check(self, start, end):
         real_check(self, start, end)
         events.append(("checked", start, end))
 
-    def by_memcpy(dsts, srcs):
-        first = number[id(dsts[0])]
-        events.append(("copied", first, first + len(dsts)))
-        return real_by_memcpy(dsts, srcs)
+    def run(segments, dsts, srcs):
+        for d, _, n in segments:  # the tensor whose bytes the piece starts in
+            at = bisect.bisect_right(starts, (d, count)) - 1
+            events.append(("piece", starts[at][1], n))
+        events.extend(("copied", number[id(d)], 0) for d in dsts)
+        return real_run(segments, dsts, srcs)
 
     monkeypatch.setattr(batch_copy.Expected, "check", check)
-    monkeypatch.setattr(host_copy, "_by_memcpy", by_memcpy)
+    monkeypatch.setattr(host_copy, "_run", run)
     for _ in range(2):  # the second time with the buffers' description kept
         events.clear()
         out = batch_copy.copy_into(src, buf, descriptions=known)
         assert all(out[k] is buf[k] and torch.equal(buf[k], v) for k, v in src.items())
         checked_to = 0
-        copied = []
-        for kind, start, end in events:
+        copied, pieces = set(), []
+        for kind, i, n in events:
             if kind == "checked":
-                assert start == checked_to  # in order, each tensor once
-                checked_to = end
+                assert i == checked_to  # in order, each tensor once
+                checked_to = n
+                continue
+            assert i < checked_to, events[-20:]  # never ahead of the checks
+            if kind == "piece":
+                pieces.append((i, n))
             else:
-                assert end <= checked_to, events  # never ahead of the checks
-                copied.append((start, end))
+                copied.add(i)
         assert checked_to == count and len(events) > 2
-        assert sorted(copied)[0][0] == 0 and sum(e - s for s, e in copied) == count
+        large = {i for i, n in enumerate(sizes) if 4 * n >= host_copy.MEMCPY_MIN_BYTES}
+        assert copied == set(range(count)) - large
+        assert {i for i, _ in pieces} == large
+        assert sum(n for i, n in pieces if i == 2500) == 4 * sizes[2500]
+        assert max(n for _, n in pieces) <= host_copy._SEGMENT_PIECE_BYTES
     for bad in (
         dict(src, t4990=src["t4990"].reshape(1, -1)),  # same bytes, another shape
         dict(src, t10=src["t10"].double()),
