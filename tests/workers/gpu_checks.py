@@ -91,6 +91,29 @@ def zeros_like(tree: dict) -> dict:
     }
 
 
+def loaded(like: dict, directory: Path, step: str, pg) -> dict:
+    """Step ``step`` of our root ``directory`` loaded into zeros shaped like ``like``."""
+    target = zeros_like(like)
+    dcp.load(
+        target,
+        checkpoint_id=step,
+        storage_reader=TieredStorageReader(directory),
+        planner=TieredLoadPlanner(),
+        process_group=pg,
+    )
+    return target
+
+
+def pinned_copy_secs(pinned: dict, tensors: dict) -> float:
+    """Seconds of a device-to-host copy of ``tensors`` into their ``pinned`` buffers."""
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for k, v in tensors.items():
+        pinned[k].copy_(v, non_blocking=True)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--root", required=True)
@@ -132,27 +155,13 @@ def main() -> None:
             src, checkpoint_id=step, storage_writer=writer, planner=planner, process_group=pg
         )
         fut.result()
-    target = zeros_like(src)
-    dcp.load(
-        target,
-        checkpoint_id="step-3",
-        storage_reader=TieredStorageReader(root / "dcp"),
-        planner=TieredLoadPlanner(),
-        process_group=pg,
-    )
-    seen["async_save_load_exact"] = same(src, target)
+    seen["async_save_load_exact"] = same(src, loaded(src, root / "dcp", "step-3", pg))
 
     # 3. the stall against a plain device-to-host copy into pinned buffers
     pinned = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for k, t in flat(src).items()}
     copies, stalls = [], []
     for i in range(4):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for k, v in flat(src).items():
-            pinned[k].copy_(v, non_blocking=True)
-        torch.cuda.synchronize()
-        copies.append(time.perf_counter() - t)
-        torch.cuda.synchronize()
+        copies.append(pinned_copy_secs(pinned, flat(src)))
         dist.barrier(group=pg)
         t = time.perf_counter()
         fut = dcp.async_save(
@@ -204,15 +213,7 @@ def main() -> None:
     writer = TieredStorageWriter(root / "sync")
     dcp.save(odd, checkpoint_id="step-1", storage_writer=writer, process_group=pg)
     writer.close()
-    target = zeros_like(odd)
-    dcp.load(
-        target,
-        checkpoint_id="step-1",
-        storage_reader=TieredStorageReader(root / "sync"),
-        planner=TieredLoadPlanner(),
-        process_group=pg,
-    )
-    seen["sync_save_load_exact"] = same(odd, target)
+    seen["sync_save_load_exact"] = same(odd, loaded(odd, root / "sync", "step-1", pg))
 
     # 6. the memory tier with many small CUDA tensors: exact, and its stall beside a copy
     many = {f"p{i}": torch.randn(4096, device=device) for i in range(2000)}
@@ -224,12 +225,7 @@ def main() -> None:
         for step in range(1, 6):
             for t in many.values():
                 t.add_(1)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for k, v in many.items():
-                pinned[k].copy_(v, non_blocking=True)
-            torch.cuda.synchronize()
-            copies.append(time.perf_counter() - t0)
+            copies.append(pinned_copy_secs(pinned, many))
             t0 = time.perf_counter()
             mgr.save(step, {"train": many})
             mgr.wait()
