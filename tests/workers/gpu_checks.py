@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import time
 import warnings
 from pathlib import Path
@@ -182,7 +183,7 @@ def main() -> None:
 
     # 4. the manager: memory every step, disk every 2; restore from memory, then from disk
     policy = SavePolicy(memory=Every(steps=1), local=Every(steps=2), remote=None)
-    shm = f"/dev/shm/dcp-tiered-gpu-{os.getpid()}"
+    shm = f"/dev/shm/dcp-tiered-gpu-{os.getpid()}"  # both removed at the end
     with CheckpointManager(memory=shm, local=root / "mgr", policy=policy, events=None) as mgr:
         saves = []
         for step in range(1, 5):
@@ -218,10 +219,10 @@ def main() -> None:
     # 6. the memory tier with many small CUDA tensors: exact, and its stall beside a copy
     many = {f"p{i}": torch.randn(4096, device=device) for i in range(2000)}
     pinned = {k: torch.empty_like(t, device="cpu", pin_memory=True) for k, t in many.items()}
-    shm = f"/dev/shm/dcp-tiered-gpu-many-{os.getpid()}"
+    many_shm = f"/dev/shm/dcp-tiered-gpu-many-{os.getpid()}"
     policy = SavePolicy(memory=Every(steps=1), local=None, remote=None)
     copies, snaps = [], []
-    with CheckpointManager(memory=shm, local=root / "many", policy=policy, events=None) as mgr:
+    with CheckpointManager(memory=many_shm, local=root / "many", policy=policy, events=None) as mgr:
         for step in range(1, 6):
             for t in many.values():
                 t.add_(1)
@@ -237,6 +238,8 @@ def main() -> None:
     seen["many_snapshot_s"] = sorted(snaps)[1:3]
     seen["many_snapshot_over_copy"] = sorted(snaps)[1] / sorted(copies)[1]
 
+    for used in (shm, many_shm):  # memory-tier slots: shared memory until removed
+        shutil.rmtree(used, ignore_errors=True)
     dist.barrier(group=pg)
     Path(f"{a.out}.{rank}").write_text(json.dumps(seen))
     dist.destroy_process_group()
