@@ -38,6 +38,7 @@ _nbytes = attrgetter("nbytes")
 Segment = tuple[int, int, int]  # (destination address, source address, bytes)
 _Work = tuple[list[Segment], list[torch.Tensor], list[torch.Tensor]]  # what _run copies
 PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # not subclasses (DTensor, ...)
+_PLAIN_TYPES = frozenset(PLAIN_TENSORS)
 _memmove = ctypes.memmove  # a foreign call: the GIL is released while it copies
 
 
@@ -172,6 +173,26 @@ def as_segment(d: torch.Tensor, s: torch.Tensor) -> Segment | None:
     if d.is_conj() or s.is_conj() or d.is_neg() or s.is_neg():
         return None
     return d.data_ptr(), s.data_ptr(), d.nbytes
+
+
+_is_cpu = attrgetter("is_cpu")
+_layout = attrgetter("layout")
+
+
+def memcpy_addresses(tensors: list[torch.Tensor]) -> list[int] | None:
+    """The data addresses of ``tensors`` where a memcpy may read each one's bytes as its
+    values (the source side of :func:`as_segment`: plain strided CPU tensors, contiguous, no
+    conjugate or negative bit); None where one may not. Checked by C-level maps, a few tenths
+    of a microsecond per tensor, for the thousands of a model's state."""
+    if not set(map(type, tensors)) <= _PLAIN_TYPES or not all(map(_is_cpu, tensors)):
+        return None
+    if set(map(_layout, tensors)) - {torch.strided}:
+        return None
+    if not all(map(torch.Tensor.is_contiguous, tensors)):
+        return None
+    if any(map(torch.Tensor.is_conj, tensors)) or any(map(torch.Tensor.is_neg, tensors)):
+        return None
+    return list(map(torch.Tensor.data_ptr, tensors))
 
 
 def _halves(segments: list[Segment], total: int) -> tuple[list[Segment], list[Segment]]:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dcp_tiered import batch_copy
 from dcp_tiered.errors import IntegrityError, ManifestError
 from dcp_tiered.policy import memory_chunks
 from dcp_tiered.policy import memory_format as fmt
@@ -141,22 +142,26 @@ def test_a_chunk_hash_this_version_does_not_know_is_a_manifest_error(tmp_path):
 
 def test_the_copy_by_chunks_splits_at_chunk_ends_and_groups_small_tensors():
     buffer = torch.zeros(3 * CHUNK, dtype=torch.uint8)
-    small = [buffer[k * 64 : k * 64 + 40] for k in range(3)]  # one run
+    small = [buffer[k * 64 : k * 64 + 40] for k in range(3)]  # one batch
     big = buffer[CHUNK - 100 : 2 * CHUNK + 100]  # over two chunk ends: three pieces
     straddling = buffer[3 * CHUNK - 8 - 50 : 3 * CHUNK - 8]  # small, inside the last chunk
-    chunks = chunk_copy.plan([big, *small, straddling], buffer.data_ptr(), 3 * CHUNK)
-    assert chunks is not None and [(c.start, c.end) for c in chunks] == [
+    empty = buffer[5:5]
+    planned = chunk_copy.plan([big, *small, straddling, empty], buffer.data_ptr(), 3 * CHUNK)
+    assert planned is not None
+    chunks = planned.chunks
+    assert [(c.start, c.end) for c in chunks] == [
         (0, CHUNK),
         (CHUNK, 2 * CHUNK),
         (2 * CHUNK, 3 * CHUNK),
     ]
-    run, first = chunks[0].parts
-    assert isinstance(run, chunk_copy.Run) and run.tensors == [1, 2, 3]
-    assert (run.start, run.end) == (0, 128 + 40)
-    assert first == chunk_copy.Piece(0, 0, CHUNK - 100, 100)
-    assert chunks[1].parts == (chunk_copy.Piece(0, 100, CHUNK, CHUNK),)
-    assert chunks[2].parts[0] == chunk_copy.Piece(0, CHUNK + 100, 2 * CHUNK, 100)
-    assert isinstance(chunks[2].parts[1], chunk_copy.Run)
+    assert chunks[0].small.tensors == [1, 2, 3]
+    assert chunks[0].pieces == (chunk_copy.Piece(0, 0, CHUNK - 100, 100),)
+    assert chunks[1].small.tensors == [] and chunks[1].pieces == (
+        chunk_copy.Piece(0, 100, CHUNK, CHUNK),
+    )
+    assert chunks[2].pieces == (chunk_copy.Piece(0, CHUNK + 100, 2 * CHUNK, 100),)
+    assert chunks[2].small.tensors == [4]
+    assert planned.large.tensors == [0] and planned.empty.tensors == [5]
     overlapping = [buffer[:100], buffer[50:150]]
     assert chunk_copy.plan(overlapping, buffer.data_ptr(), 3 * CHUNK) is None
     assert chunk_copy.plan([buffer[-10:]], buffer.data_ptr(), 3 * CHUNK - 20) is None
@@ -202,3 +207,55 @@ def test_a_snapshot_copied_by_chunks_restores_bit_exact_with_the_slots_own_hashe
             memory_chunks.checksum(data, i, CHUNK, size)
             for i in range(memory_chunks.count(size, CHUNK))
         ]
+
+
+_CHANGES = {
+    # tensors of the plan replaced by others the copy by chunks must not take for them: each
+    # is caught by the thread that copies it, and the snapshot laid out again
+    "small, first chunk": lambda s: dict(s, t1=torch.randn(8)),
+    "small, same bytes, other dtype": lambda s: dict(s, s5=s["s5"].view(torch.int32)),
+    "small, last chunk": lambda s: dict(s, small_nc=torch.randn(31, 20)),
+    "large, same bytes, other shape": lambda s: dict(s, i8=s["i8"].reshape(-1, 1)),
+    "large, same bytes, other dtype": lambda s: dict(s, t10=s["t10"].view(torch.int32)),
+    "large, fewer bytes": lambda s: dict(s, t8=torch.randn(1000)),
+    "empty, other shape": lambda s: dict(s, empty=torch.ones(0, 6)),
+}
+
+
+@pytest.mark.parametrize("change", list(_CHANGES))
+def test_a_tensor_changed_anywhere_since_the_plan_is_caught_by_the_copy(
+    tmp_path, monkeypatch, change
+):
+    """Once both slots have their plans, a save checks a dict of tensors' structure only; the
+    copy by chunks checks each tensor's shape and dtype as it copies it. A tensor changed in
+    any chunk (or one of no bytes) is caught there, and the snapshot is laid out again: it
+    restores the new state bit-exact, never the new bytes under the old shape or dtype."""
+    g = torch.Generator().manual_seed(11)
+    state = _state_of_every_size(g)
+    outcomes = []
+    real = chunk_copy.copy_and_checksum
+
+    def recorded(*a):
+        try:
+            done = real(*a)
+        except Exception as e:
+            outcomes.append(type(e))
+            raise
+        outcomes.append(type(done))
+        return done
+
+    monkeypatch.setattr(chunk_copy, "copy_and_checksum", recorded)
+    changed = _CHANGES[change](state)
+    tier = MemoryTier(tmp_path / "shm", 0)
+    try:
+        for n, now in enumerate([state, state, changed, changed]):
+            tier.save(f"step-{n}", {"model": now}).result()
+            out = {"model": {k: torch.zeros_like(v) for k, v in now.items()}}
+            tier.load(f"step-{n}", out)
+            assert all(torch.equal(out["model"][k], v) for k, v in now.items())
+            assert all(out["model"][k].dtype == v.dtype for k, v in now.items())
+    finally:
+        tier.close()
+    # planned twice, then the change caught by the copy of each slot's plan, which a new
+    # layout replaced: its copy by chunks then ran
+    assert outcomes == [list, list, batch_copy.Mismatch, list, batch_copy.Mismatch, list]

@@ -44,6 +44,11 @@ def checksum(
     return _HASHES[algorithm](data[start : min(start + chunk_bytes, size)])
 
 
+def hash_bytes(data: memoryview) -> str:
+    """This version's hash of ``data``: of a whole chunk's bytes, :func:`checksum` of it."""
+    return _xxh3(data)
+
+
 def streaming() -> xxhash.xxh3_64:
     """An incremental hash of one chunk (this version's algorithm): ``update`` it with the
     chunk's bytes in order, in pieces of any size; :func:`hex_digest` then equals

@@ -1,50 +1,53 @@
-"""A memory-tier snapshot copied chunk by chunk, each chunk hashed as it is filled.
+"""A memory-tier snapshot copied chunk by chunk, each chunk hashed as soon as it is filled.
 
 The slot is checked by one hash per fixed-size chunk of its bytes (``memory_chunks``). Copied
 tensor by tensor, a chunk's bytes come from several tensors, or from part of one, at different
 moments, so its hash had to wait until the last of them was in, and then read the chunk back
 (from memory, or on a thread that competes with the copy for a core). Here the copy is planned
 by chunk instead: every chunk's pieces of tensors, in the slot's byte order, copied by one
-thread, which hashes each stretch right after copying it, while it is still in the CPU's
-cache (half a megabyte of small tensors, two of a large one's: see the constants below). Two
-threads take alternate chunks, so both cores copy and hash, and a snapshot is valid when its
-copy ends. Until valid, medians of an A/B on the development VM:
-the training benchmark's state (48 tensors, 72 MiB, its 4 MiB tensors each across two chunks)
-20.0 -> 11.1 ms; 2,000 tensors (261 MiB) 55.1 -> 38.4 ms; 20,000 tensors 94.5 -> 68.8 ms.
+thread, which hashes the chunk right after filling it, while it is still in the CPU's shared
+cache. Two threads claim chunks as they go, so both cores copy and hash, and a snapshot is
+valid when its copy ends.
+
+Claimed, not split in halves: after an idle spell the second core may start milliseconds late
+or run slower for a while (on the development VM the helper's first chunk began 3-4 ms after
+the caller's in a third of the copies that followed a pause), and the other then takes more
+chunks. Each thread does as few Python steps per chunk as it can, since every step needs the
+GIL the other thread may be holding: one ``memmove`` per piece of a large tensor (no GIL while
+it copies), one ``torch._foreach_copy_`` per run of small tensors, one hash per chunk. Leaner
+than the stepwise hashing it replaced (each half megabyte hashed from the core's own cache,
+with a Python step each): 2,000 tensors, snapshot until valid after a pause, medians on the
+development VM, see CHANGELOG.
 
 Large tensors are copied by memcpy, so only where ``host_copy`` allows one (plain contiguous
-CPU tensors); a state with any other large tensor (on a GPU, not contiguous) goes the
-tensor-by-tensor way (``memory_copy``). Small ones go through torch, as there.
+CPU tensors), all checked before a byte is copied; a state with any other large tensor (on a
+GPU, not contiguous) goes the tensor-by-tensor way (``memory_copy``). Small ones go through
+torch, as there, each run's sources checked (shapes, dtypes) by the thread that copies them
+right before it does: with 20,000 tensors a check of all of them first took 13-17 ms, and
+read every tensor's metadata once more than the copy does.
 """
 
 from __future__ import annotations
 
 import ctypes
+import itertools
 from concurrent.futures import Future
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import NamedTuple
 
 import torch
 
-from .. import host_copy
+from .. import batch_copy, host_copy
 from ..policy import memory_chunks
 
-# Small tensors: copied in runs of up to this many bytes, hashed after each run while it is
-# still in the core's own cache (L2).
-_PIECE_BYTES = 512 * 2**10
-# Large tensors: copied by one memcpy per this many bytes, each hashed right after from the
-# shared cache (L3). Fewer, larger calls than the small tensors' runs: at 512 KiB a 1 GiB state
-# of 32 MiB tensors took 2,048 calls of each kind, whose handovers of the GIL between the two
-# copying threads cost more than hashing from L3 instead of L2 (snapshot until valid vs a
-# memcpy, the two alternating, medians on the development VM: 32 x 32 MiB 1.50x -> 1.32x,
-# 2,000 tensors 1.96x -> 1.65x, 20,000 tensors 1.11x -> 1.08x; a single thread's memcpy is as
-# fast in 256 KiB pieces as in 2 MiB ones, so the gain is the calls').
-_LARGE_PIECE_BYTES = 2 * 2**20
 _memmove = ctypes.memmove  # a foreign call: the GIL is released while it copies
+_shape = attrgetter("shape")
+_dtype = attrgetter("dtype")
 
 
 class Piece(NamedTuple):
-    """Bytes of one large tensor, copied by memcpy :data:`_LARGE_PIECE_BYTES` at a time."""
+    """Bytes of one large tensor inside one chunk, copied by one memcpy."""
 
     tensor: int  # its number in the state's tensors
     offset: int  # of the bytes in the tensor
@@ -52,32 +55,79 @@ class Piece(NamedTuple):
     nbytes: int
 
 
-class Run(NamedTuple):
-    """Small tensors next to each other inside one chunk, copied by one call."""
+class Batch(NamedTuple):
+    """Tensors copied by one ``torch._foreach_copy_``: a chunk's small tensors."""
 
     views: list[torch.Tensor]  # their views in the slot
     tensors: list[int]  # their numbers in the state's tensors
-    start: int  # slot offsets of the first one's first byte and the last one's end
-    end: int
+    shapes: list[torch.Size]  # the views' shapes and dtypes: what their sources must have
+    dtypes: list[torch.dtype]
+
+    def add(self, view: torch.Tensor, tensor: int) -> None:
+        self.views.append(view)
+        self.tensors.append(tensor)
+        self.shapes.append(view.shape)
+        self.dtypes.append(view.dtype)
+
+    def check(self, srcs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The batch's sources, once their shapes and dtypes are checked (Mismatch)."""
+        sources = [srcs[i] for i in self.tensors]
+        if list(map(_shape, sources)) != self.shapes or list(map(_dtype, sources)) != self.dtypes:
+            raise batch_copy.Mismatch
+        return sources
+
+    def copy(self, srcs: list[torch.Tensor]) -> None:
+        """Copy the batch's sources in, once checked."""
+        sources = self.check(srcs)
+        if sources:
+            torch._foreach_copy_(self.views, sources)
+
+
+def _batch() -> Batch:
+    return Batch([], [], [], [])
 
 
 @dataclass(frozen=True)
 class Chunk:
-    """One chunk of the slot: ``[start, end)`` of its bytes, and what fills it, in byte order:
-    pieces of large tensors (copied by memcpy, two megabytes at a time) and runs of small
-    ones wholly inside it (copied by one ``torch._foreach_copy_`` each: a call per small
-    tensor would cost more than its copy)."""
+    """One chunk of the slot: ``[start, end)`` of its bytes, and what fills it: the small
+    tensors wholly inside it, copied by one ``torch._foreach_copy_`` (a call per small tensor
+    would cost more than its copy, and between calls the large copies push torch's own code
+    out of the CPU's caches: 330 calls in a 2,000-tensor state cost 9 ms where 66 cost 1),
+    and pieces of large tensors, one memcpy each."""
 
     start: int
     end: int
-    parts: tuple[Piece | Run, ...]
+    small: Batch
+    pieces: tuple[Piece, ...]
 
 
-def plan(dsts: list[torch.Tensor], base: int, size: int) -> list[Chunk] | None:
+@dataclass(frozen=True)
+class ChunkPlan:
+    """What fills each chunk of a slot; the large tensors (copied in pieces), as their views
+    are; and the tensors of no bytes (in no chunk, but checked as the others are)."""
+
+    chunks: list[Chunk]
+    large: Batch
+    empty: Batch
+
+    def sources(self, srcs: list[torch.Tensor]) -> dict[int, int] | None:
+        """Tensor number -> address of each large source, all checked against their views
+        (Mismatch); None where one is not a tensor a memcpy may copy."""
+        addresses = host_copy.memcpy_addresses(self.large.check(srcs))
+        return None if addresses is None else dict(zip(self.large.tensors, addresses))
+
+
+def plan(dsts: list[torch.Tensor], base: int, size: int) -> ChunkPlan | None:
     """The chunks of a slot of ``size`` bytes at address ``base`` whose tensors are views
     ``dsts``; None where they overlap or leave the slot (nothing this plan can copy)."""
     chunk_bytes = memory_chunks.CHUNK_BYTES
-    parts: list[list[Piece | Run]] = [[] for _ in range(memory_chunks.count(size, chunk_bytes))]
+    count = memory_chunks.count(size, chunk_bytes)
+    small = [_batch() for _ in range(count)]
+    pieces: list[list[Piece]] = [[] for _ in range(count)]
+    large, empty = _batch(), _batch()
+    for i, d in enumerate(dsts):
+        if not d.nbytes:
+            empty.add(d, i)
     spans = sorted((d.data_ptr() - base, d.nbytes, i) for i, d in enumerate(dsts) if d.nbytes)
     end = 0
     for offset, nbytes, i in spans:
@@ -85,53 +135,55 @@ def plan(dsts: list[torch.Tensor], base: int, size: int) -> list[Chunk] | None:
             return None
         c = offset // chunk_bytes
         if nbytes < host_copy.MEMCPY_MIN_BYTES and (offset + nbytes - 1) // chunk_bytes == c:
-            last = parts[c][-1] if parts[c] else None
-            if isinstance(last, Run) and last.end - last.start < _PIECE_BYTES:
-                last.views.append(dsts[i])
-                last.tensors.append(i)
-                parts[c][-1] = last._replace(end=offset + nbytes)
-            else:
-                parts[c].append(Run([dsts[i]], [i], offset, offset + nbytes))
+            small[c].add(dsts[i], i)
         else:
+            large.add(dsts[i], i)
             done = 0
             while done < nbytes:  # split where chunks end
                 at = offset + done
                 n = min(nbytes - done, (at // chunk_bytes + 1) * chunk_bytes - at)
-                parts[at // chunk_bytes].append(Piece(i, done, at, n))
+                pieces[at // chunk_bytes].append(Piece(i, done, at, n))
                 done += n
         end = offset + nbytes
-    return [
-        Chunk(c * chunk_bytes, min(size, (c + 1) * chunk_bytes), tuple(p))
-        for c, p in enumerate(parts)
+    chunks = [
+        Chunk(c * chunk_bytes, min(size, (c + 1) * chunk_bytes), small[c], tuple(pieces[c]))
+        for c in range(count)
     ]
+    return ChunkPlan(chunks, large, empty)
 
 
 def copy_and_checksum(
-    buffer: torch.Tensor, dsts: list[torch.Tensor], srcs: list[torch.Tensor], chunks: list[Chunk]
+    buffer: torch.Tensor,
+    dsts: list[torch.Tensor],
+    srcs: list[torch.Tensor],
+    planned: ChunkPlan,
 ) -> list[Future[str]] | None:
-    """Copy ``srcs`` into ``dsts`` (views of ``buffer`` as planned in ``chunks``) and hash
-    every chunk; the hashes, as done futures in chunk order. None, having copied nothing,
-    where a large tensor is not one a memcpy may copy (on a GPU, not contiguous)."""
-    sources: dict[int, int] = {}  # tensor number -> address, of the tensors copied in pieces
-    for chunk in chunks:
-        for part in chunk.parts:
-            if isinstance(part, Piece) and part.tensor not in sources:
-                segment = host_copy.as_segment(dsts[part.tensor], srcs[part.tensor])
-                if segment is None:
-                    return None
-                sources[part.tensor] = segment[1]
+    """Copy ``srcs`` into ``dsts`` (views of ``buffer`` as ``planned``) and hash every chunk;
+    the hashes, as done futures in chunk order. None, having copied nothing, where a large
+    source is not one a memcpy may copy (on a GPU, not contiguous). Raises Mismatch where a
+    source's shape or dtype is not its view's: part of the slot may have been copied by then
+    (the caller copies it again another way)."""
+    planned.empty.copy(srcs)
+    addresses = planned.sources(srcs)
+    if addresses is None:
+        return None
+    chunks = planned.chunks
     base = buffer.data_ptr()
     data = memoryview(buffer.numpy())  # type: ignore[arg-type]  # numpy arrays are buffers
     digests: list[str] = [""] * len(chunks)
+    claim = itertools.count().__next__  # the next chunk to fill (atomic: one C call)
+    failed: list[BaseException] = []
 
-    def fill(numbers: range) -> None:
-        with torch.no_grad():  # grad mode is per thread: the helper's own
-            for c in numbers:
-                digests[c] = _fill_chunk(chunks[c], base, data, sources, srcs)
+    def fill() -> None:
+        try:
+            with torch.no_grad():  # grad mode is per thread: the helper's own
+                while not failed and (c := claim()) < len(chunks):
+                    digests[c] = _fill_chunk(chunks[c], base, data, addresses, srcs)
+        except BaseException as e:  # the other thread stops at its next chunk
+            failed.append(e)
+            raise
 
-    host_copy.side_by_side(
-        lambda: fill(range(0, len(chunks), 2)), lambda: fill(range(1, len(chunks), 2))
-    )
+    host_copy.side_by_side(fill, fill)
     out = []
     for digest in digests:
         done: Future[str] = Future()
@@ -141,28 +193,15 @@ def copy_and_checksum(
 
 
 def _fill_chunk(
-    chunk: Chunk, base: int, data: memoryview, sources: dict[int, int], srcs: list[torch.Tensor]
+    chunk: Chunk,
+    base: int,
+    data: memoryview,
+    addresses: dict[int, int],
+    srcs: list[torch.Tensor],
 ) -> str:
-    """Copy what fills ``chunk``, hashing its bytes (gaps between tensors included) in
-    stretches of about :data:`_PIECE_BYTES` (small tensors) or :data:`_LARGE_PIECE_BYTES`
-    (a large one) right after they are copied."""
-    hasher = memory_chunks.streaming()
-    hashed = chunk.start
-    for part in chunk.parts:
-        if isinstance(part, Run):
-            torch._foreach_copy_(part.views, [srcs[i] for i in part.tensors])
-            if part.end - hashed >= _PIECE_BYTES:
-                hasher.update(data[hashed : part.end])
-                hashed = part.end
-            continue
-        i, src_offset, at, nbytes = part
-        done = 0
-        while done < nbytes:
-            n = min(nbytes - done, _LARGE_PIECE_BYTES)
-            _memmove(base + at + done, sources[i] + src_offset + done, n)
-            done += n
-            if at + done - hashed >= _LARGE_PIECE_BYTES:
-                hasher.update(data[hashed : at + done])
-                hashed = at + done
-    hasher.update(data[hashed : chunk.end])
-    return memory_chunks.hex_digest(hasher)
+    """Copy what fills ``chunk`` and hash its bytes (gaps between tensors included) while
+    they are still in the CPU's cache."""
+    chunk.small.copy(srcs)
+    for piece in chunk.pieces:
+        _memmove(base + piece.at, addresses[piece.tensor] + piece.offset, piece.nbytes)
+    return memory_chunks.hash_bytes(data[chunk.start : chunk.end])

@@ -90,6 +90,7 @@ class MemoryTier:
         self._next_slot: int | None = None
         self.last_copy_secs = 0.0
         self.last_bytes = 0
+        self._region_bytes: tuple[list[fmt.Region], int] | None = None
 
     def __repr__(self) -> str:
         return f"MemoryTier({self.backend.root})"
@@ -109,60 +110,81 @@ class MemoryTier:
             self._recorded = True
         started = time.perf_counter()
         slot = self._uncommit_a_slot()
-        objects: dict[str, Any] = {}
-        found = self._planned_pairs(slot, state, objects)
-        if found is None:  # a new structure, or one the plan cannot hold
-            objects, tensors = {}, []
-            for path, leaf in fmt.leaves(state):
-                if isinstance(leaf, torch.Tensor):
-                    tensors.append((path, leaf))
-                else:
-                    objects[fmt.key(path)] = leaf
-            on_gpu = any(t.is_cuda for _, t in tensors)
-            sig = (on_gpu, tuple((path, t.dtype, t.shape) for path, t in tensors))
-            regions, size, buffer, views = self._buffer(
-                slot, sig, lambda: fmt.layout(tensors), pin=on_gpu
-            )
-            self._plans[slot] = memory_copy.plan(
-                state, regions, views, buffer, by_chunks=not on_gpu
-            )
-            dsts, srcs = views, [t for _, t in tensors]
-        else:
-            dsts, srcs = found
-        regions, size, buffer, _ = self._buffers[slot][1]
-        plan = self._plans.get(slot)
-        chunks = None
-        if plan is not None and plan.chunks is not None:
-            chunks = chunk_copy.copy_and_checksum(buffer, dsts, srcs, plan.chunks)
-        if chunks is None:  # tensors a memcpy cannot copy, or a structure the plan cannot hold
-            steps = (
-                plan.batches if plan is not None else memory_copy.batches(dsts, buffer.data_ptr())
-            )
-            chunks = memory_copy.copy_and_checksum(
-                buffer, size, dsts, srcs, steps, self._pool.submit
-            )
+        copied = self._copy_as_planned(slot, state)
+        if copied is None:  # a new structure, or one the plan cannot hold
+            copied = self._copy_new(slot, state)
+        chunks, objects = copied
+        regions, size, _, _ = self._buffers[slot][1]
         blob = fmt.encode_objects(objects)  # values may change once we return
         self.last_copy_secs = time.perf_counter() - started
-        self.last_bytes = sum(r.nbytes for r in regions)
+        self.last_bytes = self._tensor_bytes(regions)
         self._pending = self._pool.submit(self._commit, step, slot, regions, size, blob, chunks)
         return self._pending
 
-    def _planned_pairs(
-        self, slot: int, state: dict[str, Any], objects: dict[str, Any]
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
-        """(slot views, state tensors) when ``state`` has the structure the slot's plan was
-        made for (``objects`` then holds its values), else None."""
+    def _copy_as_planned(
+        self, slot: int, state: dict[str, Any]
+    ) -> tuple[list[Future[str]], dict[str, Any]] | None:
+        """Copy ``state`` into ``slot`` by the slot's plan: (chunk hashes, non-tensor values).
+        None, the slot's bytes undefined, where ``state`` no longer fits the plan."""
         plan = self._plans.get(slot)
         if plan is None:
             return None
+        objects: dict[str, Any] = {}
         try:
-            _, dsts, srcs = batch_copy.pair(
+            _, dsts, srcs, expected = batch_copy.pair_unchecked(
                 state, plan.tree, on_value=objects.__setitem__, descriptions=plan.described
             )
+            return self._copy(slot, plan, dsts, srcs, lambda: expected.check(0, len(srcs))), objects
         except batch_copy.Mismatch:
-            objects.clear()
             return None
-        return dsts, srcs
+
+    def _copy_new(
+        self, slot: int, state: dict[str, Any]
+    ) -> tuple[list[Future[str]], dict[str, Any]]:
+        """Lay ``state`` out in ``slot`` (unless its structure is the slot's already), plan its
+        copy and copy it."""
+        objects, tensors = {}, []
+        for path, leaf in fmt.leaves(state):
+            if isinstance(leaf, torch.Tensor):
+                tensors.append((path, leaf))
+            else:
+                objects[fmt.key(path)] = leaf
+        on_gpu = any(t.is_cuda for _, t in tensors)
+        sig = (on_gpu, tuple((path, t.dtype, t.shape) for path, t in tensors))
+        regions, _, buffer, views = self._buffer(slot, sig, lambda: fmt.layout(tensors), pin=on_gpu)
+        plan = self._plans[slot] = memory_copy.plan(
+            state, regions, views, buffer, by_chunks=not on_gpu
+        )
+        return self._copy(slot, plan, views, [t for _, t in tensors]), objects
+
+    def _copy(
+        self,
+        slot: int,
+        plan: memory_copy.CopyPlan | None,
+        dsts: list[torch.Tensor],
+        srcs: list[torch.Tensor],
+        check: Callable[[], None] | None = None,
+    ) -> list[Future[str]]:
+        """Copy ``srcs`` into ``slot``'s views ``dsts`` by chunks (``chunk_copy``, which checks
+        each source as it copies it) where the plan allows, else tensor by tensor
+        (``memory_copy``: tensors a memcpy cannot copy, or a structure the plan cannot hold),
+        after ``check``; the chunk hashes. Raises Mismatch where a source does not fit."""
+        _, size, buffer, _ = self._buffers[slot][1]
+        if plan is not None and plan.chunks is not None:
+            chunks = chunk_copy.copy_and_checksum(buffer, dsts, srcs, plan.chunks)
+            if chunks is not None:
+                return chunks
+        if check is not None:
+            check()
+        steps = plan.batches if plan is not None else memory_copy.batches(dsts, buffer.data_ptr())
+        return memory_copy.copy_and_checksum(buffer, size, dsts, srcs, steps, self._pool.submit)
+
+    def _tensor_bytes(self, regions: list[fmt.Region]) -> int:
+        """The bytes of the tensors in ``regions`` (one sum per layout, not per save)."""
+        cached = self._region_bytes
+        if cached is None or cached[0] is not regions:
+            cached = self._region_bytes = (regions, sum(r.nbytes for r in regions))
+        return cached[1]
 
     def _uncommit_a_slot(self) -> int:
         """The slot to write next, its header removed first (the copy tears it)."""

@@ -35,7 +35,7 @@ class CopyPlan:
 
     tree: Any  # the state's structure, its slot views at the tensors, keys at the values
     batches: list[tuple[int, int, int]]  # (first, end) tensors, chunks complete after them
-    chunks: list[chunk_copy.Chunk] | None  # the copy by chunks (chunk_copy), where it can run
+    chunks: chunk_copy.ChunkPlan | None  # the copy by chunks (chunk_copy), where it can run
     # batch_copy's descriptions of the tree's dicts of views (dropped with the plan)
     described: batch_copy.Descriptions = field(default_factory=batch_copy.new_descriptions)
 
