@@ -96,6 +96,23 @@ class LocalReads(LocalRoot):
             os.close(fd)
             raise
 
+    def prefetch(self, *names: str, offset: int, length: int) -> None:
+        """Read ``length`` bytes at ``offset`` of plain file ``names`` into the page cache,
+        not into this process: ``sendfile`` to ``/dev/null``, which costs a few percent of
+        the CPU a read into a buffer does (228 MiB: 7 ms), in as few calls as the kernel
+        takes, each without the GIL (a thread that needs the GIL between short calls waits
+        up to a switch interval for each while another thread runs Python). For a file
+        about to be read: ``posix_fadvise(WILLNEED)`` would not wait, but reads ahead only as
+        far as the device's readahead window (128 KiB on many). Raises OSError where the
+        file cannot be opened (as :meth:`open_read`) or read."""
+        with self.open_read(*names) as f, open(os.devnull, "wb") as sink:
+            end = offset + length
+            while offset < end:
+                n = os.sendfile(sink.fileno(), f.fileno(), offset, end - offset)
+                if n <= 0:  # end of file
+                    return
+                offset += n
+
     @staticmethod
     def read_range_into(f: BinaryIO, offset: int, buffer: memoryview) -> memoryview:
         """Read ``len(buffer)`` bytes at ``offset`` of an open file without moving its position

@@ -152,6 +152,13 @@ def is_data_file(name: str) -> bool:
     return bool(_DATA_FILE_RE.fullmatch(name))
 
 
+def data_file_rank(name: str) -> int | None:
+    """The rank that wrote data file ``name`` (see :func:`data_file_name`); None for any other
+    name."""
+    found = _DATA_FILE_RE.fullmatch(name)
+    return int(found.group(1)) if found else None
+
+
 def is_save_object(rel: str) -> bool:
     """Whether ``rel`` (a key relative to a save's prefix ``STEP/<save id>/``) is a name a save
     of ours writes, exactly: data files, the manifest files, ``.metadata``, node records and

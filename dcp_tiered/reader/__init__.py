@@ -36,6 +36,7 @@ from ..tiers import catalog
 from ..tiers.local import LocalTier
 from ..tiers.remote import RemoteTier
 from ..tiers.step_record import CommittedStep
+from . import _prefetch
 from ._columns import ColumnReads
 
 logger = logging.getLogger(__name__)
@@ -93,6 +94,7 @@ class TieredStorageReader(ColumnReads, StorageReader):
         self._deferred_error: DcpTieredError | None = None
         self._keys: layout.RemoteKeys | None = None  # the step's remote keys, from its marker
         self._offered: Metadata | None = None  # the metadata read_metadata returned last
+        self._prefetching: _prefetch.Prefetch | None = None  # this load's reads ahead
         self.files_read_remotely: set[str] = set()
         self._remote_checked = False
 
@@ -140,6 +142,9 @@ class TieredStorageReader(ColumnReads, StorageReader):
         if not self._step.verified_format:
             return self._read_vanilla_metadata()
         self._manifest = self._load_manifest(self._step)
+        self._stop_prefetch()
+        if self._index_is_local:  # its data files are likely here too
+            self._prefetching = _prefetch.start(self._tier.backend, self._step.name)
         self._offered = self._manifest.metadata
         whole_reads.offer(self._offered, self)  # see whole_reads
         self._descriptors = {}
@@ -233,6 +238,7 @@ class TieredStorageReader(ColumnReads, StorageReader):
             self._load_local(local, planner)
         finally:
             self._read_buffers = [bytearray(), bytearray()]  # as large as the largest item
+            self._stop_prefetch()  # what it read ahead has been read
         if remote:
             for item, payload in self._remote_payloads(remote):
                 self._deliver(item, payload, planner)
@@ -241,6 +247,11 @@ class TieredStorageReader(ColumnReads, StorageReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    def _stop_prefetch(self) -> None:
+        if self._prefetching is not None:
+            self._prefetching.stop()
+            self._prefetching = None
 
     def stored_tensor(self, fqn: str) -> torch.Tensor | None:
         """The first chunk of tensor ``fqn`` of the step being loaded, as stored: read,
