@@ -39,14 +39,9 @@ def _loaded(tmp_path, state: dict) -> dict:
     return out
 
 
-def _record(monkeypatch) -> tuple[list[tuple[str, int]], threading.Event]:
-    """The files prefetch reads (name, length), and an event set once it has finished."""
-    read, done = [], threading.Event()
-    real_prefetch, real_run = LocalBackend.prefetch, _prefetch.Prefetch._run
-
-    def prefetch(self, *names, offset, length):
-        read.append((names[-1], offset, length))
-        real_prefetch(self, *names, offset=offset, length=length)
+def _finished(monkeypatch) -> threading.Event:
+    """An event set once the prefetch thread has finished."""
+    done, real_run = threading.Event(), _prefetch.Prefetch._run
 
     def run(*a):
         try:
@@ -54,9 +49,21 @@ def _record(monkeypatch) -> tuple[list[tuple[str, int]], threading.Event]:
         finally:
             done.set()
 
-    monkeypatch.setattr(LocalBackend, "prefetch", prefetch)
     monkeypatch.setattr(_prefetch.Prefetch, "_run", run)
-    return read, done
+    return done
+
+
+def _record(monkeypatch) -> tuple[list[tuple[str, int, int]], threading.Event]:
+    """The pieces of files prefetch reads (name, offset, length), and an event set once it
+    has finished."""
+    read, real_prefetch = [], LocalBackend.prefetch
+
+    def prefetch(self, *names, offset, length):
+        read.append((names[-1], offset, length))
+        real_prefetch(self, *names, offset=offset, length=length)
+
+    monkeypatch.setattr(LocalBackend, "prefetch", prefetch)
+    return read, _finished(monkeypatch)
 
 
 def test_a_restore_reads_the_sections_then_this_ranks_data_files_ahead(tmp_path, monkeypatch):
@@ -77,33 +84,27 @@ def test_a_restore_reads_the_sections_then_this_ranks_data_files_ahead(tmp_path,
     assert all(offset == 0 and length == sizes[n] for n, offset, length in read)
 
 
-def test_the_prefetch_stops_at_its_budget(tmp_path, monkeypatch):
+def test_the_prefetch_starts_with_a_load_and_stops_at_its_budget(tmp_path, monkeypatch):
     _saved(tmp_path)
     read, done = _record(monkeypatch)
     monkeypatch.setattr(_prefetch, "MAX_BYTES", 3000)
     reader = TieredStorageReader(tmp_path)
     reader.reset("step-1")
-    reader.read_metadata()
+    metadata = reader.read_metadata()
+    assert not done.wait(0.5)  # a look at the metadata reads nothing ahead: no load follows
+    reader.set_up_storage_reader(metadata, True)  # what DCP's load calls next
     assert done.wait(10)
     assert sum(length for _, _, length in read) <= 3000
 
 
 def test_a_file_the_prefetch_cannot_read_leaves_the_restore_to_its_own_reads(tmp_path, monkeypatch):
     state = _saved(tmp_path)
-    done = threading.Event()
-    real_run = _prefetch.Prefetch._run
 
     def failing(self, *names, offset, length):
         raise OSError(5, "Input/output error")
 
-    def run(*a):
-        try:
-            real_run(*a)
-        finally:
-            done.set()
-
     monkeypatch.setattr(LocalBackend, "prefetch", failing)
-    monkeypatch.setattr(_prefetch.Prefetch, "_run", run)
+    done = _finished(monkeypatch)
     out = _loaded(tmp_path, state)
     assert done.wait(10)
     assert all(torch.equal(out[k], v) for k, v in state.items())

@@ -142,9 +142,6 @@ class TieredStorageReader(ColumnReads, StorageReader):
         if not self._step.verified_format:
             return self._read_vanilla_metadata()
         self._manifest = self._load_manifest(self._step)
-        self._stop_prefetch()
-        if self._index_is_local:  # its data files are likely here too
-            self._prefetching = _prefetch.start(self._tier.backend, self._step.name)
         self._offered = self._manifest.metadata
         whole_reads.offer(self._offered, self)  # see whole_reads
         self._descriptors = {}
@@ -206,6 +203,11 @@ class TieredStorageReader(ColumnReads, StorageReader):
             raise self._deferred_error
         if self._step is None:  # DCP always reads metadata first; guard direct use
             raise CheckpointNotFoundError("read_metadata() must run before set_up_storage_reader")
+        # A load (not a look at the metadata): read its files ahead while DCP plans it
+        self._stop_prefetch()
+        step = self._step
+        if step.verified_format and step.local and self._index_is_local:  # data likely here
+            self._prefetching = _prefetch.start(self._tier.backend, step.name)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan

@@ -3,12 +3,13 @@
 A restore's reads start only once DCP has planned the load: the metadata read, every rank's
 plan made and agreed, the targets matched with the stored tensors. On the development VM that
 was 160 ms of a cold restore of 20,000 tensors with the disk idle, then 200 ms of reads one
-block after another. Once the manifest's index is read, its sections and then the data files
-this rank wrote (the ones a restore at the same world size reads) are read into the page cache
-on a thread of their own (``LocalBackend.prefetch``), up to :data:`MAX_BYTES` or an eighth of
-the memory available (shared by the ranks of the node), until the load's own reads are done.
-Only that: those reads check every byte as before, and a file that cannot be opened (a link,
-a FIFO, gone) is left to them to name.
+block after another. Once DCP sets the reader up for a load (a look at the metadata alone
+reads nothing ahead), the manifest's sections and the data files this rank wrote (the ones a
+restore at the same world size reads) are read into the page cache on a thread of their own
+(``LocalBackend.prefetch``), up to :data:`MAX_BYTES` or an eighth of the memory available
+(shared by the ranks of the node), until the load's own reads are done. Only that: those
+reads check every byte as before, and a file that cannot be opened (a link, a FIFO, gone) is
+left to them to name.
 """
 
 from __future__ import annotations
