@@ -16,10 +16,9 @@ chunks. Each thread does as few steps per chunk as it can: one ``memmove`` per p
 large tensor (no GIL while it copies), one ``torch._foreach_copy_`` for all its small tensors
 (a 2,000-tensor state's 1.2 MiB of small tensors took 9 ms in 330 calls, one per run
 between the large pieces, 6 ms in 66: each large copy pushes torch's code and the tensors'
-metadata out of the caches again), one hash. The
-old and the new way side by side in one process, snapshot until valid after a pause, medians
-on the development VM: 20,000 tensors 76 -> 63 ms, 2,000 tensors 42 -> 39 ms, 32 x 32 MiB
-unchanged.
+metadata out of the caches again), one hash. The old and the new way side by side in one
+process, snapshot until valid after a pause, medians on the development VM: 20,000 tensors
+76 -> 63 ms, 2,000 tensors 42 -> 39 ms, 32 x 32 MiB unchanged.
 
 Large tensors are copied by memcpy, so only where ``host_copy`` allows one (plain contiguous
 CPU tensors), all checked before a byte is copied; a state with any other large tensor (on a
