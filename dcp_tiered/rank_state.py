@@ -14,14 +14,11 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
+from .distributed import this_rank
+
 logger = logging.getLogger(__name__)
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def capture_rng() -> dict[str, Any]:
@@ -91,7 +88,7 @@ class RankState(Stateful):
 
     @property
     def key(self) -> str:
-        return f"rank_{_rank()}"
+        return f"rank_{this_rank()}"
 
     def state_dict(self) -> dict[str, Any]:
         mine: dict[str, Any] = {name: obj.state_dict() for name, obj in self.objects.items()}

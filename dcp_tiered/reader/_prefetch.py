@@ -18,9 +18,8 @@ import logging
 import os
 import threading
 
-import torch.distributed as dist
-
 from ..backends.local import LocalBackend, available_memory_bytes
+from ..distributed import this_rank
 from ..policy import layout
 
 logger = logging.getLogger(__name__)
@@ -38,7 +37,7 @@ class Prefetch:
         self._stopped = threading.Event()
         self._thread = threading.Thread(
             target=self._run,
-            args=(backend, step, _this_rank(), budget),
+            args=(backend, step, this_rank(), budget),
             name="dcp-tiered-prefetch",
             daemon=True,
         )
@@ -74,7 +73,3 @@ def start(backend: LocalBackend, step: str) -> Prefetch | None:
     ranks_on_node = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
     budget = min(MAX_BYTES, (available_memory_bytes() or 0) // (8 * ranks_on_node))
     return Prefetch(backend, step, budget) if budget > 0 else None
-
-
-def _this_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

@@ -90,7 +90,8 @@ class MemoryTier:
         self._next_slot: int | None = None
         self.last_copy_secs = 0.0
         self.last_bytes = 0
-        self._region_bytes: tuple[list[fmt.Region], int] | None = None
+        # slot -> (its regions, the bytes of their tensors), made by its first save of a layout
+        self._tensor_bytes_of: dict[int, tuple[list[fmt.Region], int]] = {}
 
     def __repr__(self) -> str:
         return f"MemoryTier({self.backend.root})"
@@ -117,7 +118,7 @@ class MemoryTier:
         regions, size, _, _ = self._buffers[slot][1]
         blob = fmt.encode_objects(objects)  # values may change once we return
         self.last_copy_secs = time.perf_counter() - started
-        self.last_bytes = self._tensor_bytes(regions)
+        self.last_bytes = self._tensor_bytes(slot, regions)
         self._pending = self._pool.submit(self._commit, step, slot, regions, size, blob, chunks)
         return self._pending
 
@@ -179,11 +180,11 @@ class MemoryTier:
         steps = plan.batches if plan is not None else memory_copy.batches(dsts, buffer.data_ptr())
         return memory_copy.copy_and_checksum(buffer, size, dsts, srcs, steps, self._pool.submit)
 
-    def _tensor_bytes(self, regions: list[fmt.Region]) -> int:
+    def _tensor_bytes(self, slot: int, regions: list[fmt.Region]) -> int:
         """The bytes of the tensors in ``regions`` (one sum per layout, not per save)."""
-        cached = self._region_bytes
+        cached = self._tensor_bytes_of.get(slot)
         if cached is None or cached[0] is not regions:
-            cached = self._region_bytes = (regions, sum(r.nbytes for r in regions))
+            cached = self._tensor_bytes_of[slot] = (regions, sum(r.nbytes for r in regions))
         return cached[1]
 
     def _uncommit_a_slot(self) -> int:
