@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -86,6 +87,10 @@ class Local:
                 f"RLIMIT_NOFILE here is {limit} (hard limit)"
             )
         self.seq = 0
+
+    def settle_files(self) -> None:
+        """settle() before a figure that writes the state's files (or reads them cold)."""
+        settle(self.work / "touch.bin", self.bytes + 2**26)
 
     def record(self, name: str, secs: float) -> None:
         self.samples.setdefault(name, []).append(secs)
@@ -236,21 +241,19 @@ class Local:
             shutil.rmtree(self.work / "tc-warm", ignore_errors=True)
         self.samples.clear()
         for _ in range(runs):
-            for figure in (
-                self.memcpy,
-                self.ours_stall,
-                self.ours_snapshot,
-                self.dd,
-                self.ours_commit_restore,
-                self.dcp,
-            ):
+            # figures in memory only, into buffers made before (nothing for a touch to
+            # spare them), then those that write or read files
+            for figure in (self.memcpy, self.ours_stall, self.ours_snapshot):
                 settle()
                 figure()
+            for figure in (self.dd, self.ours_commit_restore, self.dcp):
+                self.settle_files()
+                figure()
             if self.dlrover:
-                settle()
+                self.settle_files()
                 self.peer("dlrover", self.dlrover_figures)
             if self.tc:
-                settle()
+                self.settle_files()
                 self.peer("torch-checkpointing", self.tc_figures)
 
     def peer(self, name: str, figures) -> None:
@@ -278,12 +281,38 @@ class Local:
         shutil.rmtree(self.shm, ignore_errors=True)
 
 
-def settle() -> None:
+def settle(touch: Path | None = None, touch_bytes: int = 0) -> None:
     """Before each figure: the disk's writeback of earlier figures' files done, and a pause
     for the kernel's freeing of the pages they dropped (a figure right after a gigabyte of
-    files was deleted or dropped from the cache measured up to 5x its own time, memcpy too)."""
+    files was deleted or dropped from the cache measured up to 5x its own time, memcpy too).
+
+    Then twice ``touch_bytes`` written to files named after ``touch`` by a thread per core
+    (at most 4), and deleted before any of it goes to the disk. A VM whose balloon device
+    reports free memory to the hypervisor (virtio-balloon free page reporting, as on the 2-core
+    VM) loses the backing of large free blocks after a few seconds, and whoever allocates one
+    next faults it in on the host: the page cache of a new file was written at 0.4 GB/s
+    instead of 4 GB/s, in the kernel's time, from wherever such blocks began (256 MiB: 57-60 ms
+    within 2 s of freeing 512 MiB of files, 310-690 ms 4-8 s after), so any figure that writes
+    or reads files paid up to 10x, in no pattern (our 2,000-tensor commit 0.19-0.48 s, one
+    writer thread's 32 MiB writes taking 70-80 ms of CPU each, the other's 7 ms). The blocks of
+    files just written and deleted on each core are the ones the next figure takes (memory
+    touched and freed by the process does not do: its small pages are not the page cache's
+    large blocks; a touch from one thread left one core's writes slow in a third of the
+    tries)."""
     os.sync()
     time.sleep(0.5)
+    if touch is None or not touch_bytes:
+        return
+    zeros = bytes(32 * 2**20)
+    threads = min(len(os.sched_getaffinity(0)), 4)
+
+    def write(path: Path) -> None:
+        with open(path, "wb", buffering=0) as f:
+            f.writelines(zeros for _ in range(0, 2 * touch_bytes // threads, len(zeros)))
+        path.unlink()
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(write, [touch.with_suffix(f".{i}") for i in range(threads)]))
 
 
 def main() -> None:

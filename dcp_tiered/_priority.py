@@ -8,8 +8,10 @@ same for its checkpoint process).
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
+from collections.abc import Callable
 
 BACKGROUND_NICE = 10
 
@@ -27,6 +29,21 @@ def lower_this_thread(nice: int = BACKGROUND_NICE) -> None:
             os.setpriority(os.PRIO_PROCESS, tid, nice)
     except OSError:
         pass  # not permitted here: run at normal priority
+
+
+def as_this_thread() -> Callable[[], None]:
+    """An initializer for worker threads of the calling thread: each runs at its priority.
+    A blocking ``dcp.save`` runs on the trainer's thread, which waits for its writers: below
+    the trainer's priority they would give the cores the trainer is not using to any other
+    process that wants them. An async save's thread lowers itself first, and its writers
+    with it."""
+    nice = 0
+    if hasattr(os, "getpriority"):
+        try:
+            nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        except OSError:
+            pass
+    return functools.partial(lower_this_thread, nice)
 
 
 def background_threads() -> int:

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.planner import SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
 from .. import item_layout, item_writer
-from .._priority import lower_this_thread
+from .._priority import as_this_thread
 from ..backends.local import LocalBackend
 from ..policy import layout, manifest
 from ..tiers import commit
@@ -43,8 +43,12 @@ def write_items(
     fsync commits the journal, which waits for the blocks of every file being written, and
     holds up the other threads' writes until it is done. With the writeback started batch by
     batch (``item_writer``), 2,000 tensors (261 MiB), 10 saves each: median time to committed
-    0.652 s before both, 0.412 s fsynced together, 0.347 s with both (dd: 0.203 s). A data
-    file's early upload now starts once all are fsynced."""
+    0.652 s before both, 0.412 s fsynced together, 0.347 s with both (dd: 0.203 s). Measured
+    again with every save's page cache backed first (``benchmarks/peers_local.settle``: on a
+    VM whose hypervisor takes back free memory, new page cache costs up to 10x otherwise),
+    medians of 8 alternating, with and without the writeback: 2,000 tensors 0.169 / 0.202 s,
+    20,000 tensors 0.319 / 0.338 s (dd 0.168 / 0.152 s). A data file's early upload now
+    starts once all are fsynced."""
     buckets = _split(items, thread_count)
     jobs = [
         (layout.data_file_name(save.rank, i), bucket) for i, bucket in enumerate(buckets) if bucket
@@ -61,7 +65,7 @@ def write_items(
             outs = [write(f, n, b) for f, (n, b) in zip(opened, jobs)]
         else:
             with ThreadPoolExecutor(
-                len(jobs), thread_name_prefix="dcp-tiered-write", initializer=lower_this_thread
+                len(jobs), thread_name_prefix="dcp-tiered-write", initializer=as_this_thread()
             ) as pool:
                 futures = [pool.submit(write, f, n, b) for f, (n, b) in zip(opened, jobs)]
                 outs = [f.result() for f in futures]
