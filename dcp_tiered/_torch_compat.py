@@ -203,6 +203,7 @@ def forget_save_plans() -> None:
 
 
 def global_rank() -> int:
+    """This process's global rank (0 without a process group)."""
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 

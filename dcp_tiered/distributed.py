@@ -9,6 +9,8 @@ import os
 
 import torch.distributed as dist
 
+from ._torch_compat import global_rank
+
 _GROUPS: dict[tuple[str, int, float], dist.ProcessGroup] = {}
 
 
@@ -36,20 +38,15 @@ def replication_group(timeout_secs: float = 1800.0) -> dist.ProcessGroup | None:
     return _group("replication", timeout_secs)
 
 
-def this_rank() -> int:
-    """This process's global rank (0 without a process group)."""
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 def is_job_leader() -> bool:
     """Global rank 0, or the only process."""
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    return global_rank() == 0
 
 
 def is_node_leader() -> bool:
     """Whether this process writes its node's node-wide files: ``LOCAL_RANK`` 0 (as torchrun
     sets it), else global rank 0 (without torchrun, a node is one process or the whole job)."""
-    return int(os.environ.get("LOCAL_RANK", this_rank())) == 0
+    return int(os.environ.get("LOCAL_RANK", global_rank())) == 0
 
 
 def _group(purpose: str, timeout_secs: float) -> dist.ProcessGroup | None:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
-from .distributed import this_rank
+from ._torch_compat import global_rank
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class RankState(Stateful):
 
     @property
     def key(self) -> str:
-        return f"rank_{this_rank()}"
+        return f"rank_{global_rank()}"
 
     def state_dict(self) -> dict[str, Any]:
         mine: dict[str, Any] = {name: obj.state_dict() for name, obj in self.objects.items()}

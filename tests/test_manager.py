@@ -389,7 +389,7 @@ def test_rank_state_round_trips_and_tolerates_a_step_saved_by_fewer_ranks(
     with CheckpointManager(**tiers) as mgr:
         mgr.restore(app)
     assert torch.equal(torch.rand(3), expected) and fresh.last_epoch == sched.last_epoch
-    monkeypatch.setattr(rank_state, "this_rank", lambda: 1)  # a rank the step never had
+    monkeypatch.setattr(rank_state, "global_rank", lambda: 1)  # a rank the step never had
     app = {"m": _state(), "rank": RankState()}
     with caplog.at_level(logging.WARNING), CheckpointManager(**tiers) as mgr:
         assert mgr.restore(app) == 1

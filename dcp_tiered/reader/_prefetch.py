@@ -18,8 +18,8 @@ import logging
 import os
 import threading
 
+from .._torch_compat import global_rank
 from ..backends.local import LocalBackend, available_memory_bytes
-from ..distributed import this_rank
 from ..policy import layout
 
 logger = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ class Prefetch:
         self._stopped = threading.Event()
         self._thread = threading.Thread(
             target=self._run,
-            args=(backend, step, this_rank(), budget),
+            args=(backend, step, global_rank(), budget),
             name="dcp-tiered-prefetch",
             daemon=True,
         )
