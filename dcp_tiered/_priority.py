@@ -21,12 +21,10 @@ def lower_this_thread(nice: int = BACKGROUND_NICE) -> None:
     main thread, whose priority is the trainer's, and where threads cannot be reniced."""
     if nice <= 0 or threading.current_thread() is threading.main_thread():
         return
-    if not hasattr(os, "setpriority"):
+    if not hasattr(os, "setpriority") or _nice_of_this_thread() >= nice:
         return
-    tid = threading.get_native_id()
     try:
-        if os.getpriority(os.PRIO_PROCESS, tid) < nice:
-            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
     except OSError:
         pass  # not permitted here: run at normal priority
 
@@ -37,13 +35,17 @@ def as_this_thread() -> Callable[[], None]:
     the trainer's priority they would give the cores the trainer is not using to any other
     process that wants them. An async save's thread lowers itself first, and its writers
     with it."""
-    nice = 0
-    if hasattr(os, "getpriority"):
-        try:
-            nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-        except OSError:
-            pass
-    return functools.partial(lower_this_thread, nice)
+    return functools.partial(lower_this_thread, _nice_of_this_thread())
+
+
+def _nice_of_this_thread() -> int:
+    """The calling thread's nice value; 0 where it cannot be read."""
+    if not hasattr(os, "getpriority"):
+        return 0
+    try:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    except OSError:
+        return 0
 
 
 def background_threads() -> int:
