@@ -15,6 +15,8 @@ Usage: python tests/faultproxy.py --port P --upstream http://127.0.0.1:Q --rate 
                         fails its x-amz-checksum-crc32c header is refused with 400 BadDigest,
                         after any --corrupt flip, so a body corrupted on the way is refused)
 
+GET /__faults__ answers what was injected, and how many PUT bodies (whole objects or parts)
+came SHA-256-signed (``signed_bodies``) or with ``UNSIGNED-PAYLOAD`` (``unsigned_bodies``).
 GET /__requests__ answers how many requests of each S3 kind reached the proxy (LIST, HEAD,
 GET, PUT, CREATE/PART/COMPLETE/ABORT of multipart uploads, LIST_UPLOADS, DELETE, POST), and
 how many of them named a key containing each ``?key=`` substring; POST /__requests__ resets.
@@ -87,6 +89,7 @@ def build_app(
     rng = random.Random(seed)
     counts = {f: 0 for f in FAULTS} | {"ok": 0, "denied": 0, "corrupted": 0, "failed_reads": 0}
     counts["bad_digest"] = 0
+    counts["signed_bodies"] = counts["unsigned_bodies"] = 0  # PUTs (and parts) by their SHA-256
     failing = {"reads": fail_reads}
     session: dict[str, ClientSession] = {}
     requests: list[tuple[str, str]] = []  # (kind, key) of every S3 request, in arrival order
@@ -125,6 +128,9 @@ def build_app(
             flipped = bytearray(body)
             flipped[len(body) // 2] ^= 0x01
             body = bytes(flipped)
+        if request.method == "PUT" and body:
+            unsigned = request.headers.get("x-amz-content-sha256") == "UNSIGNED-PAYLOAD"
+            counts["unsigned_bodies" if unsigned else "signed_bodies"] += 1
         sent = request.headers.get("x-amz-checksum-crc32c")
         if check_crc32c and request.method == "PUT" and sent is not None:
             actual = base64.b64encode(crc32c.crc32c(body).to_bytes(4, "big")).decode()

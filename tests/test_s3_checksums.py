@@ -149,3 +149,60 @@ def test_a_local_file_that_changed_is_never_completed(tmp_path, s3):
         backend.put_file(str(path), "step-1/f.bin", "00000000")
     assert backend.stat("step-1/f.bin") is None
     assert s3_checksums.header(0) == "AAAAAA=="
+
+
+@pytest.mark.parametrize("signing", [None, True])
+def test_bodies_go_unsigned_unless_signing_is_asked_for(tmp_path, s3, fault_proxy, signing):
+    """Every body carries its CRC32C in a signed header, so botocore's SHA-256 of it (on a
+    plain-http endpoint) is not paid by default; storage options that ask keep it."""
+    proxy = fault_proxy(0.0, check_crc32c=True)
+    cfg = config(s3, proxy)
+    if signing is not None:
+        opts = cfg.storage_options
+        opts["config_kwargs"] = {
+            **opts.get("config_kwargs", {}),
+            "s3": {
+                **opts.get("config_kwargs", {}).get("s3", {}),
+                "payload_signing_enabled": signing,
+            },
+        }
+    durable(tmp_path, cfg, mib=12)  # parts and single PUTs both
+    faults = injected_faults(proxy)
+    sent = faults["signed_bodies"] + faults["unsigned_bodies"]
+    assert sent >= 3, faults
+    if signing:
+        assert faults["unsigned_bodies"] == 0, faults
+    else:
+        assert faults["signed_bodies"] == 0, faults
+    got, _ = load(tmp_path / "fresh", cfg, mib=12)
+    assert equal(got, state(1, mib=12))
+
+
+def test_a_file_renamed_while_its_parts_are_read_is_uploaded_whole(tmp_path, s3, monkeypatch):
+    """An early upload reads its file from the save's temporary directory, which the local
+    commit renames, maybe between two parts: every part is read from the descriptor opened at
+    the start, so the upload completes (and is not begun again from the step)."""
+    from dcp_tiered.policy import integrity
+
+    cfg = config(s3)
+    backend = RemoteBackend(cfg)
+    tmp, step = tmp_path / ".step-1.tmp", tmp_path / "step-1"
+    tmp.mkdir()
+    data = bytes(range(256)) * (47 * 2**10)  # 11.75 MiB: three parts of up to 5 MiB
+    (tmp / "f.bin").write_bytes(data)
+    read = s3_checksums._read
+    reads = []
+
+    def read_then_commit(*args):
+        out = read(*args)
+        reads.append(len(out[0]))
+        if tmp.exists():
+            tmp.rename(step)  # the commit, after the first part was read
+        return out
+
+    monkeypatch.setattr(s3_checksums, "_read", read_then_commit)
+    checksum = integrity.format_checksum(integrity.checksum(data))
+    backend.put_file(str(tmp / "f.bin"), "step-1/f.bin", checksum)
+    assert len(reads) == 3 and not tmp.exists()
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3.options())
+    assert fs.cat_file(backend.path("step-1/f.bin")) == data

@@ -17,6 +17,16 @@ modification times are part of the key, so a backend made after a sidecar rewrot
 client that reads them again (self-refreshing providers, such as instance roles, refresh
 inside one client anyway).
 
+S3 request bodies are not SHA-256-signed unless the options ask for it (botocore's
+``payload_signing_enabled``). Every body we send carries its CRC32C in a signed header, which a
+store that checks checksums verifies (and elsewhere uploads are read back:
+:mod:`dcp_tiered.backends.s3_checksums`); botocore itself drops the body's SHA-256 over
+``https`` when such a header is there. Over plain ``http`` it hashed every body again: 0.3-0.4 s
+of CPU per 256 MiB, a third of our client's CPU in an upload, beside a store on the same node.
+The SHA-256 guarded a body against a forger on a plain-``http`` path, where the objects read
+back at restore are unguarded anyway (use ``https`` against such a path); storage options
+with ``config_kwargs={"s3": {"payload_signing_enabled": True}}`` keep it.
+
 Private to this package, not fsspec's instance cache: a caller's own ``fsspec.filesystem`` with
 the same options never gets ours, nor we theirs. A forked child makes its own (a parent's
 client belongs to the parent's event loop) and never frees the parent's: freeing one closes
@@ -52,6 +62,7 @@ _KEEP = 16  # the newest filesystems kept; an older one lives on with the backen
 def filesystem(protocol: str, options: Mapping[str, Any]) -> Any:
     """This process's filesystem for ``protocol`` with ``options``, made on first use (a new
     one every time where ``options`` hold anything but plain data)."""
+    options = _with_defaults(protocol, options)
     try:
         env = {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)}
         text = json.dumps([dict(options), env, _file_times()], sort_keys=True, allow_nan=False)
@@ -70,6 +81,20 @@ def filesystem(protocol: str, options: Mapping[str, Any]) -> Any:
                 dropped.append(_shared.pop(next(iter(_shared))))
     del dropped  # freed here, outside the lock: closing a client's session can take a while
     return fs
+
+
+def _with_defaults(protocol: str, options: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``options`` with S3 bodies unsigned unless they say otherwise (see the module's doc)."""
+    if protocol not in ("s3", "s3a"):
+        return options
+    config = options.get("config_kwargs") or {}
+    s3 = (config.get("s3") or {}) if isinstance(config, Mapping) else None
+    if not isinstance(s3, Mapping):
+        return options  # not what s3fs documents: passed on as it is
+    if "payload_signing_enabled" in s3:
+        return options
+    s3 = {**s3, "payload_signing_enabled": False}
+    return {**options, "config_kwargs": {**config, "s3": s3}}
 
 
 def keep_inherited(fs: Any) -> None:

@@ -195,32 +195,29 @@ def upload(
     ETag. IntegrityError (nothing stored) if the bytes read do not match ``checksum``."""
     fs, cfg = backend.fs, backend.config
     bucket, _, obj = backend.path(key).partition("/")
-    size = os.path.getsize(local_path)
-    part = max(cfg.part_size_bytes, -(-size // _MAX_PARTS))
-    if size < min(5 * 2**30, 2 * part):  # one PUT, as s3fs would
-        with open(local_path, "rb") as f:
-            data = f.read()
-        crc = integrity.checksum(data)
-        _check(crc, checksum, local_path)
-        resp = fs.call_s3(
-            "put_object",
-            Bucket=bucket,
-            Key=obj,
-            Body=data,
-            ChecksumCRC32C=header(crc),
-            Metadata=dict(metadata),
-        )
-        return resp.get("ETag")
-    return sync(
-        fs.loop,
-        _multipart,
-        fs,
-        local_path,
-        (bucket, obj),
-        (size, part, cfg.max_concurrency),
-        checksum,
-        metadata,
+    # One descriptor for every read: an early upload's file is renamed with its directory
+    # when the save commits locally, which may happen while its parts are being read.
+    with open(local_path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        part = max(cfg.part_size_bytes, -(-size // _MAX_PARTS))
+        if size >= min(5 * 2**30, 2 * part):
+            # _multipart owns the duplicate (closed when it ends, whatever ends this call).
+            sizes, fd = (size, part, cfg.max_concurrency), os.dup(f.fileno())
+            return sync(
+                fs.loop, _multipart, fs, (fd, local_path), (bucket, obj), sizes, checksum, metadata
+            )
+        data = f.read()
+    crc = integrity.checksum(data)  # one PUT, as s3fs would
+    _check(crc, checksum, local_path)
+    resp = fs.call_s3(
+        "put_object",
+        Bucket=bucket,
+        Key=obj,
+        Body=data,
+        ChecksumCRC32C=header(crc),
+        Metadata=dict(metadata),
     )
+    return resp.get("ETag")
 
 
 def _check(crc: int, checksum: str, local_path: str) -> None:
@@ -231,11 +228,14 @@ def _check(crc: int, checksum: str, local_path: str) -> None:
         )
 
 
-def _read(local_path: str, start: int, length: int) -> tuple[bytes, int]:
-    # Its own descriptor: a read still running when its upload is given up must not read
-    # from a descriptor closed (and reused) meanwhile.
-    with open(local_path, "rb", buffering=0) as f:
-        data = os.pread(f.fileno(), length, start)
+def _read(fd: int, start: int, length: int) -> tuple[bytes, int]:
+    """A part's bytes from ``fd``, which this closes: a duplicate of its own, so that a read
+    still running when its upload is given up never reads a descriptor closed (and reused)
+    meanwhile."""
+    try:
+        data = os.pread(fd, length, start)
+    finally:
+        os.close(fd)
     if len(data) != length:
         raise IntegrityError(f"short read of a local file: {len(data)} of {length} bytes")
     return data, integrity.checksum(data)
@@ -243,16 +243,33 @@ def _read(local_path: str, start: int, length: int) -> tuple[bytes, int]:
 
 async def _multipart(
     fs: Any,
+    source: tuple[int, str],
+    where: tuple[str, str],
+    sizes: tuple[int, int, int],
+    checksum: str,
+    metadata: Mapping[str, str],
+) -> str | None:
+    """The ETag of a multipart upload of ``source`` (a descriptor this closes, and the path
+    it was opened at) to ``where`` (bucket, key), ``sizes`` (file, part, window): up to
+    ``window`` parts in flight, each sent as soon as a slot is free (no waves). Aborted on any
+    failure, and before completion if the CRC32C of the bytes read is not ``checksum``
+    (IntegrityError)."""
+    fd, local_path = source
+    try:
+        return await _upload_parts(fs, fd, local_path, where, sizes, checksum, metadata)
+    finally:
+        os.close(fd)  # the parts' reads are done: each one had a duplicate of its own
+
+
+async def _upload_parts(
+    fs: Any,
+    fd: int,
     local_path: str,
     where: tuple[str, str],
     sizes: tuple[int, int, int],
     checksum: str,
     metadata: Mapping[str, str],
 ) -> str | None:
-    """The ETag of a multipart upload of ``local_path`` to ``where`` (bucket, key), ``sizes``
-    (file, part, window): up to ``window`` parts in flight, each sent as soon as a slot is free
-    (no waves). Aborted on any failure, and before completion if the CRC32C of the bytes read
-    is not ``checksum`` (IntegrityError)."""
     (bucket, obj), (size, part, window) = where, sizes
     mpu = await fs._call_s3(
         "create_multipart_upload",
@@ -268,7 +285,7 @@ async def _multipart(
     async def one(number: int, start: int) -> tuple[dict[str, Any], int, int]:
         async with slots:  # memory: ``window`` parts
             data, crc = await loop.run_in_executor(
-                None, _read, local_path, start, min(part, size - start)
+                None, _read, os.dup(fd), start, min(part, size - start)
             )
             resp = await fs._call_s3(
                 "upload_part",

@@ -47,29 +47,34 @@ def write_items(
     again with every save's page cache backed first (``benchmarks/peers_local.settle``: on a
     VM whose hypervisor takes back free memory, new page cache costs up to 10x otherwise),
     medians of 8 alternating, with and without the writeback: 2,000 tensors 0.169 / 0.202 s,
-    20,000 tensors 0.319 / 0.338 s (dd 0.168 / 0.152 s). A data file's early upload now
-    starts once all are fsynced."""
+    20,000 tensors 0.319 / 0.338 s (dd 0.168 / 0.152 s).
+
+    A data file's early upload starts as soon as it is written, before the fsyncs: its
+    objects stay invisible until the step's marker, written after the local commit, and the
+    upload reads the bytes whose checksum the manifest records. 256 MiB in two files to
+    LocalStack: durable 0.2 s sooner."""
     buckets = _split(items, thread_count)
     jobs = [
         (layout.data_file_name(save.rank, i), bucket) for i, bucket in enumerate(buckets) if bucket
     ]
     backend = tiers.local.backend
 
-    def write(f: BinaryIO, name: str, bucket: Sequence[WriteItem]) -> item_writer.Written:
+    def write(f: BinaryIO, name: str, bucket: Sequence[WriteItem]) -> WriteResult:
         with backend.write_errors(save.tmp, name):  # naming this file, not the last opened
-            return write_file(save, f, bucket, planner, sync)  # looked up per call (tests)
+            out = write_file(save, f, bucket, planner, sync)  # looked up per call (tests)
+        return _file_written(tiers, save, name, out)
 
     with contextlib.ExitStack() as files:  # each closed, fsynced first if all went well
         opened = [files.enter_context(backend.open_write(save.tmp, n, sync=sync)) for n, _ in jobs]
         if len(jobs) <= 1:
-            outs = [write(f, n, b) for f, (n, b) in zip(opened, jobs)]
+            results = [write(f, n, b) for f, (n, b) in zip(opened, jobs)]
         else:
             with ThreadPoolExecutor(
                 len(jobs), thread_name_prefix="dcp-tiered-write", initializer=as_this_thread()
             ) as pool:
                 futures = [pool.submit(write, f, n, b) for f, (n, b) in zip(opened, jobs)]
-                outs = [f.result() for f in futures]
-    return [_file_written(tiers, save, name, out) for (name, _), out in zip(jobs, outs)]
+                results = [f.result() for f in futures]
+    return results
 
 
 # The last split: (items, n, buckets). DCP's plan caching hands every save of one structure
@@ -109,7 +114,7 @@ def resolver(planner: SavePlanner) -> Callable[[Sequence[WriteItem]], list[Any]]
 
 
 def _file_written(tiers: Tiers, save: SaveInfo, name: str, out: item_writer.Written) -> WriteResult:
-    """The one WriteResult of data file ``name``, written and fsynced; its early upload
+    """The one WriteResult of data file ``name``, written (not yet fsynced); its early upload
     started where the step goes to the remote tier."""
     placed = item_writer.FileItems.of(name, save.rank, out)
     if tiers.remote is not None and save.promote:
