@@ -11,15 +11,23 @@ from __future__ import annotations
 import functools
 import os
 import threading
+import weakref
 from collections.abc import Callable
 
 BACKGROUND_NICE = 10
 
 
+# Threads that run the trainer's own calls while it waits (the manager's save thread): at its
+# priority, never lowered, as the main thread.
+_stand_ins: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
+
 def lower_this_thread(nice: int = BACKGROUND_NICE) -> None:
     """Raise the calling thread's nice value to ``nice`` (never lower it); a no-op on the
-    main thread, whose priority is the trainer's, and where threads cannot be reniced."""
-    if nice <= 0 or threading.current_thread() is threading.main_thread():
+    main thread, whose priority is the trainer's, on a thread standing in for it, and where
+    threads cannot be reniced."""
+    me = threading.current_thread()
+    if nice <= 0 or me is threading.main_thread() or me in _stand_ins:
         return
     if not hasattr(os, "setpriority") or _nice_of_this_thread() >= nice:
         return
@@ -36,6 +44,18 @@ def as_this_thread() -> Callable[[], None]:
     process that wants them. An async save's thread lowers itself first, and its writers
     with it."""
     return functools.partial(lower_this_thread, _nice_of_this_thread())
+
+
+def as_the_caller() -> Callable[[], None]:
+    """An initializer for a thread that runs the calling thread's own calls while it waits:
+    at its priority (:func:`as_this_thread`), and never lowered later."""
+    at_its_priority = as_this_thread()
+
+    def stand_in() -> None:
+        at_its_priority()
+        _stand_ins.add(threading.current_thread())
+
+    return stand_in
 
 
 def _nice_of_this_thread() -> int:

@@ -45,6 +45,7 @@ from ._events import SaveFacts, step_name
 from ._gate import Gate, Room, admitted, resolve
 from ._reports import Reports
 from ._restore import Restoring
+from ._save_thread import SaveThread
 
 __all__ = ["CONVENTIONS", "CheckpointManager", "step_name"]
 
@@ -200,6 +201,7 @@ class CheckpointManager(Restoring):
         )
         self.restored_step: int | None = None
         self.last_stall_secs = 0.0
+        self._save_thread = SaveThread()
         self._closed = False
         if self.rank == 0:
             self._record_tiers(memory)
@@ -225,7 +227,10 @@ class CheckpointManager(Restoring):
             raise ConfigError("this CheckpointManager is closed")
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ConfigError(f"step must be a non-negative int, got {step!r}")
-        t0 = time.perf_counter()
+        # Off the caller's thread, which waits: its heap stays the training step's (see there).
+        return self._save_thread.run(self._save, step, app_state, force, time.perf_counter())
+
+    def _save(self, step: int, app_state: dict[str, Any], force: bool, t0: float) -> Decision:
         now = time.time()
         self._lifecycle.reap()
         wanted = cadence.decide(
@@ -377,6 +382,7 @@ class CheckpointManager(Restoring):
             self._release()
 
     def _release(self) -> None:
+        self._save_thread.close()
         if self._snapshots is not None:
             self._snapshots.close()
         self._lifecycle.release()  # close() above waited (bounded) already; retention's pass

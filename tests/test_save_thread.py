@@ -1,0 +1,85 @@
+"""CheckpointManager.save runs on a thread of its own while the caller waits
+(dcp_tiered/manager/_save_thread.py): the caller's heap stays the training step's. The save
+behaves as if inline: the same decisions and errors, at the caller's priority, and an async
+save's lowering of its own thread never reaches the thread standing in for the caller."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+from dcp_tiered import CheckpointManager, Every, SavePolicy
+from dcp_tiered._priority import BACKGROUND_NICE, as_the_caller, lower_this_thread
+
+
+def _nice() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+class App:
+    """A Stateful app state that records the thread each save reads it on."""
+
+    def __init__(self, seen: list[str], fail: bool = False) -> None:
+        self.seen, self.fail, self.w = seen, fail, torch.arange(1000.0)
+
+    def state_dict(self) -> dict:
+        self.seen.append(threading.current_thread().name)
+        if self.fail:
+            raise ValueError("the app state cannot be read now")
+        return {"w": self.w}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.w.copy_(state["w"])
+
+
+def test_saves_run_off_the_callers_thread_and_return_as_if_inline(tmp_path):
+    seen: list[str] = []
+    policy = SavePolicy(memory=Every(steps=1), local=Every(steps=2), remote=None)
+    with CheckpointManager(
+        memory=tmp_path / "shm", local=tmp_path / "disk", policy=policy, events=None
+    ) as mgr:
+        decisions = [mgr.save(step, {"app": App(seen)}) for step in range(4)]
+        mgr.wait()
+    assert [(d.memory, d.local) for d in decisions] == [
+        (False, True),
+        (True, False),
+        (False, True),
+        (True, False),
+    ]
+    assert seen and all(name.startswith("dcp-tiered-save") for name in seen), seen
+    assert threading.current_thread().name not in seen
+    restored = App([])
+    restored.w.zero_()
+    with CheckpointManager(
+        memory=tmp_path / "shm", local=tmp_path / "disk", policy=policy, events=None
+    ) as mgr:
+        assert mgr.restore({"app": restored}) == 4  # the step to start from: after step 3
+    assert torch.equal(restored.w, torch.arange(1000.0))
+
+
+def test_an_error_in_a_save_reaches_the_caller_unchanged(tmp_path):
+    with CheckpointManager(local=tmp_path / "disk", events=None) as mgr:
+        with pytest.raises(ValueError, match="cannot be read now"):
+            mgr.save(0, {"app": App([], fail=True)}, force=True)
+        assert mgr.save(1, {"app": App([])}, force=True).local  # the thread lives on
+
+
+@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="no per-thread nice")
+def test_a_thread_standing_in_for_the_caller_is_never_lowered():
+    """An async save's thread lowers itself (writer.write_data); the same call on the thread
+    that runs the caller's save must leave it at the caller's priority."""
+    got: dict[str, int] = {}
+
+    def run(name: str, initializer) -> None:
+        initializer()
+        lower_this_thread()
+        got[name] = _nice()
+
+    for name, initializer in (("stand-in", as_the_caller()), ("background", lambda: None)):
+        t = threading.Thread(target=run, args=(name, initializer))
+        t.start()
+        t.join()
+    assert got == {"stand-in": _nice(), "background": max(_nice(), BACKGROUND_NICE)}
