@@ -52,7 +52,7 @@ def write_items(
     A data file's early upload starts as soon as it is written, before the fsyncs: its
     objects stay invisible until the step's marker, written after the local commit, and the
     upload reads the bytes whose checksum the manifest records. 256 MiB in two files to
-    LocalStack: durable 0.2 s sooner."""
+    LocalStack: the uploads begin 0.1-0.15 s sooner (0.28 s after the save began, not 0.42)."""
     buckets = _split(items, thread_count)
     jobs = [
         (layout.data_file_name(save.rank, i), bucket) for i, bucket in enumerate(buckets) if bucket
