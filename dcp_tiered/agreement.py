@@ -55,7 +55,7 @@ class Agreement:
 
     def vote(self, flags: list[int]) -> list[int]:
         """Each flag's maximum over all ranks."""
-        if self.group is None:
+        if self.group is None or self.world_size == 1:  # a collective of one: 0.5 ms a save
             return flags
         t = torch.tensor(flags, dtype=torch.int64)
         with self._collective("vote"):
@@ -72,7 +72,7 @@ class Agreement:
 
     def gather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, in rank order, on every rank (small, picklable values)."""
-        if self.group is None:
+        if self.group is None or self.world_size == 1:
             return [obj]
         out: list[Any] = [None] * self.world_size
         with self._collective("exchange"):
