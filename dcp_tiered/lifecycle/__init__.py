@@ -140,7 +140,7 @@ class Lifecycle(Finishing, Reaping, Restoring):
         self.home: str | None = None  # the root start() was given
         self.group = checkpoint_process_group(collective_timeout_secs)  # DCP's collectives
         self.agree = Agreement(collective_timeout_secs)  # ours
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.rank = _torch_compat.global_rank()
         self.publish_early = publish_early
         self.saves = InFlight(max_in_flight)
         self.failures: list[dict[str, Any]] = []  # this rank's, since the ranks last agreed

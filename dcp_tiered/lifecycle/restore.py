@@ -7,9 +7,9 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from .._torch_compat import global_rank
 from ..agreement import Agreement
 from ..backends.local import LocalBackend
 from ..backends.remote import RemoteBackend, remote_backend
@@ -65,7 +65,7 @@ def failure_kind(problem: str | None) -> str | None:
 def attempt(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, str | None]:
     """``(fn(...), None)``, or ``(None, why)`` if it raised (a :class:`LoadFailure`): ranks
     then agree on moving on."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = global_rank()
     try:
         return fn(*args, **kwargs), None
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's is a BaseException

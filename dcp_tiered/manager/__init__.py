@@ -30,6 +30,7 @@ import torch.distributed as dist
 from typing_extensions import Self  # a dependency of torch itself
 
 from .._priority import background_threads
+from .._torch_compat import global_rank
 from ..errors import ConfigError, DcpTieredError
 from ..events import EventLog
 from ..lifecycle import Conventions, Lifecycle
@@ -113,7 +114,7 @@ class CheckpointManager(Restoring):
         self.retention = retention or Retention()
         self.admission = admission or Admission()
         self._distributed = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank() if self._distributed else 0
+        self.rank = global_rank()
         options = dict(writer_options or {})
         options.setdefault("overwrite", True)  # a replayed step replaces its abandoned twin
         options.setdefault("thread_count", background_threads())  # leave training a core
