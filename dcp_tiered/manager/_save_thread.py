@@ -12,9 +12,10 @@ fault and steps as long as without checkpoints.
 
 What the save needs of the caller's thread goes with it: its priority (the thread is made
 at the priority of the thread that made the manager, and a save never lowers it as it lowers
-an async save's own thread) and, once CUDA is in use, its current
-device and stream, so that a copy of CUDA state is ordered after the work that made it as it
-would be on the caller's thread. Grad mode is per thread; the copies set their own.
+an async save's own thread) and, once CUDA is in use, its current device and stream, so that
+a copy of CUDA state is ordered after the work that made it as it would be on the caller's
+thread (other devices' streams are their defaults there). Grad mode is per thread; the copies
+set their own.
 """
 
 from __future__ import annotations
