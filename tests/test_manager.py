@@ -30,7 +30,7 @@ from dcp_tiered import (
 from dcp_tiered.cli import main as cli
 from dcp_tiered.policy.admission import Headroom, shortfall
 from dcp_tiered.policy.cadence import Decision, agree, decide
-from dcp_tiered.tiers import memory as memory_tier
+from dcp_tiered.tiers import memory_slots
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 MIB = 2**20
@@ -43,7 +43,7 @@ def _steps(root) -> list[str]:
 
 def _in_memory(root) -> list[str]:
     """Steps every rank's slots hold in a memory tier."""
-    return sorted(memory_tier.list_steps(root), key=lambda n: int(n.split("-")[1]))
+    return sorted(memory_slots.list_steps(root), key=lambda n: int(n.split("-")[1]))
 
 
 def _hidden_dirs(root) -> list[str]:

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dcp_tiered.tiers import memory as memory_tier
+from dcp_tiered.tiers import memory_slots
 from tests._model import mismatches
 from tests.conftest import REPO, WORKERS, read_json, torchrun
 
@@ -129,7 +129,7 @@ def test_memory_tier_recovery_after_sigkill_of_every_rank(tmp_path, shm, referen
     # Disk and remote saves only at step 0: everything newer lives in host memory alone.
     rare = ("--disk-every", "steps:1000", "--remote-every", "steps:1000")
     _kill_job_at(tmp_path, shm, 15, 0.05, *rare)
-    in_memory = memory_tier.list_steps(shm)
+    in_memory = memory_slots.list_steps(shm)
     # The kill may land between two ranks' commits of the newest snapshot: the newest step
     # that every rank holds is the one a restore can take.
     whole = [int(n.split("-")[1]) for n, ranks in in_memory.items() if ranks == [0, 1]]

@@ -27,6 +27,7 @@ import pytest
 
 from dcp_tiered.cli import main
 from dcp_tiered.tiers import memory as memory_tier
+from dcp_tiered.tiers import memory_slots
 from tests.conftest import REPO, WORKERS, read_json, torchrun
 from tests.s3server import free_port
 
@@ -201,7 +202,7 @@ def _events(run: dict, node: int, kind: str) -> list[dict]:
 def test_the_killed_job_left_step_13_only_in_memory_and_on_partner_nodes(killed, capsys):
     run, _ = killed
     for node in range(NODES):
-        own = memory_tier.list_steps(_shm(run, node))
+        own = memory_slots.list_steps(_shm(run, node))
         assert "step-13" in own and sorted(own["step-13"]) == [2 * node, 2 * node + 1], own
         source = (node - 1) % NODES  # ring: node k keeps node k-1's copies
         for index in range(PER_NODE):

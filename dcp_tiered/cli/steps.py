@@ -11,8 +11,7 @@ from typing import Any
 
 from ..errors import ManifestError, TierError, TierUnavailableError
 from ..policy import step_names
-from ..tiers import catalog, replica, verify
-from ..tiers import memory as memory_tier
+from ..tiers import catalog, memory_slots, replica, verify
 from ..tiers.remote import RemoteTier
 from ._base import OK, PROBLEM, UNREADABLE, human, iso
 from ._context import Run, progress
@@ -116,7 +115,7 @@ def cmd_status(run: Run) -> int:
     memory = run.args.memory or run.recorded().get("memory")
     remote = run.remote()
     rows: dict[str, dict] = {}
-    for name in memory_tier.list_steps(memory) if memory else {}:
+    for name in memory_slots.list_steps(memory) if memory else {}:
         rows.setdefault(name, {})["memory"] = True
     for name, ranks in replica.list_copies(memory).items() if memory else ():
         rows.setdefault(name, {})["copies_of_ranks"] = ranks  # peer replication

@@ -35,23 +35,14 @@ import torch
 from .. import _gc, _torch_compat, batch_copy
 from .._priority import lower_this_thread
 from ..backends.local import LocalBackend
-from ..errors import CheckpointNotFoundError, IntegrityError, ManifestError
+from ..errors import CheckpointNotFoundError, IntegrityError
 from ..policy import layout, memory_chunks
 from ..policy import memory_format as fmt
 from . import chunk_copy, memory_copy, ownership
 from .memory_restore import fill_state, verify
+from .memory_slots import SLOTS, data_file, header_file, read_headers
 
 logger = logging.getLogger(__name__)
-
-SLOTS = 2
-
-
-def _data(slot: int) -> str:
-    return f"slot-{slot}.data"
-
-
-def _header(slot: int) -> str:
-    return f"slot-{slot}.json"
 
 
 class MemoryTier:
@@ -201,7 +192,7 @@ class MemoryTier:
                 # leaves a whole snapshot.
                 slot = 1 - slot
             self._next_slot = 1 - slot
-            self.backend.remove_file(_header(slot))
+            self.backend.remove_file(header_file(slot))
             return slot
 
     def _buffer(
@@ -221,7 +212,7 @@ class MemoryTier:
             self._buffers.pop(slot, None)  # drop the old mapping before making the new one
             self._plans.pop(slot, None)  # its views are the old mapping's
             regions, size = make_layout()
-            buffer = self.backend.map_file(_data(slot), size)
+            buffer = self.backend.map_file(data_file(slot), size)
             if pin:
                 _torch_compat.pin_host_memory(buffer)
             self._buffers[slot] = (sig, (regions, size, buffer, fmt.views(buffer, regions)))
@@ -252,7 +243,7 @@ class MemoryTier:
             encoded_regions=self._encoded_regions(slot, regions),
         )
         write_done = time.perf_counter()
-        self.backend.replace_root_file(_header(slot), header)
+        self.backend.replace_root_file(header_file(slot), header)
         logger.debug("memory tier: %s committed in slot %d of %s", step, slot, self.backend.root)
         return {"write_s": write_done - started, "commit_s": time.perf_counter() - write_done}
 
@@ -272,7 +263,7 @@ class MemoryTier:
             if not found:
                 return None
             slot, header = max(found, key=lambda sh: sh[1].committed_at_ns)
-            data = self.backend.read_file(_header(slot))
+            data = self.backend.read_file(header_file(slot))
             self._leased = slot
         cached = self._buffers.get(slot)
         buffer = (
@@ -309,7 +300,7 @@ class MemoryTier:
         _, _, buffer, _ = self._buffer(slot, sig, lambda: (header.regions, header.data_size))
         fill(buffer)
         verify(header, buffer, where)
-        self.backend.replace_root_file(_header(slot), header_bytes)
+        self.backend.replace_root_file(header_file(slot), header_bytes)
 
     def raw(self, step: str) -> tuple[bytes, torch.Tensor] | None:
         """The newest copy of ``step`` as stored (header bytes, data), unverified: the reader
@@ -318,11 +309,11 @@ class MemoryTier:
         if not found:
             return None
         slot, header = max(found, key=lambda sh: sh[1].committed_at_ns)
-        return self.backend.read_file(_header(slot)), self._file(slot, header.data_size)
+        return self.backend.read_file(header_file(slot)), self._file(slot, header.data_size)
 
     def _file(self, slot: int, size: int) -> torch.Tensor:
         return torch.from_file(
-            self.backend.path_of(_data(slot)), shared=False, size=size, dtype=torch.uint8
+            self.backend.path_of(data_file(slot)), shared=False, size=size, dtype=torch.uint8
         )
 
     def wait(self) -> None:
@@ -355,8 +346,8 @@ class MemoryTier:
             raise CheckpointNotFoundError(f"{step} is not in the memory tier {self.backend.root}")
         # Saved again after a restore fell back past it: the newest copy is the step.
         slot, header = max(found, key=lambda sh: sh[1].committed_at_ns)
-        where = f"memory-tier {step} of rank {self.rank} ({self.backend.path_of(_data(slot))})"
-        if self.backend.file_size(_data(slot)) != header.data_size:
+        where = f"memory-tier {step} of rank {self.rank} ({self.backend.path_of(data_file(slot))})"
+        if self.backend.file_size(data_file(slot)) != header.data_size:
             raise IntegrityError(f"{where}: data file has the wrong size")
         buffer = self._file(slot, header.data_size)
         verify(header, buffer, where)
@@ -385,29 +376,3 @@ class MemoryTier:
         if self.run_id is not None and header.run_id != self.run_id:
             return False
         return self.world_size is None or header.world_size == self.world_size
-
-
-def read_headers(backend: LocalBackend) -> dict[int, fmt.Header]:
-    """Slot -> header of each committed slot in one rank's directory."""
-    found = {}
-    for slot in range(SLOTS):
-        try:
-            data = backend.read_file(_header(slot))
-        except FileNotFoundError:
-            continue
-        try:
-            found[slot] = fmt.decode_header(data, where=backend.path_of(_header(slot)))
-        except ManifestError as e:
-            logger.warning("ignoring memory-tier slot %d: %s", slot, e)
-    return found
-
-
-def list_steps(root: str | os.PathLike[str]) -> dict[str, list[int]]:
-    """Step name -> ranks whose slots hold it, for every rank directory under ``root``."""
-    found: dict[str, list[int]] = {}
-    for name in LocalBackend(root).list_names():
-        if name.startswith("rank-") and name[5:].isdigit():
-            backend = LocalBackend(os.path.join(root, name))
-            for header in read_headers(backend).values():
-                found.setdefault(header.step, []).append(int(name[5:]))
-    return found

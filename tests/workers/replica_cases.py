@@ -23,15 +23,16 @@ import torch
 import torch.distributed as dist
 
 from dcp_tiered import CheckpointManager, Every, Replication, SavePolicy
-from dcp_tiered.tiers import memory as memory_tier
+from dcp_tiered.backends.local import LocalBackend
+from dcp_tiered.tiers import memory_slots
 
 STEPS = 8
 
 
 def flip_a_byte(directory: str, step: str) -> None:
     """Corrupt the data of ``step`` in one rank's (or one copy's) memory slots."""
-    backend = memory_tier.LocalBackend(directory)
-    for slot, header in memory_tier.read_headers(backend).items():
+    backend = LocalBackend(directory)
+    for slot, header in memory_slots.read_headers(backend).items():
         if header.step == step:
             path = backend.path_of(f"slot-{slot}.data")
             with open(path, "r+b") as f:

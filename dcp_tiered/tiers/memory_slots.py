@@ -1,0 +1,50 @@
+"""A rank's memory-tier slots as files: their names, and their committed headers read from
+outside the tier (the CLI's listing, a new process's choice of the slot to write next).
+The layout is :mod:`dcp_tiered.tiers.memory`'s."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from ..backends.local import LocalBackend
+from ..errors import ManifestError
+from ..policy import memory_format as fmt
+
+logger = logging.getLogger("dcp_tiered.tiers.memory")  # the tier's one logger
+
+SLOTS = 2
+
+
+def data_file(slot: int) -> str:
+    return f"slot-{slot}.data"
+
+
+def header_file(slot: int) -> str:
+    return f"slot-{slot}.json"
+
+
+def read_headers(backend: LocalBackend) -> dict[int, fmt.Header]:
+    """Slot -> header of each committed slot in one rank's directory."""
+    found = {}
+    for slot in range(SLOTS):
+        try:
+            data = backend.read_file(header_file(slot))
+        except FileNotFoundError:
+            continue
+        try:
+            found[slot] = fmt.decode_header(data, where=backend.path_of(header_file(slot)))
+        except ManifestError as e:
+            logger.warning("ignoring memory-tier slot %d: %s", slot, e)
+    return found
+
+
+def list_steps(root: str | os.PathLike[str]) -> dict[str, list[int]]:
+    """Step name -> ranks whose slots hold it, for every rank directory under ``root``."""
+    found: dict[str, list[int]] = {}
+    for name in LocalBackend(root).list_names():
+        if name.startswith("rank-") and name[5:].isdigit():
+            backend = LocalBackend(os.path.join(root, name))
+            for header in read_headers(backend).values():
+                found.setdefault(header.step, []).append(int(name[5:]))
+    return found
