@@ -88,11 +88,13 @@ class RemoteReads(ReaderState):
             span,
             self._remote.config.max_concurrency,
         )
+        joiner = ranged_reads.Joiner()  # each item is delivered before the next range is read
         try:
             for name, groups, ranges in plan:
                 g = 0
                 for _ in ranges:
-                    _, start, end, blob = next(blobs)
+                    _, start, end, parts = next(blobs)
+                    blob = parts[0] if len(parts) == 1 else joiner.joined(parts)
                     while g < len(groups) and self._locations[groups[g][0]].offset < end:
                         index, group = groups[g]
                         loc = self._locations[index]

@@ -172,7 +172,7 @@ def _download(
         [(key, ranges)], remote.get_range, span, remote.config.max_concurrency
     )
     with tier.backend.open_write(*dst) as f, contextlib.closing(pieces):
-        for _, _, _, chunk in pieces:
+        for _, _, _, (chunk,) in pieces:  # ranges of one piece each
             crc = integrity.checksum(chunk, crc)
             f.write(chunk)
             if progress is not None:
