@@ -1,7 +1,8 @@
-"""CheckpointManager.save runs on a thread of its own while the caller waits
-(dcp_tiered/manager/_save_thread.py): the caller's heap stays the training step's. The save
-behaves as if inline: the same decisions and errors, at the caller's priority, and an async
-save's lowering of its own thread never reaches the thread standing in for the caller."""
+"""CheckpointManager.save and the adapters' saves (Lifecycle.save) run on a thread of their own
+while the caller waits (dcp_tiered/lifecycle/save_thread.py): the caller's heap stays the
+training step's. The save behaves as if inline: the same decisions and errors, at the caller's
+priority, and an async save's lowering of its own thread never reaches the thread standing in
+for the caller; a save asked for on that thread runs there."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import threading
 import pytest
 import torch
 
-from dcp_tiered import CheckpointManager, Every, SavePolicy
+from dcp_tiered import CheckpointManager, ConfigError, Every, SavePolicy, TieredStorageWriter
 from dcp_tiered._priority import BACKGROUND_NICE, as_the_caller, lower_this_thread
+from dcp_tiered.lifecycle import Conventions, Lifecycle
+from dcp_tiered.lifecycle.save_thread import SaveThread
 
 
 def _nice() -> int:
@@ -83,3 +86,55 @@ def test_a_thread_standing_in_for_the_caller_is_never_lowered():
         t.start()
         t.join()
     assert got == {"stand-in": _nice(), "background": max(_nice(), BACKGROUND_NICE)}
+
+
+@pytest.mark.parametrize("sync", [True, False], ids=["sync", "async"])
+def test_an_adapters_save_runs_off_the_callers_thread(tmp_path, sync, monkeypatch):
+    """Lifecycle.save is what the DeepSpeed engine, the HF wrapper and torchtitan call. On the
+    thread that calls DCP: a blocking save's planning (the writer's set-up), an async save's
+    staging (the writer's ``stage``; it plans on its own thread)."""
+    seen: list[str] = []
+    method = "set_up_storage_writer" if sync else "stage"
+    original = getattr(TieredStorageWriter, method)
+
+    def recording(self, *args, **kwargs):
+        seen.append(threading.current_thread().name)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(TieredStorageWriter, method, recording)
+    life = Lifecycle(Conventions("Test"))
+    try:
+        life.save(str(tmp_path), "step-1", {"w": torch.ones(3)}, sync=sync)
+        with pytest.raises(ConfigError, match="cannot be pickled"):  # raised on the thread
+            life.save(str(tmp_path), "step-2", {"f": lambda: 1}, sync=sync)
+        life.save(str(tmp_path), "step-3", {"w": torch.ones(3)}, sync=sync)
+        life.finish()
+    finally:
+        life.close()
+    assert len(seen) == 2 and all(name.startswith("dcp-tiered-save") for name in seen), seen
+    assert (tmp_path / "step-3" / "manifest.json").is_file()
+    assert not (tmp_path / "step-2").exists()
+
+
+def test_a_save_asked_for_on_the_save_thread_runs_there():
+    """One save's hook that saves (or closes) must not wait for the thread it runs on."""
+    outer, inner = SaveThread(), SaveThread()
+    names: list[str] = []
+
+    def nested() -> str:
+        names.append(threading.current_thread().name)
+        got = outer.run(lambda: threading.current_thread().name)  # its own thread: inline
+        names.append(inner.run(lambda: threading.current_thread().name))  # another's: inline
+        outer.close()  # from its own thread: does not join itself
+        return got
+
+    result: list[str] = []
+    caller = threading.Thread(target=lambda: result.append(outer.run(nested)), daemon=True)
+    caller.start()
+    caller.join(timeout=30)
+    assert not caller.is_alive(), "the save thread waited for itself"
+    assert result == names[:1] and names == [names[0], names[0]]
+    assert names[0].startswith("dcp-tiered-save")
+    assert outer.run(lambda: 7) == 7  # made again after close
+    outer.close()
+    inner.close()

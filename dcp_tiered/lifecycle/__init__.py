@@ -75,6 +75,7 @@ from .restore import (
     kind_of,
 )
 from .retention import Keepers
+from .save_thread import SaveThread
 from .saves import DISK, InFlight, Save, after, quiet_single_process, settled
 from .writers import Writers
 
@@ -146,6 +147,7 @@ class Lifecycle(Finishing, Reaping, Restoring):
         self.failures: list[dict[str, Any]] = []  # this rank's, since the ranks last agreed
         self.listed: list[Any] = []  # the last restore's candidates, as every rank saw them
         self._publisher: ThreadPoolExecutor | None = None  # made again after release()
+        self._save_thread = SaveThread()  # likewise
         self.keepers = Keepers(
             self.writers, retention, remote_retention, rank=self.rank, label=conventions.local_tier
         )
@@ -203,7 +205,21 @@ class Lifecycle(Finishing, Reaping, Restoring):
         """Writes ``state`` as step ``root/step`` (``dcp.save`` or ``dcp.async_save`` on the
         checkpoint group). Finishes the saves in flight first; with ``sync``, this one too.
         ``values``: what to check with :meth:`require_restorable` instead of ``state``, when
-        the state holds them already serialised (DeepSpeed's skeletons)."""
+        the state holds them already serialised (DeepSpeed's skeletons). Runs on the save
+        thread while the caller waits (:mod:`~dcp_tiered.lifecycle.save_thread`: the
+        trainer's heap stays its own)."""
+        self._save_thread.run(self._save, root, step, state, sync, planner, on_commit, values)
+
+    def _save(
+        self,
+        root: str,
+        step: str,
+        state: dict[str, Any],
+        sync: bool,
+        planner: Any,
+        on_commit: Callable[[], Any] | None,
+        values: dict[str, Any] | None,
+    ) -> None:
         self.finish()
         layout.validate_step_name(step)
         self.require_restorable(step, state if values is None else values)
@@ -349,6 +365,7 @@ class Lifecycle(Finishing, Reaping, Restoring):
         if self._publisher is not None:
             self._publisher.shutdown(wait=False)
             self._publisher = None
+        self._save_thread.close()
         self.keepers.release()
         self.writers.close(wait_durable=False)
 

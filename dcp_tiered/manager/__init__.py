@@ -35,6 +35,7 @@ from ..errors import ConfigError, DcpTieredError
 from ..events import EventLog
 from ..lifecycle import Conventions, Lifecycle
 from ..lifecycle.memory import MemorySnapshots
+from ..lifecycle.save_thread import SaveThread
 from ..policy import cadence, layout
 from ..policy.admission import Admission
 from ..policy.cadence import Decision, SavePolicy
@@ -46,7 +47,6 @@ from ._events import SaveFacts, step_name
 from ._gate import Gate, Room, admitted, resolve
 from ._reports import Reports
 from ._restore import Restoring
-from ._save_thread import SaveThread
 
 __all__ = ["CONVENTIONS", "CheckpointManager", "step_name"]
 

@@ -1,4 +1,6 @@
-"""The manager's saves run on a thread of their own while the trainer's thread waits for them.
+"""Saves run on a thread of their own while the trainer's thread waits for them: the manager's
+(``CheckpointManager.save``) and the adapters' (:meth:`~dcp_tiered.lifecycle.Lifecycle.save`,
+which the DeepSpeed engine, the HF wrapper and the torchtitan checkpointer call).
 
 glibc gives the main thread the main arena (the ``brk`` heap) and each other thread an arena
 of its own. A save allocates and frees as it plans, stages and describes (Python objects,
@@ -15,13 +17,15 @@ at the priority of the thread that made the manager, and a save never lowers it 
 an async save's own thread) and, once CUDA is in use, its current device and stream, so that
 a copy of CUDA state is ordered after the work that made it as it would be on the caller's
 thread (other devices' streams are their defaults there). Grad mode is per thread; the copies
-set their own.
+set their own. A save asked for on a save thread (a hook of one save that saves) runs there
+inline: the thread never waits for itself.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -31,6 +35,8 @@ from .._daemon_pool import DaemonPool
 from .._priority import as_the_caller
 
 T = TypeVar("T")
+
+_here = threading.local()  # ``running``: this thread is running a save for its caller
 
 
 class SaveThread:
@@ -42,6 +48,8 @@ class SaveThread:
         self._pid = -1
 
     def run(self, fn: Callable[..., T], *args: Any) -> T:
+        if getattr(_here, "running", False):  # already on a save thread (any SaveThread's)
+            return fn(*args)
         if self._pool is None or self._pid != os.getpid():  # a forked child: the thread is gone
             self._pool = DaemonPool(1, "dcp-tiered-save", self._initializer)
             self._pid = os.getpid()
@@ -49,7 +57,8 @@ class SaveThread:
 
     def close(self) -> None:
         if self._pool is not None and self._pid == os.getpid():
-            self._pool.shutdown(wait=True)
+            # from its own thread (a save's hook that closes): it ends after this call
+            self._pool.shutdown(wait=not getattr(_here, "running", False))
         self._pool = None
 
 
@@ -72,5 +81,9 @@ def _as_caller(
     fn: Callable[..., T],
     args: tuple[Any, ...],
 ) -> T:
-    with context():
-        return fn(*args)
+    _here.running = True
+    try:
+        with context():
+            return fn(*args)
+    finally:
+        _here.running = False
