@@ -138,3 +138,58 @@ def test_a_save_asked_for_on_the_save_thread_runs_there():
     assert outer.run(lambda: 7) == 7  # made again after close
     outer.close()
     inner.close()
+
+
+def test_an_adapters_memory_snapshot_is_copied_off_the_callers_thread(tmp_path, monkeypatch):
+    """MemorySnapshots.save: the Megatron facade's snapshot every iteration (the manager's own
+    runs on the manager's save thread, where it is not handed on again)."""
+    from dcp_tiered.lifecycle.memory import MemorySnapshots
+    from dcp_tiered.tiers.memory import MemoryTier
+
+    seen: list[str] = []
+    save = MemoryTier.save
+
+    def recording(self, *args, **kwargs):
+        seen.append(threading.current_thread().name)
+        return save(self, *args, **kwargs)
+
+    monkeypatch.setattr(MemoryTier, "save", recording)
+    snapshots = MemorySnapshots(
+        tmp_path / "shm",
+        0,
+        world_size=1,
+        run_id=None,
+        allow_pickle=False,
+        replication=None,
+        timeout_secs=60,
+    )
+    try:
+        snapshots.save("iter_0000001", {"w": torch.arange(8.0)}).result()
+    finally:
+        snapshots.close()
+    policy = SavePolicy(memory=Every(steps=1), local=Every(steps=100), remote=None)
+    with CheckpointManager(
+        memory=tmp_path / "shm2", local=tmp_path / "disk", policy=policy, events=None
+    ) as mgr:
+        assert mgr.save(1, {"w": torch.arange(8.0)}).memory
+    assert len(seen) == 2 and all(name.startswith("dcp-tiered-save") for name in seen), seen
+
+
+@pytest.mark.framework
+def test_the_megatron_strategys_saves_run_off_the_callers_thread(monkeypatch):
+    """megatron-core calls the strategy's save (and async_save) from dist_checkpointing.save."""
+    pytest.importorskip("megatron.core")
+    from dcp_tiered.shims.megatron import TieredSaveShardedStrategy
+
+    seen: list[str] = []
+
+    def recording(self, sharded_state_dict, checkpoint_dir):
+        seen.append(threading.current_thread().name)
+        return checkpoint_dir
+
+    monkeypatch.setattr(TieredSaveShardedStrategy, "_save", recording)
+    monkeypatch.setattr(TieredSaveShardedStrategy, "_async_save", recording)
+    strategy = object.__new__(TieredSaveShardedStrategy)  # the calls alone: no group needed
+    strategy.save({}, "ckpt/iter_0000001")
+    assert strategy.async_save({}, "ckpt/iter_0000002") == "ckpt/iter_0000002"
+    assert len(seen) == 2 and all(name.startswith("dcp-tiered-save") for name in seen), seen

@@ -16,6 +16,7 @@ from ..policy.step_names import order_number
 from ..tiers import snapshots
 from ..tiers.memory import MemoryTier
 from ..tiers.replica import Replicator
+from .save_thread import SaveThread
 from .saves import settled
 
 
@@ -38,6 +39,7 @@ class MemorySnapshots:
         emit: Callable[..., Any] | None = None,
     ) -> None:
         self.rank = rank
+        self._save_thread = SaveThread()
         self.tier = MemoryTier(
             root, rank, allow_pickle=allow_pickle, run_id=run_id, world_size=world_size
         )
@@ -58,8 +60,10 @@ class MemorySnapshots:
         return self.replica is not None
 
     def save(self, step: str, state: dict[str, Any]) -> Future[Any]:
-        """Writes this rank's snapshot of ``step`` (the future: until it is in memory)."""
-        return self.tier.save(step, state)
+        """Writes this rank's snapshot of ``step`` (the future: until it is in memory), on the
+        save thread (:mod:`~dcp_tiered.lifecycle.save_thread`; inline when called on one, as
+        by the manager's save)."""
+        return self._save_thread.run(self.tier.save, step, state)
 
     def replicate(self, number: int, step: str) -> None:
         """After every rank saved ``step``: to the partners in the background, if replicating."""
@@ -96,6 +100,7 @@ class MemorySnapshots:
             self.replica.drain(timeout_secs)
 
     def close(self) -> None:
+        self._save_thread.close()
         if self.replica is not None:
             self.replica.close(0)
         self.tier.close()

@@ -1,6 +1,8 @@
 """Saves run on a thread of their own while the trainer's thread waits for them: the manager's
 (``CheckpointManager.save``) and the adapters' (:meth:`~dcp_tiered.lifecycle.Lifecycle.save`,
-which the DeepSpeed engine, the HF wrapper and the torchtitan checkpointer call).
+which the DeepSpeed engine, the HF wrapper and the torchtitan checkpointer call; the Megatron
+strategy's saves; memory snapshots through
+:class:`~dcp_tiered.lifecycle.memory.MemorySnapshots`).
 
 glibc gives the main thread the main arena (the ``brk`` heap) and each other thread an arena
 of its own. A save allocates and frees as it plans, stages and describes (Python objects,

@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from ... import checkpoint_process_group
 from ...lifecycle import Agreement, Writers
 from ...lifecycle.restorable import refuse_unrestorable, unrestorable, unrestorable_file
+from ...lifecycle.save_thread import SaveThread
 from ...reader import TieredStorageReader
 from ...writer import TieredStorageWriter
 from .._common import upload_future
@@ -69,6 +70,10 @@ except ImportError as e:  # pragma: no cover - exercised only without megatron-c
 
 from . import compat as _mcore_compat  # isort: skip - after megatron-core's own ImportError
 from .sidecars import COMMON_NAME, claim_step_dir, write_sidecars  # isort: skip
+
+# The thread every strategy's saves run on (one process saves one step at a time; megatron-core
+# may make a strategy per save and never close it, so the thread is not a strategy's own).
+_SAVES = SaveThread()
 
 
 COMMON_KEY = _mcore_compat.CARRIED_COMMON_KEY
@@ -140,6 +145,11 @@ class TieredSaveShardedStrategy(TorchDistSaveShardedStrategy):
         return self.writers.get(root)
 
     def save(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> None:
+        """Writes the step on the save thread while the caller waits (see
+        :mod:`~dcp_tiered.lifecycle.save_thread`: the trainer's heap stays its own)."""
+        _SAVES.run(self._save, sharded_state_dict, checkpoint_dir)
+
+    def _save(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> None:
         root, step = split_dir(checkpoint_dir)
         self._require_restorable(sharded_state_dict, checkpoint_dir)
         claim_step_dir(root, step)
@@ -164,8 +174,11 @@ class TieredSaveShardedStrategy(TorchDistSaveShardedStrategy):
         The request has no ``async_fn`` (the write runs on the writer's threads, not in mcore's
         forked worker); its first finalize step waits for the write and publishes the step.
         ``async_strategy`` (passed by megatron-core >= 0.17) names mcore's own writers and
-        is ignored.
+        is ignored. Staged on the save thread while the caller waits, as :meth:`save`.
         """
+        return _SAVES.run(self._async_save, sharded_state_dict, checkpoint_dir)
+
+    def _async_save(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> AsyncRequest:
         root, step = split_dir(checkpoint_dir)
         self._require_restorable(sharded_state_dict, checkpoint_dir)
         claim_step_dir(root, step)
