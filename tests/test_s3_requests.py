@@ -61,6 +61,8 @@ def test_restoring_latest_lists_nothing_but_the_start_up_probe(tmp_path, s3, fau
     gets = [key for kind, key in reqs if kind == "GET"]
     assert sum(k.endswith(layout.REMOTE_LATEST) for k in gets) == 1
     assert not any("step-1/" in k or "step-2/" in k for k in gets), gets
+    # the step's marker: once to resolve 'latest', once for the keys of its manifest and data
+    assert sum(k.endswith(f"step-10/{layout.REMOTE_MARKER}") for k in gets) == 2, gets
 
 
 def test_a_root_without_pointer_or_with_a_stale_one_still_restores_the_newest(

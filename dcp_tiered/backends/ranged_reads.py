@@ -44,9 +44,9 @@ def read_ranges(
     span: int,
     window: int,
 ) -> Generator[tuple[str, int, int, list[bytes]], None, None]:
-    """``(key, start, end, bytes)`` of every range of every object in ``objects`` (key, ranges),
-    in the order given, each read with ``fetch(key, start, end)`` in equal pieces of at most
-    ``span`` bytes, ``window`` pieces in flight. Each range comes as the list of its pieces' bytes.
+    """``(key, start, end, pieces)`` of every range of every object in ``objects`` (key,
+    ranges), in the order given, each read with ``fetch(key, start, end)`` in equal pieces of at
+    most ``span`` bytes (``pieces``: their bytes, in order), ``window`` pieces in flight.
     Closing the iterator early waits for the pieces in flight and starts no more."""
     counts = [[_pieces(end - start, span) for start, end in ranges] for _, ranges in objects]
     pieces = [

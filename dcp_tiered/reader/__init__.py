@@ -165,8 +165,10 @@ class TieredStorageReader(ColumnReads, StorageReader):
                     "local manifest of %s is unusable (%s); using the remote one", step.name, e
                 )
         assert self._remote is not None
-        self._keys = None
-        return RemoteTier(self._remote).read_manifest(self._remote_keys_of(step.name), nodes=())
+        # The data is then read from the keys of the save this manifest describes: one GET of
+        # the marker, not another at the first read.
+        self._keys = self._remote_keys_of(step.name)
+        return RemoteTier(self._remote).read_manifest(self._keys, nodes=())
 
     def _locate(self, items: list[ReadItem]) -> None:
         """Merge the manifest sections that locate ``items`` (this node's own directory first,
