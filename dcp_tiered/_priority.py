@@ -26,8 +26,7 @@ def lower_this_thread(nice: int = BACKGROUND_NICE) -> None:
     """Raise the calling thread's nice value to ``nice`` (never lower it); a no-op on the
     main thread, whose priority is the trainer's, on a thread standing in for it, and where
     threads cannot be reniced."""
-    me = threading.current_thread()
-    if nice <= 0 or me is threading.main_thread() or me in _stand_ins:
+    if nice <= 0 or threading.current_thread() is threading.main_thread() or standing_in():
         return
     if not hasattr(os, "setpriority") or _nice_of_this_thread() >= nice:
         return
@@ -56,6 +55,11 @@ def as_the_caller() -> Callable[[], None]:
         _stand_ins.add(threading.current_thread())
 
     return stand_in
+
+
+def standing_in() -> bool:
+    """Whether the calling thread stands in for a waiting caller (:func:`as_the_caller`)."""
+    return threading.current_thread() in _stand_ins
 
 
 def _nice_of_this_thread() -> int:

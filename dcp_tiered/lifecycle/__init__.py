@@ -208,13 +208,23 @@ class Lifecycle(Finishing, Reaping, Restoring):
         the state holds them already serialised (DeepSpeed's skeletons). Runs on the save
         thread while the caller waits (:mod:`~dcp_tiered.lifecycle.save_thread`: the
         trainer's heap stays its own)."""
-        self._save_thread.run(self._save, root, step, state, sync, planner, on_commit, values)
+        self._save_thread.run(
+            self._save,
+            root,
+            step,
+            state,
+            sync=sync,
+            planner=planner,
+            on_commit=on_commit,
+            values=values,
+        )
 
     def _save(
         self,
         root: str,
         step: str,
         state: dict[str, Any],
+        *,
         sync: bool,
         planner: Any,
         on_commit: Callable[[], Any] | None,

@@ -26,19 +26,17 @@ inline: the thread never waits for itself.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
-import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 
 from .._daemon_pool import DaemonPool
-from .._priority import as_the_caller
+from .._priority import as_the_caller, standing_in
 
 T = TypeVar("T")
-
-_here = threading.local()  # ``running``: this thread is running a save for its caller
 
 
 class SaveThread:
@@ -49,18 +47,19 @@ class SaveThread:
         self._pool: DaemonPool | None = None
         self._pid = -1
 
-    def run(self, fn: Callable[..., T], *args: Any) -> T:
-        if getattr(_here, "running", False):  # already on a save thread (any SaveThread's)
-            return fn(*args)
+    def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        if standing_in():  # already on a save thread (any SaveThread's)
+            return fn(*args, **kwargs)
         if self._pool is None or self._pid != os.getpid():  # a forked child: the thread is gone
             self._pool = DaemonPool(1, "dcp-tiered-save", self._initializer)
             self._pid = os.getpid()
-        return self._pool.submit(_as_caller, _caller_context(), fn, args).result()
+        call = functools.partial(fn, *args, **kwargs)
+        return self._pool.submit(_as_caller, _caller_context(), call).result()
 
     def close(self) -> None:
         if self._pool is not None and self._pid == os.getpid():
             # from its own thread (a save's hook that closes): it ends after this call
-            self._pool.shutdown(wait=not getattr(_here, "running", False))
+            self._pool.shutdown(wait=not standing_in())
         self._pool = None
 
 
@@ -79,13 +78,7 @@ def _caller_context() -> Callable[[], contextlib.AbstractContextManager[Any]]:
 
 
 def _as_caller(
-    context: Callable[[], contextlib.AbstractContextManager[Any]],
-    fn: Callable[..., T],
-    args: tuple[Any, ...],
+    context: Callable[[], contextlib.AbstractContextManager[Any]], call: Callable[[], T]
 ) -> T:
-    _here.running = True
-    try:
-        with context():
-            return fn(*args)
-    finally:
-        _here.running = False
+    with context():
+        return call()
