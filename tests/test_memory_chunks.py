@@ -141,30 +141,53 @@ def test_a_chunk_hash_this_version_does_not_know_is_a_manifest_error(tmp_path):
 
 
 def test_the_copy_by_chunks_splits_at_chunk_ends_and_groups_small_tensors():
-    buffer = torch.zeros(3 * CHUNK, dtype=torch.uint8)
-    small = [buffer[k * 64 : k * 64 + 40] for k in range(3)]  # one batch
-    big = buffer[CHUNK - 100 : 2 * CHUNK + 100]  # over two chunk ends: three pieces
-    straddling = buffer[3 * CHUNK - 8 - 50 : 3 * CHUNK - 8]  # small, inside the last chunk
+    """Large tensors in pieces that end where chunks end; the small tensors of a chunk that
+    such pieces fill mostly are copied up front in one batch, those of a chunk of mostly small
+    tensors by the chunk's own batch (hashed as it is filled)."""
+    buffer = torch.zeros(5 * CHUNK, dtype=torch.uint8)
+    small = [buffer[k * 64 : k * 64 + 40] for k in range(3)]  # beside a piece: up front
+    big = buffer[CHUNK - 1000 : 2 * CHUNK + 1000]  # over two chunk ends: three pieces
+    straddling = buffer[3 * CHUNK - 8 - 50 : 3 * CHUNK - 8]  # small, inside chunk 2: up front
+    alone = [buffer[3 * CHUNK + k * 128 : 3 * CHUNK + k * 128 + 100] for k in range(2)]
+    across = buffer[4 * CHUNK - 30 : 4 * CHUNK + 30]  # small, but over a chunk end: pieces
     empty = buffer[5:5]
-    planned = chunk_copy.plan([big, *small, straddling, empty], buffer.data_ptr(), 3 * CHUNK)
+    dsts = [big, *small, straddling, empty, *alone, across]
+    planned = chunk_copy.plan(dsts, buffer.data_ptr(), 5 * CHUNK)
     assert planned is not None
     chunks = planned.chunks
-    assert [(c.start, c.end) for c in chunks] == [
-        (0, CHUNK),
-        (CHUNK, 2 * CHUNK),
-        (2 * CHUNK, 3 * CHUNK),
-    ]
-    assert chunks[0].small.tensors == [1, 2, 3]
-    assert chunks[0].pieces == (chunk_copy.Piece(0, 0, CHUNK - 100, 100),)
-    assert chunks[1].small.tensors == [] and chunks[1].pieces == (
-        chunk_copy.Piece(0, 100, CHUNK, CHUNK),
-    )
-    assert chunks[2].pieces == (chunk_copy.Piece(0, CHUNK + 100, 2 * CHUNK, 100),)
-    assert chunks[2].small.tensors == [4]
-    assert planned.large.tensors == [0] and planned.empty.tensors == [5]
+    assert [(c.start, c.end) for c in chunks] == [(k * CHUNK, (k + 1) * CHUNK) for k in range(5)]
+    assert chunks[0].pieces == (chunk_copy.Piece(0, 0, CHUNK - 1000, 1000),)
+    assert chunks[1].pieces == (chunk_copy.Piece(0, 1000, CHUNK, CHUNK),)
+    assert chunks[2].pieces == (chunk_copy.Piece(0, CHUNK + 1000, 2 * CHUNK, 1000),)
+    assert chunks[3].pieces == (chunk_copy.Piece(8, 0, 4 * CHUNK - 30, 30),)
+    assert chunks[4].pieces == (chunk_copy.Piece(8, 30, 4 * CHUNK, 30),)
+    # chunk 3: 200 bytes of small tensors beside a 30-byte piece stay with their chunk
+    assert [c.small.tensors for c in chunks] == [[], [], [], [6, 7], []]
+    assert planned.up_front.tensors == [1, 2, 3, 4]
+    assert planned.large.tensors == [0, 8] and planned.empty.tensors == [5]
     overlapping = [buffer[:100], buffer[50:150]]
     assert chunk_copy.plan(overlapping, buffer.data_ptr(), 3 * CHUNK) is None
     assert chunk_copy.plan([buffer[-10:]], buffer.data_ptr(), 3 * CHUNK - 20) is None
+
+
+def test_small_tensors_copied_up_front_are_in_their_chunks_hashes():
+    """The up-front batch is copied before either thread hashes a chunk: each chunk's hash
+    is its bytes' hash after the copy, small tensors beside large pieces included."""
+    g = torch.Generator().manual_seed(3)
+    buffer = torch.zeros(3 * CHUNK, dtype=torch.uint8)
+    big = buffer[256 : 256 + CHUNK + 4096]
+    smalls = [buffer[k * 64 : k * 64 + 48] for k in range(4)]
+    tail = buffer[CHUNK + 8192 : CHUNK + 8192 + 500]
+    dsts = [*smalls, big, tail]
+    srcs = [torch.randint(0, 255, (d.numel(),), generator=g, dtype=torch.uint8) for d in dsts]
+    planned = chunk_copy.plan(dsts, buffer.data_ptr(), buffer.nbytes)
+    assert planned is not None and planned.up_front.tensors == [0, 1, 2, 3, 5]
+    done = chunk_copy.copy_and_checksum(buffer, dsts, srcs, planned)
+    assert done is not None
+    assert all(torch.equal(d, s) for d, s in zip(dsts, srcs))
+    assert [f.result() for f in done] == [
+        memory_chunks.checksum(buffer, i, CHUNK, buffer.nbytes) for i in range(3)
+    ]
 
 
 def _state_of_every_size(g: torch.Generator) -> dict:
