@@ -10,7 +10,8 @@ A save picks the slot that does not hold the newest snapshot, removes its header
 state into it (the caller's stall: one copy, no serialisation), and hands the checksums and
 the header to a background thread. A crash at any moment leaves the other slot's snapshot
 whole. The files outlive the processes (not the node), and the copy is the only cost a
-training step pays, so a snapshot every step is affordable.
+training step pays, so a snapshot every step is affordable. (A new layout's second slot is
+made in the background once its first snapshot is queued for commit, where no file holds it.)
 
 Memory snapshots involve no collective: ranks agree on what to restore in the manager.
 
@@ -40,7 +41,7 @@ from ..policy import layout, memory_chunks
 from ..policy import memory_format as fmt
 from . import chunk_copy, memory_copy, ownership
 from .memory_restore import fill_state, verify
-from .memory_slots import SLOTS, data_file, header_file, read_headers
+from .memory_slots import SLOTS, data_file, header_file, read_headers, reserve
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,10 @@ class MemoryTier:
             1, thread_name_prefix="dcp-tiered-memory", initializer=lower_this_thread
         )
         self._pending: Future[dict[str, float]] | None = None
+        # the other slot made ahead, in the background (see _reserve_other): (slot, its entry
+        # to come), and what to make, until the save that asked for it has queued its commit
+        self._reserved: tuple[int, Future[Any]] | None = None
+        self._to_reserve: tuple[int, Callable[[], Any]] | None = None
         self._next_slot: int | None = None
         self.last_copy_secs = 0.0
         self.last_bytes = 0
@@ -111,6 +116,9 @@ class MemoryTier:
         self.last_copy_secs = time.perf_counter() - started
         self.last_bytes = self._tensor_bytes(slot, regions)
         self._pending = self._pool.submit(self._commit, step, slot, regions, size, blob, chunks)
+        if self._to_reserve is not None:  # after the commit: this snapshot is valid first
+            other, make = self._to_reserve
+            self._to_reserve, self._reserved = None, (other, self._pool.submit(make))
         return self._pending
 
     def _copy_as_planned(
@@ -143,7 +151,11 @@ class MemoryTier:
                 objects[fmt.key(path)] = leaf
         on_gpu = any(t.is_cuda for _, t in tensors)
         sig = (on_gpu, tuple((path, t.dtype, t.shape) for path, t in tensors))
-        regions, _, buffer, views = self._buffer(slot, sig, lambda: fmt.layout(tensors), pin=on_gpu)
+        regions, size, buffer, views = self._buffer(
+            slot, sig, lambda: fmt.layout(tensors), pin=on_gpu
+        )
+        if not on_gpu:  # the other slot ahead (its page-locking is CUDA's, on this thread)
+            self._reserve_other(1 - slot, sig, regions, size)
         plan = self._plans[slot] = memory_copy.plan(
             state, regions, views, buffer, by_chunks=not on_gpu
         )
@@ -207,6 +219,7 @@ class MemoryTier:
         (``sig``): a snapshot every step then costs one copy per tensor and nothing else.
         ``pin``: a state on the GPU, whose copies need the mapping page-locked to run at the
         bus's speed (measured on an H200: 1 GiB in 0.7-1.4 s into the plain mapping)."""
+        self._take_reserved(slot)
         cached = self._buffers.get(slot)
         if cached is None or cached[0] != sig:
             self._buffers.pop(slot, None)  # drop the old mapping before making the new one
@@ -217,6 +230,36 @@ class MemoryTier:
                 _torch_compat.pin_host_memory(buffer)
             self._buffers[slot] = (sig, (regions, size, buffer, fmt.views(buffer, regions)))
         return self._buffers[slot][1]
+
+    def _reserve_other(self, slot: int, sig: Any, regions: list[fmt.Region], size: int) -> None:
+        """A new layout's first snapshot: once its commit is queued, make the other slot for
+        it on the background thread (``reserve``: only a slot with no file yet), so that the
+        next snapshot does not pay for new memory within the caller's stall."""
+        if self._reserved is not None or slot in self._buffers:
+            return
+
+        def make() -> Any:
+            buffer = reserve(self.backend, slot, size)
+            if buffer is None:
+                return None
+            return sig, (regions, size, buffer, fmt.views(buffer, regions))
+
+        self._to_reserve = (slot, make)
+
+    def _take_reserved(self, slot: int) -> None:
+        """The other slot made ahead, if this is it (waiting for it to be made): installed
+        here, by the saving thread, as the slot's buffer (its layout still to be matched)."""
+        if self._reserved is None or self._reserved[0] != slot:
+            return
+        _, made = self._reserved
+        self._reserved = None
+        try:
+            entry = made.result()
+        except Exception as e:  # noqa: BLE001 - only a head start: the save makes its own
+            logger.debug("memory tier: slot %d made ahead unusable: %s", slot, e)
+            return
+        if entry is not None and slot not in self._buffers:
+            self._buffers[slot] = entry
 
     def _commit(
         self,
@@ -325,6 +368,7 @@ class MemoryTier:
     def close(self) -> None:
         self.wait()
         self._pool.shutdown()
+        self._reserved = self._to_reserve = None  # a slot made ahead: its mapping
         self._buffers.clear()
         self._plans.clear()  # their views hold the mappings too
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import logging
 import os
 
+import torch
+
 from ..backends.local import LocalBackend
 from ..errors import ManifestError
 from ..policy import memory_format as fmt
@@ -14,6 +16,7 @@ from ..policy import memory_format as fmt
 logger = logging.getLogger("dcp_tiered.tiers.memory")  # the tier's one logger
 
 SLOTS = 2
+_PAGE = 4096
 
 
 def data_file(slot: int) -> str:
@@ -48,3 +51,22 @@ def list_steps(root: str | os.PathLike[str]) -> dict[str, list[int]]:
             for header in read_headers(backend).values():
                 found.setdefault(header.step, []).append(int(name[5:]))
     return found
+
+
+def reserve(backend: LocalBackend, slot: int, nbytes: int) -> torch.Tensor | None:
+    """Slot ``slot``'s data file made, ``nbytes`` long, and mapped with every page of the
+    mapping faulted in: what a slot's first snapshot otherwise pays within its copy (72 MiB
+    on the development VM: 16-25 ms to reserve the tmpfs's pages, 14-30 ms to fault them in).
+    Only where the file does not exist yet: a slot file that does may hold a committed
+    snapshot (of an earlier process, or of an earlier layout), which only a save replaces,
+    after removing its header. None then, or where the space cannot be had (the save that
+    needs the slot meets the error itself, and names it)."""
+    if backend.exists(data_file(slot)) or backend.exists(header_file(slot)):
+        return None
+    try:
+        buffer = backend.map_file(data_file(slot), nbytes)
+    except OSError as e:  # InsufficientSpaceError included: the save will say so
+        logger.debug("memory tier: slot %d not reserved ahead: %s", slot, e)
+        return None
+    buffer[::_PAGE].zero_()  # a byte per page: the file is new, its bytes zeros already
+    return buffer
