@@ -282,3 +282,28 @@ def test_a_tensor_changed_anywhere_since_the_plan_is_caught_by_the_copy(
     # planned twice, then the change caught by the copy of each slot's plan, which a new
     # layout replaced: its copy by chunks then ran
     assert outcomes == [list, list, batch_copy.Mismatch, list, batch_copy.Mismatch, list]
+
+
+def test_a_parameter_among_the_small_tensors_is_copied_without_autograd(tmp_path):
+    """Small tensors beside a large one are copied up front, outside the copy threads: a
+    parameter among them must not make its slot view part of an autograd graph (one node
+    more a save, each holding the parameter)."""
+    import gc
+    import weakref
+
+    param = torch.nn.Parameter(torch.randn(8))
+    empty = torch.nn.Parameter(torch.ones(0))
+    state = {"p": param, "empty": empty, "big": torch.randn(CHUNK // 16)}  # p: up front
+    tier = MemoryTier(tmp_path / "shm", 0)
+    try:
+        for n in range(3):
+            tier.save(f"step-{n}", {"model": state}).result()
+        out = {"model": {k: torch.zeros_like(v).detach() for k, v in state.items()}}
+        tier.load("step-2", out)
+        assert torch.equal(out["model"]["p"], param.detach())
+        alive = weakref.ref(param)
+        del state, param, empty
+        gc.collect()
+        assert alive() is None  # nothing of the tier's holds it
+    finally:
+        tier.close()

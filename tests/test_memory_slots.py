@@ -87,11 +87,11 @@ def test_a_slot_that_cannot_be_made_ahead_is_left_to_the_next_save(tmp_path, mon
     calls = []
     real = memory_slots.LocalBackend.map_file
 
-    def full_once(self, name, nbytes):
+    def full_once(self, name, nbytes, **kwargs):
         calls.append(name)
         if len(calls) == 2:  # the slot made ahead
             raise OSError(28, "No space left on device")
-        return real(self, name, nbytes)
+        return real(self, name, nbytes, **kwargs)
 
     monkeypatch.setattr(memory_slots.LocalBackend, "map_file", full_once)
     tier = MemoryTier(tmp_path / "shm", 0)
@@ -114,3 +114,29 @@ def test_a_header_without_its_data_is_not_made_a_slot_ahead(tmp_path):
     (rank_dir / "slot-1.json").write_text("{}")
     assert memory_slots.reserve(memory_slots.LocalBackend(rank_dir), 1, 4096) is None
     assert not (rank_dir / "slot-1.data").exists()
+
+
+def test_a_slot_made_meanwhile_by_another_process_is_left_alone(tmp_path, monkeypatch):
+    """Between the look and the making, another process (an old one still running on this
+    rank's directory) creates the slot's file: the reservation neither resizes nor removes it."""
+    rank_dir = tmp_path / "shm" / "rank-0"
+    rank_dir.mkdir(parents=True)
+    theirs = rank_dir / "slot-1.data"
+    theirs.write_bytes(b"not ours" * 100)
+    backend = memory_slots.LocalBackend(rank_dir)
+    monkeypatch.setattr(backend, "exists", lambda *names: False)  # the look saw nothing
+    assert memory_slots.reserve(backend, 1, 1 << 20) is None
+    assert theirs.read_bytes() == b"not ours" * 100
+
+
+def test_a_slot_made_ahead_counts_as_made_for_the_room_check(tmp_path):
+    """The manager asks the tier for room for two slots until both are made; the one made
+    ahead has its memory already, so it counts (else a tmpfs with room for just the two
+    refuses the second snapshot, and the slot made ahead is never used)."""
+    tier = MemoryTier(tmp_path / "shm", 0)
+    try:
+        assert not tier.buffers_ready()
+        tier.save("step-1", _state(1)).result()
+        assert tier.buffers_ready()
+    finally:
+        tier.close()

@@ -147,14 +147,19 @@ class LocalBackend(LocalReads, LocalLocks, Backend):
         root: readers see the old content or the new, even after a power loss."""
         self._atomic_write((directory, name), data, exclusive=False)
 
-    def map_file(self, name: str, nbytes: int) -> torch.Tensor:
+    def map_file(self, name: str, nbytes: int, *, exclusive: bool = False) -> torch.Tensor:
         """A uint8 tensor backed by root-level file ``name`` of exactly ``nbytes`` bytes, shared
         with the file (writes go to it). The space is reserved up front, so a full tmpfs fails
-        here with InsufficientSpaceError rather than with SIGBUS on a later write."""
+        here with InsufficientSpaceError rather than with SIGBUS on a later write.
+        ``exclusive``: only a file this call creates (FileExistsError where one exists)."""
         self.ensure_root()
         path = self._child(name)
-        with self._writing("create", path):
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        flags = os.O_RDWR | os.O_CREAT | (os.O_EXCL if exclusive else 0)
+        if exclusive:  # not typed as a write error: the caller asked to find it absent
+            fd = os.open(path, flags, 0o600)
+        else:
+            with self._writing("create", path):
+                fd = os.open(path, flags, 0o600)
         try:
             if os.fstat(fd).st_size != nbytes:
                 os.ftruncate(fd, 0)

@@ -86,10 +86,13 @@ class Batch(NamedTuple):
         return sources
 
     def copy(self, srcs: list[torch.Tensor]) -> None:
-        """Copy the batch's sources in, once checked."""
+        """Copy the batch's sources in, once checked (never recorded by autograd: a source
+        that requires grad, a parameter, would make its view part of a graph that grows by
+        one node a save)."""
         sources = self.check(srcs)
         if sources:
-            torch._foreach_copy_(self.views, sources)
+            with torch.no_grad():
+                torch._foreach_copy_(self.views, sources)
 
 
 def _batch() -> Batch:

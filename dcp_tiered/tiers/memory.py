@@ -95,6 +95,9 @@ class MemoryTier:
     # ------------------------------------------------------------ saving
 
     def buffers_ready(self) -> bool:
+        """Whether both slots are made (one made ahead counts: its memory is taken)."""
+        if self._reserved is not None:
+            self._take_reserved(self._reserved[0])
         return len(self._buffers) == SLOTS
 
     def save(self, step: str, state: dict[str, Any]) -> Future[dict[str, float]]:

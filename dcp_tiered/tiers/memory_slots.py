@@ -57,14 +57,16 @@ def reserve(backend: LocalBackend, slot: int, nbytes: int) -> torch.Tensor | Non
     """Slot ``slot``'s data file made, ``nbytes`` long, and mapped with every page of the
     mapping faulted in: what a slot's first snapshot otherwise pays within its copy (72 MiB
     on the development VM: 16-25 ms to reserve the tmpfs's pages, 14-30 ms to fault them in).
-    Only where the file does not exist yet: a slot file that does may hold a committed
-    snapshot (of an earlier process, or of an earlier layout), which only a save replaces,
-    after removing its header. None then, or where the space cannot be had (the save that
-    needs the slot meets the error itself, and names it)."""
-    if backend.exists(data_file(slot)) or backend.exists(header_file(slot)):
+    Only a data file this call creates, of a slot with no header: a slot file that exists
+    may hold a committed snapshot (of an earlier process, or of an earlier layout), which only
+    a save replaces, after removing its header. None then, or where the space cannot be had
+    (the save that needs the slot meets the error itself, and names it)."""
+    if backend.exists(header_file(slot)):  # a header left without its data: not made under it
         return None
-    try:
-        buffer = backend.map_file(data_file(slot), nbytes)
+    try:  # created here or not at all: a file another process made meanwhile is not ours
+        buffer = backend.map_file(data_file(slot), nbytes, exclusive=True)
+    except FileExistsError:
+        return None
     except OSError as e:  # InsufficientSpaceError included: the save will say so
         logger.debug("memory tier: slot %d not reserved ahead: %s", slot, e)
         return None
