@@ -155,11 +155,9 @@ class LocalBackend(LocalReads, LocalLocks, Backend):
         self.ensure_root()
         path = self._child(name)
         flags = os.O_RDWR | os.O_CREAT | (os.O_EXCL if exclusive else 0)
-        if exclusive:  # not typed as a write error: the caller asked to find it absent
+        # exclusive: FileExistsError untyped, the caller asked to find the file absent
+        with contextlib.nullcontext() if exclusive else self._writing("create", path):
             fd = os.open(path, flags, 0o600)
-        else:
-            with self._writing("create", path):
-                fd = os.open(path, flags, 0o600)
         try:
             if os.fstat(fd).st_size != nbytes:
                 os.ftruncate(fd, 0)

@@ -23,10 +23,10 @@ ones) are copied before the chunks, all in one ``torch._foreach_copy_``
 (``ChunkPlan.up_front``): between large copies, which push torch's code and the tensors'
 metadata out of the caches, a 2,000-tensor state's 1.2 MiB of small tensors took 6-8 ms of
 the two threads' time in 66 calls, 0.6 ms in one call before them (the snapshot until valid
-37 -> 31 ms, memcpy 29 ms). Their bytes are then read back from memory
-by the chunk's hash: a megabyte. A chunk of mostly small tensors (the 20,000-tensor state's,
-each with a piece of the tensor across its end) still copies them itself, on both threads, and
-hashes them from the cache: all 20,000 up front took 66 ms instead of 50.
+37 -> 31 ms, memcpy 29 ms). Their bytes are then read back from memory by the chunk's hash:
+a megabyte. A chunk of mostly small tensors (the 20,000-tensor state's, each with a piece of
+the tensor across its end) still copies them itself, on both threads, and hashes them from
+the cache: all 20,000 up front took 66 ms instead of 50.
 
 Large tensors are copied by memcpy, so only where ``host_copy`` allows one (plain contiguous
 CPU tensors), all checked before a byte is copied; a state with any other large tensor (on a

@@ -79,10 +79,8 @@ class MemoryTier:
             1, thread_name_prefix="dcp-tiered-memory", initializer=lower_this_thread
         )
         self._pending: Future[dict[str, float]] | None = None
-        # the other slot made ahead, in the background (see _reserve_other): (slot, its entry
-        # to come), and what to make, until the save that asked for it has queued its commit
+        # the other slot being made ahead on the background thread (see _made_ahead)
         self._reserved: tuple[int, Future[Any]] | None = None
-        self._to_reserve: tuple[int, Callable[[], Any]] | None = None
         self._next_slot: int | None = None
         self.last_copy_secs = 0.0
         self.last_bytes = 0
@@ -114,14 +112,15 @@ class MemoryTier:
         if copied is None:  # a new structure, or one the plan cannot hold
             copied = self._copy_new(slot, state)
         chunks, objects = copied
-        regions, size, _, _ = self._buffers[slot][1]
+        sig, (regions, size, _, _) = self._buffers[slot]
         blob = fmt.encode_objects(objects)  # values may change once we return
         self.last_copy_secs = time.perf_counter() - started
         self.last_bytes = self._tensor_bytes(slot, regions)
         self._pending = self._pool.submit(self._commit, step, slot, regions, size, blob, chunks)
-        if self._to_reserve is not None:  # after the commit: this snapshot is valid first
-            other, make = self._to_reserve
-            self._to_reserve, self._reserved = None, (other, self._pool.submit(make))
+        other = 1 - slot  # not yet made for any layout: made ahead, after this commit
+        if self._reserved is None and other not in self._buffers and not sig[0]:  # not GPU
+            made = self._pool.submit(self._made_ahead, other, sig, regions, size)
+            self._reserved = (other, made)
         return self._pending
 
     def _copy_as_planned(
@@ -154,11 +153,7 @@ class MemoryTier:
                 objects[fmt.key(path)] = leaf
         on_gpu = any(t.is_cuda for _, t in tensors)
         sig = (on_gpu, tuple((path, t.dtype, t.shape) for path, t in tensors))
-        regions, size, buffer, views = self._buffer(
-            slot, sig, lambda: fmt.layout(tensors), pin=on_gpu
-        )
-        if not on_gpu:  # the other slot ahead (its page-locking is CUDA's, on this thread)
-            self._reserve_other(1 - slot, sig, regions, size)
+        regions, _, buffer, views = self._buffer(slot, sig, lambda: fmt.layout(tensors), pin=on_gpu)
         plan = self._plans[slot] = memory_copy.plan(
             state, regions, views, buffer, by_chunks=not on_gpu
         )
@@ -234,20 +229,15 @@ class MemoryTier:
             self._buffers[slot] = (sig, (regions, size, buffer, fmt.views(buffer, regions)))
         return self._buffers[slot][1]
 
-    def _reserve_other(self, slot: int, sig: Any, regions: list[fmt.Region], size: int) -> None:
-        """A new layout's first snapshot: once its commit is queued, make the other slot for
-        it on the background thread (``reserve``: only a slot with no file yet), so that the
-        next snapshot does not pay for new memory within the caller's stall."""
-        if self._reserved is not None or slot in self._buffers:
-            return
-
-        def make() -> Any:
-            buffer = reserve(self.backend, slot, size)
-            if buffer is None:
-                return None
-            return sig, (regions, size, buffer, fmt.views(buffer, regions))
-
-        self._to_reserve = (slot, make)
+    def _made_ahead(self, slot: int, sig: Any, regions: list[fmt.Region], size: int) -> Any:
+        """On the background thread, once a layout's first snapshot is queued for commit: the
+        other slot made for it (``reserve``: only a slot with no file yet), so that the next
+        snapshot does not pay for new memory within the caller's stall; None where not made.
+        A state on the GPU gets none (its slots are page-locked by CUDA on the saving thread)."""
+        buffer = reserve(self.backend, slot, size)
+        return (
+            None if buffer is None else (sig, (regions, size, buffer, fmt.views(buffer, regions)))
+        )
 
     def _take_reserved(self, slot: int) -> None:
         """The other slot made ahead, if this is it (waiting for it to be made): installed
@@ -371,7 +361,7 @@ class MemoryTier:
     def close(self) -> None:
         self.wait()
         self._pool.shutdown()
-        self._reserved = self._to_reserve = None  # a slot made ahead: its mapping
+        self._reserved = None  # a slot made ahead: its mapping
         self._buffers.clear()
         self._plans.clear()  # their views hold the mappings too
 
