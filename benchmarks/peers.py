@@ -149,6 +149,13 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="tiny states, one run, moto")
     p.add_argument("--states", default="large,2k,20k")
     p.add_argument("--runs", type=int, default=None, help="runs per figure (default 3; quick 1)")
+    p.add_argument(
+        "--train-runs",
+        type=int,
+        default=None,
+        help="paired rounds of the training loop (default 5: its ratios move by 0.01-0.03 "
+        "from round to round on a shared 2-core VM; quick 1)",
+    )
     p.add_argument("--s3", choices=["localstack", "moto", "none"], default=None)
     p.add_argument(
         "--s3-configs",
@@ -252,7 +259,7 @@ def main() -> None:
                     sys.executable,
                     str(HERE / "peers_train.py"),
                     "--runs",
-                    str(runs),
+                    str(a.train_runs or (1 if a.quick else 5)),
                     "--dir",
                     str(work / "train"),
                     "--out",

@@ -21,6 +21,7 @@ import shutil
 import socket
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -189,6 +190,9 @@ class TorchCheckpointing:
             )
         )
         self.future = None
+        # its files fsynced once a save ends (it fsyncs nothing: use_direct_io=False), off
+        # the training thread, as the others' background writers fsync theirs
+        self.syncer = ThreadPoolExecutor(1, thread_name_prefix="tc-fsync")
 
     def save(self, path: Path, state: dict) -> tuple[float, float]:
         """(stall, time to committed incl. an fsync of its files)."""
@@ -200,8 +204,10 @@ class TorchCheckpointing:
         return stall, time.perf_counter() - t
 
     def save_async(self, path: Path, state: dict) -> None:
+        """Its asynchronous save, durable (fsynced) in the background once written."""
         self.wait()
-        self.future = self.mgr.save(str(path), state)
+        saved = self.mgr.save(str(path), state)
+        self.future = self.syncer.submit(lambda: (saved.result(), fsync_tree(path)))
 
     def wait(self) -> None:
         if self.future is not None:
@@ -216,6 +222,7 @@ class TorchCheckpointing:
 
     def close(self) -> None:
         self.wait()
+        self.syncer.shutdown()
         self.mgr.close()
 
 

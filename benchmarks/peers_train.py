@@ -4,7 +4,14 @@ The loop of ``bench_manager.py`` (a CPU model, AdamW, a step of about --step-sec
 checkpointer saves as its users would, and ours at each peer's cadence: ours and DLRover to
 host memory every step and to disk every 10; ``ours-disk`` (no memory tier), torch-checkpointing
 (which has none) and DCP (``async_save`` + ``FileSystemWriter``) to disk every 10 steps,
-asynchronously. The time includes waiting, at the end, for the last save.
+asynchronously. The time includes waiting, at the end, for the last save, durable: DCP's
+writer, DLRover's saver and ours fsync what they write; torch-checkpointing does not
+(``use_direct_io=False``), so its files are fsynced once each of its saves ends, on a thread
+of this benchmark's, off the training thread (the local figures add the same fsync).
+
+``ours`` copies its memory snapshots beside training (``async_snapshots=True``) and waits for
+the copy right before ``optimizer.step()`` (``wait_staged``), as torch-checkpointing's users
+hold its lock there; ``ours-sync`` is the same without (each snapshot's copy within the step).
 
 Each loop with a checkpointer is paired with a loop without one run just before it, and its
 figure is the median over the rounds of (its steps/s / its pair's), with the spread (min–max):
@@ -44,6 +51,54 @@ from dcp_tiered.staging import state_bytes
 warnings.filterwarnings("ignore")
 
 
+class Ours:
+    """One manager for the whole run, as a training job has and as the peers here are kept
+    (DLRover's saver process and shared memory, torch-checkpointing's manager and its staging
+    buffers): every timed loop finds its buffers and slots made. Its steps go on counting
+    from loop to loop; its own retention (the newest two) bounds the disk tier."""
+
+    def __init__(self, root: Path, every: int, memory: bool, overlap: bool = False) -> None:
+        # memory=False: "ours-disk", the disk cadence of DCP and torch-checkpointing
+        self.shm = Path(tempfile.mkdtemp(prefix="dcp-tiered-train-", dir="/dev/shm"))
+        self.mgr = CheckpointManager(
+            memory=self.shm if memory else None,
+            local=root,
+            events=None,
+            async_snapshots=overlap,
+            policy=SavePolicy(
+                memory=Every(steps=1) if memory else None,
+                local=Every(steps=every),
+                remote=None,
+            ),
+        )
+        self.every = every
+        self.base = self.last = 0
+
+    def save(self, i: int, state: dict) -> None:
+        """Loop step ``i`` as a step after every earlier loop's, at the peers' phase: the
+        disk save where (i + 1) % every == 0."""
+        self.last = self.base + i + 1
+        self.mgr.save(self.last, state)
+
+    def __enter__(self) -> None:
+        """Around ``optimizer.step()``: the snapshot that copied beside this step's forward
+        and backward is copied."""
+        self.mgr.wait_staged()
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def wait(self) -> None:
+        self.mgr.wait()
+        self.base = -(-self.last // self.every) * self.every
+
+    def close(self) -> None:
+        try:
+            self.mgr.close()
+        finally:
+            shutil.rmtree(self.shm, ignore_errors=True)
+
+
 def step(train: Train, lock) -> None:
     loss = train.model(train.x).pow(2).mean()
     train.opt.zero_grad()
@@ -54,22 +109,13 @@ def step(train: Train, lock) -> None:
 
 def loop(name: str, train: Train, steps: int, every: int, work: Path, peers: dict) -> float:
     work.mkdir(parents=True, exist_ok=True)
-    shm = Path(tempfile.mkdtemp(prefix="dcp-tiered-train-", dir="/dev/shm"))
     lock = nullcontext()
     save, finish = (lambda i: None), (lambda: None)
-    if name in ("ours", "ours-disk"):
-        memory = name == "ours"  # ours-disk: the disk cadence of DCP and torch-checkpointing
-        mgr = CheckpointManager(
-            memory=shm if memory else None,
-            local=work / "ours",
-            events=None,
-            policy=SavePolicy(
-                memory=Every(steps=1) if memory else None,
-                local=Every(steps=every),
-                remote=None,
-            ),
-        )
-        save, finish = (lambda i: mgr.save(i, train.state())), mgr.close
+    if name in ("ours", "ours-sync", "ours-disk"):
+        ours = peers[name]
+        save, finish = (lambda i: ours.save(i, train.state())), ours.wait
+        if ours.mgr.async_snapshots:
+            lock = ours
     elif name == "dlrover":
         dl = peers["dlrover"]
 
@@ -115,7 +161,6 @@ def loop(name: str, train: Train, steps: int, every: int, work: Path, peers: dic
         return steps / (time.perf_counter() - start)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-        shutil.rmtree(shm, ignore_errors=True)
 
 
 def settle() -> None:
@@ -141,7 +186,7 @@ def main() -> None:
     torch.set_num_threads(1)
     init_single_rank()
     found = available()
-    names = ["none", "ours", "ours-disk", "dcp"] + [
+    names = ["none", "ours", "ours-sync", "ours-disk", "dcp"] + [
         n for n in ("dlrover", "torch-checkpointing") if found.get(n)
     ]
     peers = {}  # one instance of each for the whole run (they keep processes)
@@ -149,26 +194,32 @@ def main() -> None:
         peers["dlrover"] = DLRover(Path(a.dir) / "dlrover-all")
     if found.get("torch-checkpointing"):
         peers["torch-checkpointing"] = TorchCheckpointing()
-    train = Train(a.width, a.layers, calibrate(a.width, a.layers, a.step_secs))
-    # one untimed pass of each: processes, shared memory and buffers exist before timing
-    for name in [] if a.no_warm_up else names:
-        loop(name, train, min(a.steps, a.every + 1), a.every, Path(a.dir) / f"w-{name}", peers)
-    rates: dict[str, list[float]] = {n: [] for n in names}
-    paired: dict[str, list[float]] = {n: [] for n in names if n != "none"}
-    ckpt = [n for n in names if n != "none"]
+    try:
+        for name in ("ours", "ours-sync", "ours-disk"):
+            root = Path(a.dir) / f"{name}-all"
+            peers[name] = Ours(root, a.every, memory=name != "ours-disk", overlap=name == "ours")
+        train = Train(a.width, a.layers, calibrate(a.width, a.layers, a.step_secs))
+        # one untimed pass of each: processes, shared memory and buffers exist before timing
+        for name in [] if a.no_warm_up else names:
+            loop(name, train, min(a.steps, a.every + 1), a.every, Path(a.dir) / f"w-{name}", peers)
+        rates: dict[str, list[float]] = {n: [] for n in names}
+        paired: dict[str, list[float]] = {n: [] for n in names if n != "none"}
+        ckpt = [n for n in names if n != "none"]
 
-    def timed(name: str) -> float:
-        settle()
-        rate = loop(name, train, a.steps, a.every, Path(a.dir) / name, peers)
-        rates[name].append(rate)
-        return rate
+        def timed(name: str) -> float:
+            settle()
+            rate = loop(name, train, a.steps, a.every, Path(a.dir) / name, peers)
+            rates[name].append(rate)
+            return rate
 
-    for run in range(a.runs):
-        for name in ckpt[run % len(ckpt) :] + ckpt[: run % len(ckpt)]:
-            base = timed("none")
-            paired[name].append(timed(name) / base)
-    if "torch-checkpointing" in peers:
-        peers["torch-checkpointing"].close()
+        for run in range(a.runs):
+            for name in ckpt[run % len(ckpt) :] + ckpt[: run % len(ckpt)]:
+                base = timed("none")
+                paired[name].append(timed(name) / base)
+    finally:  # their processes, and the shared memory of ours
+        for name in ("torch-checkpointing", "ours", "ours-sync", "ours-disk"):
+            if name in peers:
+                peers[name].close()
     result = {
         "state_mib": round(state_bytes(train.state()) / 2**20, 1),
         "step_secs": round(statistics.median(1 / r for r in rates["none"]), 3),

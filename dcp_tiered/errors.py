@@ -132,6 +132,12 @@ class StagingError(DcpTieredError):
     """The staging buffers are still held by an earlier save that did not finish."""
 
 
+class StateChangedError(StagingError):
+    """The state changed while a snapshot copied it beside training
+    (``CheckpointManager(async_snapshots=True)``): the copy mixes two steps, so it was not
+    committed. Call ``wait_staged()`` before changing the state (``optimizer.step()``)."""
+
+
 class CommitError(DcpTieredError):
     """A node did not publish the step in time."""
 

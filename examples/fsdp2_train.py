@@ -78,6 +78,7 @@ def main() -> None:
             local=Every(steps=a.save_every),
             remote=Every(steps=2 * a.save_every),
         ),
+        async_snapshots=True,  # a snapshot copies beside the next step: wait_staged() below
     )
     start = mgr.restore(app_state)  # newest step that verifies in memory, on disk or remote
     if rank == 0:
@@ -99,6 +100,7 @@ def main() -> None:
         loss = (model(x) - x.roll(1, dims=1)).pow(2).mean()
         opt.zero_grad()
         loss.backward()
+        mgr.wait_staged()  # the last snapshot is copied: the state may change now
         opt.step()
         losses[step] = loss.item()
         where = mgr.save(step, app_state)  # returns once staged; the I/O runs in the background

@@ -30,6 +30,7 @@ POLICY = {
     "agreement",
     "item_frame",
     "batch_copy",
+    "tensor_versions",
 }
 DCP = {
     "planner",

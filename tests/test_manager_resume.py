@@ -147,6 +147,21 @@ def test_memory_tier_recovery_after_sigkill_of_every_rank(tmp_path, shm, referen
     assert mismatches(reference, final) == []
 
 
+def test_snapshots_copied_beside_training_resume_bit_exact_after_sigkill(tmp_path, shm, reference):
+    """async_snapshots=True, wait_staged() before every optimizer step: every rank killed at a
+    random moment of step 15 (its snapshot may be mid-copy beside the step's forward), then
+    resumed from host memory, bit-exact with the job that never checkpointed this way."""
+    rare = ("--disk-every", "steps:1000", "--remote-every", "steps:1000", "--async-snapshots")
+    _kill_job_at(tmp_path, shm, 15, random.Random(7).uniform(0, 0.1), *rare)
+    torchrun("managed_train.py", 2, *_args(tmp_path, shm, "final.pt", *rare), timeout=180)
+    restored = _restores(tmp_path)[-1]
+    assert restored["tier"] == "memory" and restored["step"] >= 13, restored
+    result = read_json(tmp_path / "final.pt.rank0.json")
+    assert "error" not in result, result  # no snapshot was refused as changed mid-copy
+    final = torch.load(tmp_path / "final.pt", weights_only=True)
+    assert mismatches(reference, final) == []
+
+
 def test_a_permanent_upload_failure_on_one_rank_reaches_every_rank(tmp_path, shm, s3, fault_proxy):
     # One local root per rank (two "nodes"): rank 1 uploads its own shards, and the proxy
     # denies every write of them (403 AccessDenied, not retried).

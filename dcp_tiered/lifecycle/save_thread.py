@@ -29,6 +29,7 @@ import contextlib
 import functools
 import os
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import torch
@@ -40,7 +41,8 @@ T = TypeVar("T")
 
 
 class SaveThread:
-    """Runs one call at a time on its thread and waits for it (``run``), as if inline."""
+    """Runs one call at a time on its thread and waits for it (``run``), as if inline, or
+    until the call lets the caller go (``start``)."""
 
     def __init__(self) -> None:
         self._initializer = as_the_caller()
@@ -50,11 +52,42 @@ class SaveThread:
     def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         if standing_in():  # already on a save thread (any SaveThread's)
             return fn(*args, **kwargs)
+        call = functools.partial(fn, *args, **kwargs)
+        return self._submit(functools.partial(_as_caller, _caller_context(), call)).result()
+
+    def start(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> tuple[T, Future[None]]:
+        """Run ``fn(*args, release=..., **kwargs)`` and wait until it calls ``release(value)``,
+        returns or raises: ``value`` (or what it returned; what it raised first is raised
+        here), and a future of the rest of the call, which holds what it raised after the
+        release. Inline on a save thread, as ``run``."""
+        if standing_in():
+            nothing_left: Future[None] = Future()
+            nothing_left.set_result(None)
+            return fn(*args, release=lambda _: None, **kwargs), nothing_left
+        handed: Future[T] = Future()
+        context = _caller_context()
+
+        def call() -> None:
+            try:  # entering the caller's context too: its failure must reach the caller
+                value = _as_caller(
+                    context, functools.partial(fn, *args, release=handed.set_result, **kwargs)
+                )
+            except BaseException as e:
+                if handed.done():
+                    raise  # the caller has gone: the rest's future holds it
+                handed.set_exception(e)
+                return
+            if not handed.done():
+                handed.set_result(value)
+
+        rest = self._submit(call)
+        return handed.result(), rest
+
+    def _submit(self, call: Callable[[], T]) -> Future[T]:
         if self._pool is None or self._pid != os.getpid():  # a forked child: the thread is gone
             self._pool = DaemonPool(1, "dcp-tiered-save", self._initializer)
             self._pid = os.getpid()
-        call = functools.partial(fn, *args, **kwargs)
-        return self._pool.submit(_as_caller, _caller_context(), call).result()
+        return self._pool.submit(call)
 
     def close(self) -> None:
         if self._pool is not None and self._pid == os.getpid():

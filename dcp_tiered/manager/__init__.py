@@ -19,10 +19,11 @@ others skipped.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -89,6 +90,12 @@ class CheckpointManager(Restoring):
             record it; a directory or prefix of another run, or a root another job uses now, is
             refused at start with ForeignRunError on every rank. Only this run's steps and
             snapshots are ever restored, quarantined or deleted (see docs/guarantees.md).
+        async_snapshots: a memory snapshot copies the state while training goes on: ``save``
+            returns once the snapshot is decided, and the copy runs on one background thread.
+            Call :meth:`wait_staged` before changing the state (right before
+            ``optimizer.step()``): a snapshot during whose copy a tensor changed is not
+            committed, and the next ``save`` raises SaveFailedError (StateChangedError).
+            Disk saves still return once staged. Needs ``memory``.
     """
 
     def __init__(
@@ -107,9 +114,14 @@ class CheckpointManager(Restoring):
         allow_pickle: bool = False,
         replication: Replication | None = None,
         run_id: str | None = None,
+        async_snapshots: bool = False,
     ) -> None:
         if replication is not None and memory is None:
             raise ConfigError("replication copies memory snapshots: it needs memory=...")
+        if async_snapshots and memory is None:
+            raise ConfigError("async_snapshots copies memory snapshots: it needs memory=...")
+        self.async_snapshots = async_snapshots
+        self._staging: Future[None] | None = None  # the copy going on beside training
         self.policy = policy or SavePolicy()
         self.retention = retention or Retention()
         self.admission = admission or Admission()
@@ -218,7 +230,8 @@ class CheckpointManager(Restoring):
     # ------------------------------------------------------------ save
 
     def save(self, step: int, app_state: dict[str, Any], *, force: bool = False) -> Decision:
-        """Save ``app_state`` as ``step-<step>`` to the tiers due now; returns once staged.
+        """Save ``app_state`` as ``step-<step>`` to the tiers due now; returns once staged
+        (with ``async_snapshots``, a memory snapshot: once decided, its copy going on).
 
         ``force=True`` saves to the local and remote tiers whatever the cadence (end of an
         epoch, a pre-emption notice). Raises SaveFailedError on every rank if an earlier
@@ -228,10 +241,33 @@ class CheckpointManager(Restoring):
             raise ConfigError("this CheckpointManager is closed")
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ConfigError(f"step must be a non-negative int, got {step!r}")
+        t0 = time.perf_counter()  # the wait for the copy before counts in the stall
+        self.wait_staged()  # one copy beside training at a time
         # Off the caller's thread, which waits: its heap stays the training step's (see there).
-        return self._save_thread.run(self._save, step, app_state, force, time.perf_counter())
+        if not self.async_snapshots:
+            return self._save_thread.run(self._save, step, app_state, force, t0)
+        # ... until a memory snapshot's copy, which goes on beside training (wait_staged)
+        decision, self._staging = self._save_thread.start(self._save, step, app_state, force, t0)
+        return decision
 
-    def _save(self, step: int, app_state: dict[str, Any], force: bool, t0: float) -> Decision:
+    def wait_staged(self) -> None:
+        """Block until the state handed to the last ``save`` is copied: with
+        ``async_snapshots=True``, call it before changing the state (before
+        ``optimizer.step()``). Raises what that save raised once it had returned (a tier's
+        failure is reported by the next ``save``, as always). Without ``async_snapshots``,
+        ``save`` has copied the state by the time it returns and this returns at once."""
+        staging, self._staging = self._staging, None
+        if staging is not None:
+            staging.result()
+
+    def _save(
+        self,
+        step: int,
+        app_state: dict[str, Any],
+        force: bool,
+        t0: float,
+        release: Callable[[Decision], None] | None = None,
+    ) -> Decision:
         now = time.time()
         self._lifecycle.reap()
         wanted = cadence.decide(
@@ -258,15 +294,33 @@ class CheckpointManager(Restoring):
             return decision
         if decision.local:  # the cap is on disk saves, which hold staging buffers
             self._lifecycle.make_room()
-        self._start(step, app_state, decision, t0)
+        let_go = None if release is None else functools.partial(release, decision)
+        self._start(step, app_state, decision, t0, let_go)
         for t in ("memory", "local", "remote"):
             if getattr(decision, t):
                 self._last[t] = now
         return decision
 
-    def _start(self, step: int, app_state: dict[str, Any], decision: Decision, t0: float) -> None:
+    def _start(
+        self,
+        step: int,
+        app_state: dict[str, Any],
+        decision: Decision,
+        t0: float,
+        let_go: Callable[[], None] | None = None,
+    ) -> None:
+        """Start the save; ``let_go``: a memory snapshot lets the caller go on before its copy
+        (``async_snapshots``), its stall then the time until then."""
         name = step_name(step)
         started = time.time()
+        stalled: list[float] = []
+
+        def stall_ends() -> None:
+            stalled.append(time.perf_counter() - t0)
+            self.last_stall_secs = stalled[0]
+            assert let_go is not None
+            let_go()
+
         self._reports.planned(step, decision, PENDING)
         if decision.local:
             future = self._lifecycle.start_async(
@@ -276,11 +330,11 @@ class CheckpointManager(Restoring):
             self._room.staged_bytes = nbytes
         else:
             assert self._memory is not None
-            future = self._start_memory(name, app_state)
+            future = self._start_memory(name, app_state, stall_ends if let_go else None)
             if self._replica is not None:  # in the background, once committed
                 self._replica.offer(step, name, future)
             stage_s, nbytes = self._memory.last_copy_secs, self._memory.last_bytes
-        stall = time.perf_counter() - t0
+        stall = stalled[0] if stalled else time.perf_counter() - t0
         self.last_stall_secs = stall
         tier = "local" if decision.local else "memory"
         facts = SaveFacts(
@@ -303,11 +357,28 @@ class CheckpointManager(Restoring):
         )
         facts.save.started = started  # the node's publication is timed from here
 
-    def _start_memory(self, name: str, app_state: dict[str, Any]) -> Future[dict[str, float]]:
+    def _start_memory(
+        self, name: str, app_state: dict[str, Any], stall_ends: Callable[[], None] | None
+    ) -> Future[dict[str, float]]:
+        """The snapshot's commit; ``stall_ends``: called once the snapshot needs no more of
+        the state than its tensors' bytes (Stateful objects' ``state_dict()`` called, other
+        values encoded, tensors checked), the copy then beside training."""
         assert self._memory is not None
+        released: list[bool] = []
+
+        def let_go() -> None:
+            released.append(True)
+            assert stall_ends is not None
+            stall_ends()
+
         try:
-            return self._memory.save(name, resolve(app_state))
-        except (DcpTieredError, OSError) as e:  # this rank only: reported to all at next save
+            go = None if stall_ends is None else let_go
+            return self._memory.save(name, resolve(app_state), let_go=go)
+        except Exception as e:
+            # This rank only: reported to all at the next save. Any error once the caller has
+            # gone on, where it can no longer be raised to it in step with the other ranks.
+            if not released and not isinstance(e, (DcpTieredError, OSError)):
+                raise
             failed: Future[dict[str, float]] = Future()
             failed.set_exception(e)
             return failed
@@ -325,6 +396,7 @@ class CheckpointManager(Restoring):
         is: it is reported again until it is final). This process's view: the remote
         outcome is known to the processes that upload (every node's first rank; rank 0's
         is the commit), other ranks report no remote outcome."""
+        self.wait_staged()
         self._lifecycle.wait_written()
         if self._replica is not None:
             self._replica.drain()
@@ -333,13 +405,16 @@ class CheckpointManager(Restoring):
 
     def outcome(self, step: int) -> dict[str, SaveOutcome]:
         """What the save of ``step`` achieved on each tier so far (empty: never saved by this
-        manager, or too long ago: the newest 1,024 steps are kept). Non-blocking; call
-        :meth:`wait` or :meth:`close` first for final answers."""
+        manager, or too long ago: the newest 1,024 steps are kept). Non-blocking (but for a
+        snapshot copying beside training: ``async_snapshots``); call :meth:`wait` or
+        :meth:`close` first for final answers."""
+        self.wait_staged()  # the copy's save is tracked once it is copied
         self._lifecycle.reap()
         return self._reports.outcomes.of(step)
 
     def outcomes(self) -> dict[int, dict[str, SaveOutcome]]:
         """:meth:`outcome` of every step this manager saved or skipped, oldest first."""
+        self.wait_staged()
         self._lifecycle.reap()
         return self._reports.outcomes.steps()
 
@@ -371,6 +446,11 @@ class CheckpointManager(Restoring):
         if self._closed:
             return
         self._closed = True
+        try:
+            self.wait_staged()
+        except BaseException:
+            self._release()
+            raise
         deadline = None if timeout_secs is None else time.monotonic() + timeout_secs
         self._lifecycle.wait_written()
         if self._replica is not None:

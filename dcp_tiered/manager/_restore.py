@@ -244,6 +244,7 @@ class Restoring:
     _remote: RemoteBackend | None
 
     wait: Callable[[], Any]  # the manager's
+    wait_staged: Callable[[], None]
     _start: Callable[[int, dict[str, Any], Decision, float], None]  # a save to the disk tier
 
     def restore(
@@ -265,7 +266,7 @@ class Restoring:
         from scratch (or from an older step) while newer ones may exist. With
         ``on_unreadable_tier="skip"`` it restores from the tiers it can read, with an ERROR log.
         """
-
+        self.wait_staged()  # a snapshot copying beside training (async_snapshots) first
         only = None if step is None else step_name(step)
         chosen = self._sources.choose(self._lifecycle, app_state, only, on_unreadable_tier)
         if chosen is None:

@@ -43,7 +43,7 @@ import itertools
 from concurrent.futures import Future
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -123,11 +123,22 @@ class ChunkPlan:
     up_front: Batch
     empty: Batch
 
-    def sources(self, srcs: list[torch.Tensor]) -> dict[int, int] | None:
+    def sources(self, srcs: list[torch.Tensor], held: list[Any]) -> dict[int, int] | None:
         """Tensor number -> address of each large source, all checked against their views
-        (Mismatch); None where one is not a tensor a memcpy may copy."""
+        (Mismatch); None where one is not a tensor a memcpy may copy. Each source's storage
+        goes into ``held``: the memory a memcpy reads stays allocated while it reads, even if
+        the tensor is given other memory meanwhile (a loop that changes the state during a
+        copy beside training; the copy then fails its check instead of reading freed memory)."""
+        storages = [srcs[i].untyped_storage() for i in self.large.tensors]
         addresses = host_copy.memcpy_addresses(self.large.check(srcs))
-        return None if addresses is None else dict(zip(self.large.tensors, addresses))
+        if addresses is None:
+            return None
+        for i, storage, address in zip(self.large.tensors, storages, addresses):
+            start = storage.data_ptr()
+            if not start <= address < start + storage.nbytes():  # replaced since taken
+                raise batch_copy.Mismatch(f"source {i} was given other memory during the copy")
+        held.extend(storages)
+        return dict(zip(self.large.tensors, addresses))
 
 
 def plan(dsts: list[torch.Tensor], base: int, size: int) -> ChunkPlan | None:
@@ -177,14 +188,17 @@ def copy_and_checksum(
     dsts: list[torch.Tensor],
     srcs: list[torch.Tensor],
     planned: ChunkPlan,
+    threads: int = 2,
 ) -> list[Future[str]] | None:
-    """Copy ``srcs`` into ``dsts`` (views of ``buffer`` as ``planned``) and hash every chunk;
-    the hashes, as done futures in chunk order. None, having copied nothing, where a large
-    source is not one a memcpy may copy (on a GPU, not contiguous). Raises Mismatch where a
-    source's shape or dtype is not its view's: part of the slot may have been copied by then
-    (the caller copies it again another way)."""
+    """Copy ``srcs`` into ``dsts`` (views of ``buffer`` as ``planned``) and hash every chunk,
+    on ``threads`` threads (1 or 2: this one and the helper); the hashes, as done futures in
+    chunk order. None, having copied nothing, where a large source is not one a memcpy may
+    copy (on a GPU, not contiguous). Raises Mismatch where a source's shape or dtype is not
+    its view's: part of the slot may have been copied by then (the caller copies it again
+    another way)."""
     planned.empty.copy(srcs)
-    addresses = planned.sources(srcs)
+    held: list[Any] = []  # the large sources' storages, until their bytes are copied
+    addresses = planned.sources(srcs, held)
     if addresses is None:
         return None
     planned.up_front.copy(srcs)  # before either thread hashes a chunk they are in
@@ -204,7 +218,10 @@ def copy_and_checksum(
             failed.append(e)
             raise
 
-    host_copy.side_by_side(fill, fill)
+    if threads > 1:
+        host_copy.side_by_side(fill, fill)
+    else:
+        fill()
     out = []
     for digest in digests:
         done: Future[str] = Future()

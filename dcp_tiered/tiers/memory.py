@@ -33,10 +33,10 @@ from typing import Any
 
 import torch
 
-from .. import _gc, _torch_compat, batch_copy
+from .. import _gc, _torch_compat, batch_copy, tensor_versions
 from .._priority import lower_this_thread
 from ..backends.local import LocalBackend
-from ..errors import CheckpointNotFoundError, IntegrityError
+from ..errors import CheckpointNotFoundError, IntegrityError, StateChangedError
 from ..policy import layout, memory_chunks
 from ..policy import memory_format as fmt
 from . import chunk_copy, memory_copy, ownership
@@ -98,9 +98,16 @@ class MemoryTier:
             self._take_reserved(self._reserved[0])
         return len(self._buffers) == SLOTS
 
-    def save(self, step: str, state: dict[str, Any]) -> Future[dict[str, float]]:
+    def save(
+        self, step: str, state: dict[str, Any], *, let_go: Callable[[], None] | None = None
+    ) -> Future[dict[str, float]]:
         """Copy ``state`` (already resolved: no Stateful objects) into a slot now; checksum
-        and commit it in the background. The future gives the background timings."""
+        and commit it in the background. The future gives the background timings.
+
+        ``let_go``: called once the snapshot no longer needs the state but for its tensors'
+        bytes (the manager's ``async_snapshots`` lets the caller go on then). One thread then
+        copies, leaving training its core, and a tensor that changes meanwhile fails the save
+        with StateChangedError, the slot left uncommitted."""
         layout.validate_step_name(step)
         self.wait()  # the other slot's commit: never leave both slots uncommitted
         if self.run_id is not None and not self._recorded:  # the directory is the run's
@@ -108,12 +115,16 @@ class MemoryTier:
             self._recorded = True
         started = time.perf_counter()
         slot = self._uncommit_a_slot()
-        copied = self._copy_as_planned(slot, state)
-        if copied is None:  # a new structure, or one the plan cannot hold
-            copied = self._copy_new(slot, state)
-        chunks, objects = copied
+        try:
+            copied = self._copy_as_planned(slot, state, let_go)
+            if copied is None:  # a new structure, or one the plan cannot hold
+                copied = self._copy_new(slot, state, let_go)
+        except BaseException:
+            with self._lock:  # written next again: the other slot keeps the newest snapshot
+                self._next_slot = slot
+            raise
+        chunks, blob = copied
         sig, (regions, size, _, _) = self._buffers[slot]
-        blob = fmt.encode_objects(objects)  # values may change once we return
         self.last_copy_secs = time.perf_counter() - started
         self.last_bytes = self._tensor_bytes(slot, regions)
         self._pending = self._pool.submit(self._commit, step, slot, regions, size, blob, chunks)
@@ -124,10 +135,10 @@ class MemoryTier:
         return self._pending
 
     def _copy_as_planned(
-        self, slot: int, state: dict[str, Any]
-    ) -> tuple[list[Future[str]], dict[str, Any]] | None:
-        """Copy ``state`` into ``slot`` by the slot's plan: (chunk hashes, non-tensor values).
-        None, the slot's bytes undefined, where ``state`` no longer fits the plan."""
+        self, slot: int, state: dict[str, Any], let_go: Callable[[], None] | None
+    ) -> tuple[list[Future[str]], bytes] | None:
+        """Copy ``state`` into ``slot`` by the slot's plan: (chunk hashes, non-tensor values
+        encoded). None, the slot's bytes undefined, where ``state`` no longer fits the plan."""
         plan = self._plans.get(slot)
         if plan is None:
             return None
@@ -136,13 +147,15 @@ class MemoryTier:
             _, dsts, srcs, expected = batch_copy.pair_unchecked(
                 state, plan.tree, on_value=objects.__setitem__, descriptions=plan.described
             )
-            return self._copy(slot, plan, dsts, srcs, lambda: expected.check(0, len(srcs))), objects
+            check = lambda: expected.check(0, len(srcs))
+            blob = fmt.encode_objects(objects)  # before the caller may change them
+            return self._copy(slot, plan, dsts, srcs, let_go, check), blob
         except batch_copy.Mismatch:
             return None
 
     def _copy_new(
-        self, slot: int, state: dict[str, Any]
-    ) -> tuple[list[Future[str]], dict[str, Any]]:
+        self, slot: int, state: dict[str, Any], let_go: Callable[[], None] | None
+    ) -> tuple[list[Future[str]], bytes]:
         """Lay ``state`` out in ``slot`` (unless its structure is the slot's already), plan its
         copy and copy it."""
         objects, tensors = {}, []
@@ -157,7 +170,8 @@ class MemoryTier:
         plan = self._plans[slot] = memory_copy.plan(
             state, regions, views, buffer, by_chunks=not on_gpu
         )
-        return self._copy(slot, plan, views, [t for _, t in tensors]), objects
+        blob = fmt.encode_objects(objects)
+        return self._copy(slot, plan, views, [t for _, t in tensors], let_go), blob
 
     def _copy(
         self,
@@ -165,15 +179,48 @@ class MemoryTier:
         plan: memory_copy.CopyPlan | None,
         dsts: list[torch.Tensor],
         srcs: list[torch.Tensor],
+        let_go: Callable[[], None] | None,
         check: Callable[[], None] | None = None,
     ) -> list[Future[str]]:
         """Copy ``srcs`` into ``slot``'s views ``dsts`` by chunks (``chunk_copy``, which checks
         each source as it copies it) where the plan allows, else tensor by tensor
         (``memory_copy``: tensors a memcpy cannot copy, or a structure the plan cannot hold),
-        after ``check``; the chunk hashes. Raises Mismatch where a source does not fit."""
+        after ``check``; the chunk hashes. Raises Mismatch where a source does not fit.
+
+        ``let_go``: every source checked first and its version counter read, the caller let
+        go, then the copy by one thread; StateChangedError where a source changed meanwhile."""
+        if let_go is None:
+            return self._copy_bytes(slot, plan, dsts, srcs, check, threads=2)
+        if check is not None:
+            check()  # before the caller goes on: a source that does not fit is a new layout
+        before = tensor_versions.read(srcs)
+        let_go()
+        where = f"memory-tier snapshot in slot {slot} of {self.backend.root}"
+        try:
+            chunks = self._copy_bytes(slot, plan, dsts, srcs, None, threads=1)
+        except batch_copy.Mismatch as e:  # checked above: changed since
+            raise StateChangedError(f"{where}: a tensor was replaced during the copy: {e}") from e
+        tensor_versions.require_unchanged(srcs, before, self._names(slot, dsts), where)
+        return chunks
+
+    def _names(self, slot: int, dsts: list[torch.Tensor]) -> Callable[[int], str]:
+        """Source number -> its key in the snapshot, by where its view lies in the slot."""
+        regions, _, buffer, _ = self._buffers[slot][1]
+        base, keys = buffer.data_ptr(), {r.offset: r.key for r in regions}
+        return lambda i: keys.get(dsts[i].data_ptr() - base, f"tensor {i}")
+
+    def _copy_bytes(
+        self,
+        slot: int,
+        plan: memory_copy.CopyPlan | None,
+        dsts: list[torch.Tensor],
+        srcs: list[torch.Tensor],
+        check: Callable[[], None] | None,
+        threads: int,
+    ) -> list[Future[str]]:
         _, size, buffer, _ = self._buffers[slot][1]
         if plan is not None and plan.chunks is not None:
-            chunks = chunk_copy.copy_and_checksum(buffer, dsts, srcs, plan.chunks)
+            chunks = chunk_copy.copy_and_checksum(buffer, dsts, srcs, plan.chunks, threads)
             if chunks is not None:
                 return chunks
         if check is not None:

@@ -56,6 +56,7 @@ def main() -> None:
     p.add_argument("--disk-every", default="steps:5")
     p.add_argument("--remote-every", default="steps:10")
     p.add_argument("--progress")
+    p.add_argument("--async-snapshots", action="store_true", help="wait_staged before updates")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     rank, world = common.init()
@@ -87,6 +88,7 @@ def main() -> None:
             memory=every(a.memory_every), local=every(a.disk_every), remote=every(a.remote_every)
         ),
         collective_timeout_secs=120,
+        async_snapshots=a.async_snapshots,
     )
     result: dict = {"rank": rank}
     try:
@@ -99,6 +101,7 @@ def main() -> None:
             loss = model(F.dropout(x, p=0.2, training=True)).pow(2).mean()
             opt.zero_grad()
             loss.backward()
+            mgr.wait_staged()  # the snapshot copying beside this step (async_snapshots)
             opt.step()
             sched.step()
             mgr.save(step, app_state)
