@@ -1,14 +1,18 @@
-"""The memory tier's second slot made ahead: after a layout's first snapshot the background
-thread makes the other slot, so the next snapshot finds its memory ready; a slot file that
-exists (a committed snapshot of an earlier process or layout) is never made over; a slot that
-cannot be made ahead is left to the save that needs it, which names the failure."""
+"""The memory tier's slots. The second slot made ahead: after a layout's first snapshot the
+background thread makes the other slot, so the next snapshot finds its memory ready; a slot
+file that exists (a committed snapshot of an earlier process or layout) is never made over; a
+slot that cannot be made ahead is left to the save that needs it, which names the failure.
+A write into a slot that fails (the copy, the commit, a partner's copy received) leaves that
+slot to be written next: the newest snapshot is never the one the next write uncommits."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
+from dcp_tiered.errors import IntegrityError
 from dcp_tiered.tiers import memory_slots
 from dcp_tiered.tiers.memory import MemoryTier
 
@@ -140,3 +144,64 @@ def test_a_slot_made_ahead_counts_as_made_for_the_room_check(tmp_path):
         assert tier.buffers_ready()
     finally:
         tier.close()
+
+
+def _fail(*args, **kwargs):
+    raise OSError(5, "injected failure")
+
+
+@pytest.mark.parametrize("where", ["copy", "commit"])
+def test_a_write_that_fails_leaves_the_newest_snapshot_and_its_slot_is_written_next(
+    tmp_path, monkeypatch, where
+):
+    tier = MemoryTier(tmp_path / "shm", 0)
+    try:
+        tier.save("step-1", _state(1)).result()
+        tier.save("step-2", _state(2)).result()
+        with monkeypatch.context() as m:
+            if where == "copy":
+                m.setattr(MemoryTier, "_copy_bytes", _fail)
+                with pytest.raises(OSError, match="injected"):
+                    tier.save("step-3", _state(3))
+            else:  # the header's write, on the tier's thread: the future holds the error
+                m.setattr(tier.backend, "replace_root_file", _fail)
+                with pytest.raises(OSError, match="injected"):
+                    tier.save("step-3", _state(3)).result()
+        assert sorted(tier.steps()) == ["step-2"]
+        tier.save("step-4", _state(4)).result()
+        assert sorted(tier.steps()) == ["step-2", "step-4"]  # step 4 took the torn slot
+        assert _equal(_restored(tier, "step-2", _state(2)), _state(2))
+    finally:
+        tier.close()
+
+
+def test_a_partners_copy_that_fails_leaves_the_newest_copy_and_its_slot_is_written_next(
+    tmp_path,
+):
+    """Peer replication: a copy received whose bytes fail their checksums is refused, and
+    the next copy received goes to the slot it tore, not over the newest good copy."""
+    sender = MemoryTier(tmp_path / "a", 0)
+    keeper = MemoryTier(tmp_path / "b", 0, directory="replica-0")
+    try:
+        for n in (1, 2, 3, 4):
+            sender.save(f"step-{n}", _state(n)).result()
+            header, data = sender.lease(f"step-{n}")
+            sender.release()
+            flip = n == 3  # step 3 arrives with a byte flipped on the way
+
+            def fill(buffer, data=data, flip=flip):
+                buffer[: data.numel()].copy_(data)
+                if flip:
+                    buffer[7] ^= 0xFF
+
+            if flip:
+                with pytest.raises(IntegrityError):
+                    keeper.receive(header, fill, step="step-3")
+                assert sorted(keeper.steps()) == ["step-2"]
+            else:
+                keeper.receive(header, fill, step=f"step-{n}")
+        assert sorted(keeper.steps()) == ["step-2", "step-4"]
+        assert _equal(_restored(keeper, "step-2", _state(2)), _state(2))
+    finally:
+        sender.close()
+        keeper.close()

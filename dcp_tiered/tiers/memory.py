@@ -23,30 +23,32 @@ snapshot of another world size is left to the disk and remote tiers, which resha
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
 
-from .. import _gc, _torch_compat, batch_copy, tensor_versions
+from .. import _torch_compat, batch_copy, tensor_versions
 from .._priority import lower_this_thread
 from ..backends.local import LocalBackend
-from ..errors import CheckpointNotFoundError, IntegrityError, StateChangedError
+from ..errors import IntegrityError, StateChangedError
 from ..policy import layout, memory_chunks
 from ..policy import memory_format as fmt
 from . import chunk_copy, memory_copy, ownership
-from .memory_restore import fill_state, verify
+from .memory_reading import SlotReading
+from .memory_restore import verify
 from .memory_slots import SLOTS, data_file, header_file, read_headers, reserve
 
 logger = logging.getLogger(__name__)
 
 
-class MemoryTier:
+class MemoryTier(SlotReading):
     """One rank's two snapshot slots under ``root/rank-<rank>``."""
 
     def __init__(
@@ -115,14 +117,10 @@ class MemoryTier:
             self._recorded = True
         started = time.perf_counter()
         slot = self._uncommit_a_slot()
-        try:
+        with self._torn_if_failed(slot):
             copied = self._copy_as_planned(slot, state, let_go)
             if copied is None:  # a new structure, or one the plan cannot hold
                 copied = self._copy_new(slot, state, let_go)
-        except BaseException:
-            with self._lock:  # written next again: the other slot keeps the newest snapshot
-                self._next_slot = slot
-            raise
         chunks, blob = copied
         sig, (regions, size, _, _) = self._buffers[slot]
         self.last_copy_secs = time.perf_counter() - started
@@ -187,8 +185,9 @@ class MemoryTier:
         (``memory_copy``: tensors a memcpy cannot copy, or a structure the plan cannot hold),
         after ``check``; the chunk hashes. Raises Mismatch where a source does not fit.
 
-        ``let_go``: every source checked first and its version counter read, the caller let
-        go, then the copy by one thread; StateChangedError where a source changed meanwhile."""
+        ``let_go``: every source checked first and its version counter and address read, the
+        caller let go, then the copy by one thread; StateChangedError where a source changed
+        (or was given other memory) meanwhile."""
         if let_go is None:
             return self._copy_bytes(slot, plan, dsts, srcs, check, threads=2)
         if check is not None:
@@ -218,6 +217,7 @@ class MemoryTier:
         check: Callable[[], None] | None,
         threads: int,
     ) -> list[Future[str]]:
+        """The copy itself, on ``threads`` threads where it goes by chunks."""
         _, size, buffer, _ = self._buffers[slot][1]
         if plan is not None and plan.chunks is not None:
             chunks = chunk_copy.copy_and_checksum(buffer, dsts, srcs, plan.chunks, threads)
@@ -234,6 +234,18 @@ class MemoryTier:
         if cached is None or cached[0] is not regions:
             cached = self._tensor_bytes_of[slot] = (regions, sum(r.nbytes for r in regions))
         return cached[1]
+
+    @contextlib.contextmanager
+    def _torn_if_failed(self, slot: int) -> Iterator[None]:
+        """A write into ``slot`` (uncommitted) that fails leaves it torn: it is then the slot
+        written next, so that the next write never uncommits the other one, which holds the
+        newest snapshot, while this one holds none."""
+        try:
+            yield
+        except BaseException:
+            with self._lock:
+                self._next_slot = slot
+            raise
 
     def _uncommit_a_slot(self) -> int:
         """The slot to write next, its header removed first (the copy tears it)."""
@@ -310,6 +322,18 @@ class MemoryTier:
         blob: bytes,
         chunks: list[Future[str]],
     ) -> dict[str, float]:
+        with self._torn_if_failed(slot):
+            return self._write_header(step, slot, regions, size, blob, chunks)
+
+    def _write_header(
+        self,
+        step: str,
+        slot: int,
+        regions: list[fmt.Region],
+        size: int,
+        blob: bytes,
+        chunks: list[Future[str]],
+    ) -> dict[str, float]:
         started = time.perf_counter()
         header = fmt.encode_header(
             step=step,
@@ -342,10 +366,10 @@ class MemoryTier:
         """The committed snapshot of ``step`` (header bytes, data), kept from being overwritten
         until :meth:`release`; None if no slot holds it."""
         with self._lock:
-            found = [(s, h) for s, h in self._headers().items() if h.step == step]
-            if not found:
+            newest = self._newest(step)
+            if newest is None:
                 return None
-            slot, header = max(found, key=lambda sh: sh[1].committed_at_ns)
+            slot, header = newest
             data = self.backend.read_file(header_file(slot))
             self._leased = slot
         cached = self._buffers.get(slot)
@@ -380,24 +404,12 @@ class MemoryTier:
             header.data_size,
             tuple((r.key, r.offset, r.nbytes) for r in header.regions),
         )
-        _, _, buffer, _ = self._buffer(slot, sig, lambda: (header.regions, header.data_size))
-        fill(buffer)
-        verify(header, buffer, where)
-        self.backend.replace_root_file(header_file(slot), header_bytes)
-
-    def raw(self, step: str) -> tuple[bytes, torch.Tensor] | None:
-        """The newest copy of ``step`` as stored (header bytes, data), unverified: the reader
-        verifies it."""
-        found = [(s, h) for s, h in self._headers().items() if h.step == step]
-        if not found:
-            return None
-        slot, header = max(found, key=lambda sh: sh[1].committed_at_ns)
-        return self.backend.read_file(header_file(slot)), self._file(slot, header.data_size)
-
-    def _file(self, slot: int, size: int) -> torch.Tensor:
-        return torch.from_file(
-            self.backend.path_of(data_file(slot)), shared=False, size=size, dtype=torch.uint8
-        )
+        with self._torn_if_failed(slot):
+            layout_of = lambda: (header.regions, header.data_size)
+            _, _, buffer, _ = self._buffer(slot, sig, layout_of)
+            fill(buffer)
+            verify(header, buffer, where)
+            self.backend.replace_root_file(header_file(slot), header_bytes)
 
     def wait(self) -> None:
         """Wait for the commit in flight; its error, if any, was reported by its future."""
@@ -411,52 +423,3 @@ class MemoryTier:
         self._reserved = None  # a slot made ahead: its mapping
         self._buffers.clear()
         self._plans.clear()  # their views hold the mappings too
-
-    # ------------------------------------------------------------ reading
-
-    def steps(self) -> dict[str, int]:
-        """Committed step name -> commit time (ns) of this rank's slots."""
-        out: dict[str, int] = {}
-        for h in self._headers().values():  # a step saved again: its newest copy
-            out[h.step] = max(out.get(h.step, 0), h.committed_at_ns)
-        return out
-
-    @_gc.paused_during  # both headers and the fill: objects per tensor, none in cycles
-    def load(self, step: str, app_state: dict[str, Any]) -> None:
-        """Verify ``step``'s snapshot and load it into ``app_state`` (Stateful objects get
-        ``load_state_dict``); raises CheckpointNotFoundError or IntegrityError."""
-        found = [(s, h) for s, h in self._headers().items() if h.step == step]
-        if not found:
-            raise CheckpointNotFoundError(f"{step} is not in the memory tier {self.backend.root}")
-        # Saved again after a restore fell back past it: the newest copy is the step.
-        slot, header = max(found, key=lambda sh: sh[1].committed_at_ns)
-        where = f"memory-tier {step} of rank {self.rank} ({self.backend.path_of(data_file(slot))})"
-        if self.backend.file_size(data_file(slot)) != header.data_size:
-            raise IntegrityError(f"{where}: data file has the wrong size")
-        buffer = self._file(slot, header.data_size)
-        verify(header, buffer, where)
-        fill_state(header, buffer, app_state, where, allow_pickle=self.allow_pickle)
-
-    def _headers(self) -> dict[int, fmt.Header]:
-        """The committed slots whose snapshots count for this tier's run and world size."""
-        found = read_headers(self.backend)
-        kept = {slot: h for slot, h in found.items() if self._counts(h)}
-        for slot in sorted(set(found) - set(kept)):
-            h = found[slot]
-            logger.debug(
-                "memory tier %s: slot %d (%s) is not restored: run %r, world size %s (this is "
-                "run %r, world size %s)",
-                self.backend.root,
-                slot,
-                h.step,
-                h.run_id,
-                h.world_size,
-                self.run_id,
-                self.world_size,
-            )
-        return kept
-
-    def _counts(self, header: fmt.Header) -> bool:
-        if self.run_id is not None and header.run_id != self.run_id:
-            return False
-        return self.world_size is None or header.world_size == self.world_size
