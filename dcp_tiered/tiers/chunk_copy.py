@@ -123,12 +123,18 @@ class ChunkPlan:
     up_front: Batch
     empty: Batch
 
-    def sources(self, srcs: list[torch.Tensor], held: list[Any]) -> dict[int, int] | None:
+    def sources(
+        self, srcs: list[torch.Tensor], held: list[Any] | None = None
+    ) -> dict[int, int] | None:
         """Tensor number -> address of each large source, all checked against their views
-        (Mismatch); None where one is not a tensor a memcpy may copy. Each source's storage
-        goes into ``held``: the memory a memcpy reads stays allocated while it reads, even if
-        the tensor is given other memory meanwhile (a loop that changes the state during a
-        copy beside training; the copy then fails its check instead of reading freed memory)."""
+        (Mismatch); None where one is not a tensor a memcpy may copy. With ``held``, each
+        source's storage goes into it: the memory a memcpy reads stays allocated while it
+        reads, even if the tensor is given other memory meanwhile (a loop that changes the
+        state during a copy beside training; the copy then fails its check instead of
+        reading freed memory)."""
+        if held is None:  # the caller waits for the copy: nobody changes the state meanwhile
+            addresses = host_copy.memcpy_addresses(self.large.check(srcs))
+            return None if addresses is None else dict(zip(self.large.tensors, addresses))
         storages = [srcs[i].untyped_storage() for i in self.large.tensors]
         addresses = host_copy.memcpy_addresses(self.large.check(srcs))
         if addresses is None:
@@ -188,16 +194,17 @@ def copy_and_checksum(
     dsts: list[torch.Tensor],
     srcs: list[torch.Tensor],
     planned: ChunkPlan,
-    threads: int = 2,
+    *,
+    beside_training: bool = False,
 ) -> list[Future[str]] | None:
     """Copy ``srcs`` into ``dsts`` (views of ``buffer`` as ``planned``) and hash every chunk,
-    on ``threads`` threads (1 or 2: this one and the helper); the hashes, as done futures in
-    chunk order. None, having copied nothing, where a large source is not one a memcpy may
+    on this thread and the helper (``beside_training``: on this one only, the sources'
+    storages held while they are copied); the hashes, as done futures in chunk order. None, having copied nothing, where a large source is not one a memcpy may
     copy (on a GPU, not contiguous). Raises Mismatch where a source's shape or dtype is not
     its view's: part of the slot may have been copied by then (the caller copies it again
     another way)."""
     planned.empty.copy(srcs)
-    held: list[Any] = []  # the large sources' storages, until their bytes are copied
+    held: list[Any] | None = [] if beside_training else None  # until their bytes are copied
     addresses = planned.sources(srcs, held)
     if addresses is None:
         return None
@@ -218,10 +225,10 @@ def copy_and_checksum(
             failed.append(e)
             raise
 
-    if threads > 1:
-        host_copy.side_by_side(fill, fill)
-    else:
+    if beside_training:
         fill()
+    else:
+        host_copy.side_by_side(fill, fill)
     out = []
     for digest in digests:
         done: Future[str] = Future()

@@ -189,14 +189,14 @@ class MemoryTier(SlotReading):
         caller let go, then the copy by one thread; StateChangedError where a source changed
         (or was given other memory) meanwhile."""
         if let_go is None:
-            return self._copy_bytes(slot, plan, dsts, srcs, check, threads=2)
+            return self._copy_bytes(slot, plan, dsts, srcs, check, beside_training=False)
         if check is not None:
             check()  # before the caller goes on: a source that does not fit is a new layout
         before = tensor_versions.read(srcs)
         let_go()
         where = f"memory-tier snapshot in slot {slot} of {self.backend.root}"
         try:
-            chunks = self._copy_bytes(slot, plan, dsts, srcs, None, threads=1)
+            chunks = self._copy_bytes(slot, plan, dsts, srcs, None, beside_training=True)
         except batch_copy.Mismatch as e:  # checked above: changed since
             raise StateChangedError(f"{where}: a tensor was replaced during the copy: {e}") from e
         tensor_versions.require_unchanged(srcs, before, self._names(slot, dsts), where)
@@ -215,12 +215,14 @@ class MemoryTier(SlotReading):
         dsts: list[torch.Tensor],
         srcs: list[torch.Tensor],
         check: Callable[[], None] | None,
-        threads: int,
+        *,
+        beside_training: bool,
     ) -> list[Future[str]]:
-        """The copy itself, on ``threads`` threads where it goes by chunks."""
+        """The copy itself (``chunk_copy``'s ``beside_training``: on this thread only)."""
         _, size, buffer, _ = self._buffers[slot][1]
         if plan is not None and plan.chunks is not None:
-            chunks = chunk_copy.copy_and_checksum(buffer, dsts, srcs, plan.chunks, threads)
+            beside = {"beside_training": True} if beside_training else {}
+            chunks = chunk_copy.copy_and_checksum(buffer, dsts, srcs, plan.chunks, **beside)
             if chunks is not None:
                 return chunks
         if check is not None:
