@@ -199,10 +199,10 @@ def copy_and_checksum(
 ) -> list[Future[str]] | None:
     """Copy ``srcs`` into ``dsts`` (views of ``buffer`` as ``planned``) and hash every chunk,
     on this thread and the helper (``beside_training``: on this one only, the sources'
-    storages held while they are copied); the hashes, as done futures in chunk order. None, having copied nothing, where a large source is not one a memcpy may
-    copy (on a GPU, not contiguous). Raises Mismatch where a source's shape or dtype is not
-    its view's: part of the slot may have been copied by then (the caller copies it again
-    another way)."""
+    storages held while they are copied); the hashes, as done futures in chunk order. None,
+    having copied nothing, where a large source is not one a memcpy may copy (on a GPU, not
+    contiguous). Raises Mismatch where a source's shape or dtype is not its view's: part of
+    the slot may have been copied by then (the caller copies it again another way)."""
     planned.empty.copy(srcs)
     held: list[Any] | None = [] if beside_training else None  # until their bytes are copied
     addresses = planned.sources(srcs, held)
