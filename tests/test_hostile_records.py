@@ -15,6 +15,8 @@ import sys
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -404,3 +406,28 @@ def test_the_parser_refuses_before_it_parses():
         with pytest.raises(ManifestError):
             records.load_json(bad, where="x", max_bytes=10**6, expect=None)
     assert records.nesting_depth(b'[{"a": [1, {"b": []}]}]') == 5
+
+
+def _depth(value) -> int:
+    if isinstance(value, dict):
+        return 1 + max(map(_depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(_depth, value), default=0)
+    return 0
+
+
+_TRICKY_TEXT = st.text(alphabet='[]{}"\\ a\u00e9', max_size=12)  # brackets, quotes, escapes
+_JSON = st.recursive(
+    st.none() | st.integers() | _TRICKY_TEXT,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_TRICKY_TEXT, inner, max_size=4),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_JSON, st.booleans())
+def test_the_nesting_count_is_the_documents_depth(value, ascii_only):
+    """Counted over the quotes and brackets alone, strings full of brackets, quotes and
+    backslashes included, as the document's own depth."""
+    text = json.dumps(value, ensure_ascii=ascii_only).encode()
+    assert records.nesting_depth(text) == _depth(value)

@@ -64,6 +64,12 @@ def _shift(length: int) -> int:
     return p
 
 
+def shift_factor(length: int) -> int:
+    """The factor that appends ``length`` bytes to a CRC32C (:func:`combine` multiplies by
+    it); for :mod:`dcp_tiered.policy.region_crcs`."""
+    return _shift(length)
+
+
 def combine(crc1: int, crc2: int, len2: int) -> int:
     """CRC32C of A + B from CRC32C(A), CRC32C(B) and len(B), without reading either."""
     return _multmodp(_shift(len2), crc1) ^ crc2

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import region_crcs
 from .manifest_types import FileColumns
 
 __all__ = ["Block", "BlockRows", "crc_column", "plan"]
@@ -35,11 +36,14 @@ class BlockRows:
 
 @dataclass
 class Block:
-    """One read: bytes ``start`` to ``end`` of the file, and the items in them."""
+    """One read: bytes ``start`` to ``end`` of the file, and the items in them; ``crc``, the
+    CRC32C of those bytes that the file's item CRCs combine to (-1: none, where the file's
+    items do not tile the block: its items are then checked one by one)."""
 
     start: int
     end: int
     rows: BlockRows
+    crc: int = -1
 
 
 def plan(
@@ -55,9 +59,12 @@ def plan(
 ) -> tuple[list[Block], list[str]]:
     """The blocks that read rows ``rows`` of file ``f`` (each row's tensor ``fqns``, its
     target at ``dst`` of ``nbytes``), and the fqns left to the general path: an item of at
-    least ``alone_bytes`` (read on its own there) or with no located raw bytes."""
-    offsets = np.asarray(f.offsets, dtype=np.int64)[rows]
-    lengths = np.asarray(f.lengths, dtype=np.int64)[rows]
+    least ``alone_bytes`` (read on its own there) or with no located raw bytes. Each block
+    gets the CRC32C its bytes must have (:mod:`region_crcs`)."""
+    all_offsets = np.asarray(f.offsets, dtype=np.int64)
+    all_lengths = np.asarray(f.lengths, dtype=np.int64)
+    all_crcs = crc_column(f)
+    offsets, lengths = all_offsets[rows], all_lengths[rows]
     raws = np.asarray(f.raws, dtype=np.int64)[rows]
     keep = (lengths < alone_bytes) & (raws >= 0)
     left = [fqns[i] for i in np.flatnonzero(~keep).tolist()]
@@ -66,7 +73,7 @@ def plan(
     if not len(order):
         return [], left
     starts, ends = offsets[order], offsets[order] + lengths[order]
-    crcs = crc_column(f)[rows[order]]
+    crcs = all_crcs[rows[order]]
     # a new block where an item does not follow the one before within the gap
     follows = (ends[:-1] <= starts[1:]) & (starts[1:] <= ends[:-1] + gap_bytes)
     breaks = np.append(np.flatnonzero(~follows) + 1, len(order))
@@ -94,6 +101,15 @@ def plan(
             )
         )
         i = j
+    expected = region_crcs.block_crcs(
+        all_offsets,
+        all_lengths,
+        all_crcs,
+        np.asarray([b.start for b in blocks], dtype=np.int64),
+        np.asarray([b.end for b in blocks], dtype=np.int64),
+    )
+    for block, crc in zip(blocks, expected.tolist()):
+        block.crc = crc
     return blocks, left
 
 

@@ -134,6 +134,8 @@ class LocalReads(Delivery, RemoteReads):
                     offset += len(got)
                     if len(got) < len(part):
                         break
+                if r.expected_crc >= 0 and offset == r.end:  # one CRC for the block, here
+                    r.crc = integrity.checksum(filled[0])
                 return filled
 
             # whole reads into plain CPU targets: stored bytes copied straight in (a planner
@@ -360,3 +362,7 @@ class Read:
     # (reader._columns), and ``groups`` is empty
     columns: ColumnDelivery | None = None
     rows: read_blocks.BlockRows | None = None
+    # a column read's bytes as a whole: the CRC32C its items' CRCs combine to (-1: none,
+    # its items are checked one by one), and the one the read thread found (-1: not taken)
+    expected_crc: int = -1
+    crc: int = -1
