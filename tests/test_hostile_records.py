@@ -15,9 +15,9 @@ import sys
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_tiered import (
@@ -406,6 +406,10 @@ def test_the_parser_refuses_before_it_parses():
         with pytest.raises(ManifestError):
             records.load_json(bad, where="x", max_bytes=10**6, expect=None)
     assert records.nesting_depth(b'[{"a": [1, {"b": []}]}]') == 5
+    # UTF-16 is JSON to json.loads, not to us (no record of ours is written so)
+    for encoding in ("utf-16", "utf-16-le", "utf-32"):
+        with pytest.raises(ManifestError, match="not valid JSON"):
+            records.load_json('{"a": 1}'.encode(encoding), where="x", max_bytes=100)
 
 
 def _depth(value) -> int:

@@ -41,24 +41,33 @@ def _multmodp(a: int, b: int) -> int:
         b = (b >> 1) ^ _POLY if b & 1 else b >> 1
 
 
+# Lengths up to 2^64 bytes: x^(2^k) for every bit of 8 * length. zlib's table has 32 entries
+# and wraps (k & 31), which holds for CRC-32's polynomial, whose squares repeat every 32 steps,
+# and not for CRC32C's: they repeat every 31, so a table of 32 combined every length of 512 MiB
+# or more wrongly (a tensor that large saved with a CRC its own bytes fail).
+_X2N_BITS = 67
+
+
 def _x2n_table() -> list[int]:
     table, p = [], 1 << 30  # x^1
-    for _ in range(32):
+    for _ in range(_X2N_BITS):
         table.append(p)
         p = _multmodp(p, p)
     return table
 
 
-_X2N = _x2n_table()  # x^(2^k) modulo the polynomial
+_X2N = _x2n_table()  # x^(2^k) modulo the polynomial, k = 0 .. _X2N_BITS - 1
 
 
 @functools.lru_cache(maxsize=8192)
 def _shift(length: int) -> int:
     """x^(8 * length) modulo the polynomial: appending ``length`` bytes, as a factor."""
+    if not 0 <= length < 2**64:
+        raise ValueError(f"cannot append {length} bytes to a CRC32C")
     p, k = 1 << 31, 3  # one byte is 2^3 bits
     while length:
         if length & 1:
-            p = _multmodp(_X2N[k & 31], p)
+            p = _multmodp(_X2N[k], p)
         length >>= 1
         k += 1
     return p

@@ -111,8 +111,10 @@ def load_json(
             "was not parsed"
         )
     try:
-        raw = bytes(data) if isinstance(data, memoryview) else data
-        body = json.loads(raw, parse_float=_finite, parse_constant=_constant)
+        # UTF-8 only, as every record of ours is written: json.loads would also take UTF-16
+        # and -32, whose quotes and brackets the nesting count above does not see as such
+        text = bytes(data).decode("utf-8") if isinstance(data, memoryview) else data.decode()
+        body = json.loads(text, parse_float=_finite, parse_constant=_constant)
     except (ValueError, RecursionError, UnicodeDecodeError) as e:  # also 5,000-digit ints
         raise ManifestError(f"{where}: not valid JSON ({str(e)[:200]})") from e
     if expect is not None and not isinstance(body, expect):

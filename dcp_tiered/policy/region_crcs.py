@@ -8,7 +8,9 @@ lie back to back: CRC(A + B) = CRC(A) * x^(8 len(B)) xor CRC(B), in GF(2) modulo
 CRC's polynomial (the method of zlib's crc32_combine, :func:`integrity.combine`). So a block
 of items is checked with one CRC over its bytes (on the read thread, which releases the
 GIL) against the value its items' CRCs combine to, before any item is copied out of it;
-equal values vouch for every item's bytes as the items' own checks did.
+equal values vouch for the block's bytes, every item's among them, with a 32-bit CRC's
+confidence (two corrupt items whose errors cancel would pass one check, not two; random
+errors do that once in 2^32).
 
 Combining item by item costs more Python than the CRC calls it saves; here it runs on
 columns. Shifting a CRC by ``n`` bytes (multiplying it by x^(8n)) is linear over GF(2), so

@@ -130,12 +130,15 @@ class ColumnBatch:
                     self.leftover.append(self.item_of(rows.fqns[i]))
             keep = np.flatnonzero(tails)
         dst = rows.dst if len(keep) == len(tails) else [rows.dst[i] for i in keep.tolist()]
-        src = _local._address(block) + pos[keep] - nbytes[keep]
-        list(map(_local._straight_copy, dst, src.tolist(), nbytes[keep].tolist()))
-        if self.commits:
-            for i in keep.tolist():
-                fqn = rows.fqns[i]
-                planner.commit_tensor(self.item_of(fqn), self.targets[fqn].detach())
+        src = (_local._address(block) + pos[keep] - nbytes[keep]).tolist()
+        copy = _local._straight_copy
+        if not self.commits:
+            list(map(copy, dst, src, nbytes[keep].tolist()))
+            return
+        for i, to, at, n in zip(keep.tolist(), dst, src, nbytes[keep].tolist()):
+            copy(to, at, n)  # each committed as it lands, as DCP's reader does
+            fqn = rows.fqns[i]
+            planner.commit_tensor(self.item_of(fqn), self.targets[fqn].detach())
 
 
 class ColumnReads(LocalReads):
