@@ -14,9 +14,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dcp_tiered import TieredLoadPlanner, TieredStorageReader, TieredStorageWriter
+from dcp_tiered import TieredStorageWriter
 from dcp_tiered.policy import integrity, region_crcs
 from tests import _manifests as manifests
+from tests.test_region_crcs import _load as load_by_columns
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -74,12 +75,5 @@ def test_a_tensor_past_512_mib_is_saved_with_its_own_crc_and_restored(tmp_path):
                 whole = crc32c.crc32c(piece, value=whole)
         assert entry["checksum"] == f"{whole:08x}", name
     target = {"big": torch.zeros_like(value), "small": torch.zeros(10)}
-    reader = TieredStorageReader(tmp_path)
-    dcp.load(
-        target,
-        checkpoint_id="step-1",
-        storage_reader=reader,
-        planner=TieredLoadPlanner(reader=reader),
-        no_dist=True,
-    )
+    load_by_columns(tmp_path, target)
     assert torch.equal(target["big"], value) and torch.equal(target["small"], state["small"])
