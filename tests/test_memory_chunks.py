@@ -217,7 +217,7 @@ def test_a_snapshot_copied_by_chunks_restores_bit_exact_with_the_slots_own_hashe
     calls = []
     real = chunk_copy.copy_and_checksum
     monkeypatch.setattr(
-        chunk_copy, "copy_and_checksum", lambda *a: calls.append(r := real(*a)) or r
+        chunk_copy, "copy_and_checksum", lambda *a, **k: calls.append(r := real(*a, **k)) or r
     )
     _saved_and_restored_four_times(tmp_path, state)
     assert len(calls) == 4
@@ -258,9 +258,9 @@ def test_a_tensor_changed_anywhere_since_the_plan_is_caught_by_the_copy(
     outcomes = []
     real = chunk_copy.copy_and_checksum
 
-    def recorded(*a):
+    def recorded(*a, **k):
         try:
-            done = real(*a)
+            done = real(*a, **k)
         except Exception as e:
             outcomes.append(type(e))
             raise

@@ -132,18 +132,17 @@ class ChunkPlan:
         reads, even if the tensor is given other memory meanwhile (a loop that changes the
         state during a copy beside training; the copy then fails its check instead of
         reading freed memory)."""
-        if held is None:  # the caller waits for the copy: nobody changes the state meanwhile
-            addresses = host_copy.memcpy_addresses(self.large.check(srcs))
-            return None if addresses is None else dict(zip(self.large.tensors, addresses))
-        storages = [srcs[i].untyped_storage() for i in self.large.tensors]
+        # without ``held`` the caller waits for the copy: nobody changes the state meanwhile
+        storages = None if held is None else [srcs[i].untyped_storage() for i in self.large.tensors]
         addresses = host_copy.memcpy_addresses(self.large.check(srcs))
         if addresses is None:
             return None
-        for i, storage, address in zip(self.large.tensors, storages, addresses):
-            start = storage.data_ptr()
-            if not start <= address < start + storage.nbytes():  # replaced since taken
-                raise batch_copy.Mismatch(f"source {i} was given other memory during the copy")
-        held.extend(storages)
+        if held is not None and storages is not None:
+            for i, storage, address in zip(self.large.tensors, storages, addresses):
+                start = storage.data_ptr()
+                if not start <= address < start + storage.nbytes():  # replaced since taken
+                    raise batch_copy.Mismatch(f"source {i} was given other memory during the copy")
+            held.extend(storages)
         return dict(zip(self.large.tensors, addresses))
 
 

@@ -221,8 +221,9 @@ class MemoryTier(SlotReading):
         """The copy itself (``chunk_copy``'s ``beside_training``: on this thread only)."""
         _, size, buffer, _ = self._buffers[slot][1]
         if plan is not None and plan.chunks is not None:
-            beside = {"beside_training": True} if beside_training else {}
-            chunks = chunk_copy.copy_and_checksum(buffer, dsts, srcs, plan.chunks, **beside)
+            chunks = chunk_copy.copy_and_checksum(
+                buffer, dsts, srcs, plan.chunks, beside_training=beside_training
+            )
             if chunks is not None:
                 return chunks
         if check is not None:
