@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import threading
 
 import pytest
 import s3fs
@@ -192,12 +193,14 @@ def test_a_file_renamed_while_its_parts_are_read_is_uploaded_whole(tmp_path, s3,
     (tmp / "f.bin").write_bytes(data)
     read = s3_checksums._read
     reads = []
+    committing = threading.Lock()  # parts are read on several threads at once
 
     def read_then_commit(*args):
         out = read(*args)
-        reads.append(len(out[0]))
-        if tmp.exists():
-            tmp.rename(step)  # the commit, after the first part was read
+        with committing:
+            reads.append(len(out[0]))
+            if len(reads) == 1:
+                tmp.rename(step)  # the commit, after the first part was read
         return out
 
     monkeypatch.setattr(s3_checksums, "_read", read_then_commit)
