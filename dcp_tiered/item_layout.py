@@ -21,10 +21,12 @@ by ``DataFile``.
 from __future__ import annotations
 
 import io
+import operator
 import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import torch
@@ -128,6 +130,13 @@ class Layout:
     ) -> item_writer.Written | None:
         """Write ``tensors`` (the items' data, in order) into ``f``; None, having written
         nothing, where they do not match this layout (the caller frames them anew)."""
+        staged = self.stage(tensors)
+        return None if staged is None else self.write_staged(f, staged, writeback=writeback)
+
+    def stage(self, tensors: list[Any]) -> _Staged | None:
+        """The first part of :meth:`write`, a few Python calls per item: ``tensors`` checked
+        against the layout, the large ones' bytes found, the bytes items' staged. None where
+        they do not match."""
         if _signature(tensors) != self.signature:
             return None
         # A large tensor's bytes are written from its own memory: the same dtype and shape
@@ -149,15 +158,21 @@ class Layout:
         for k, at, n in self._bytes:
             with tensors[k].getbuffer() as value:
                 self.staging[at : at + n] = value
+        return _Staged(bodies, [*held, *large], [tensors[k] for k in self._copied])
+
+    def write_staged(self, f: BinaryIO, staged: _Staged, *, writeback: bool) -> item_writer.Written:
+        """The rest of :meth:`write`: the small tensors copied into their slots, every item
+        checksummed and the file written. Its calls are few, and release the GIL."""
         if self._slots:
             with torch.no_grad():
-                torch._foreach_copy_(self._slots, [tensors[k] for k in self._copied])
+                torch._foreach_copy_(self._slots, staged.small)
         crcs = [0] * len(self._item_at)
         # in the cache after the copy
         for k, crc in zip(self._small, integrity.checksums(self._small_views)):
             crcs[k] = crc
         # Written in batches as DataFile writes them, each started to the disk; a batch's
         # large tensors are checksummed just after it is written, while still in the cache
+        bodies = staged.bodies
         file_crc, batch, done, written = 0, [self._segments[0]], 0, 0
         pending = len(batch[0])
         for j, body in enumerate(bodies):
@@ -175,7 +190,6 @@ class Layout:
         if batch:  # no large tensors: the staging buffer is the file
             _write(f, batch, written, writeback)
         file_crc = integrity.checksum(self._segments[-1], file_crc)
-        del held  # written and checksummed
         return item_writer.Written(
             position=self.size,
             file_crc=file_crc,
@@ -185,6 +199,15 @@ class Layout:
             checksums=struct.pack(f">{len(crcs)}I", *crcs).hex(),
             raw_offsets=self.raw_offsets,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class _Staged:
+    """A save's data checked against a layout, ready for :meth:`Layout.write_staged`."""
+
+    bodies: list[memoryview]  # the large tensors' bytes, in file order
+    held: list[Any]  # what the bodies point into, until written
+    small: list[Any]  # the tensors copied into the slots, in slot order
 
 
 class _NoLayout(Exception):
@@ -207,14 +230,25 @@ def _parts(item: WriteItem, data: Any) -> tuple[memoryview, Frame | None]:
     return item_writer.memory_of(saveable, saveable.numel() * saveable.element_size()), frame
 
 
-def _signature(data: list[Any]) -> list[tuple[Any, ...]]:
-    """What a layout depends on: each tensor's class, dtype and shape (a copy into its slot
-    takes care of strides, devices and views; the large ones' frames are checked apart),
-    each bytes item's length."""
-    return [
-        (type(t), t.dtype, t.shape) if type(t) is not io.BytesIO else (io.BytesIO, _length(t))
-        for t in data
-    ]
+def _signature(data: list[Any]) -> tuple[list[type], list[Any]]:
+    """What a layout depends on: each item's class, and each tensor's dtype and shape (a copy
+    into its slot takes care of strides, devices and views; the large ones' frames are
+    checked apart), each bytes item's length. The facts of a file of tensors only are taken
+    by one ``map`` (no Python frame per tensor: 10,000 tensors, about 9 -> 4 ms)."""
+    kinds = list(map(type, data))
+    if _TENSOR_CLASSES.issuperset(kinds):
+        return kinds, list(map(_DTYPE_AND_SHAPE, data))
+    return kinds, list(map(_fact, data))
+
+
+def _fact(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.dtype, value.shape
+    return _length(value) if isinstance(value, io.BytesIO) else None  # None: never laid out
+
+
+_TENSOR_CLASSES = frozenset({torch.Tensor, torch.nn.Parameter})
+_DTYPE_AND_SHAPE = operator.attrgetter("dtype", "shape")
 
 
 def _length(value: io.BytesIO) -> int:
@@ -245,6 +279,63 @@ _lock = threading.Lock()
 _kept: OrderedDict[int, _Kept] = OrderedDict()  # by id of the item list, oldest first
 
 
+class FileJob:
+    """One data file's items and their data, made ready to write (:func:`prepare`)."""
+
+    def __init__(
+        self,
+        items: Sequence[WriteItem],
+        data: list[Any],
+        layout: Layout | None = None,
+        staged: _Staged | None = None,
+    ) -> None:
+        self._items, self._data = items, data
+        self._layout, self._staged = layout, staged  # the layout's ``busy`` held with them
+
+    def write(self, f: BinaryIO, *, writeback: bool = False) -> item_writer.Written:
+        """Write the items into ``f``: from the kept layout where :func:`prepare` staged
+        them there, else framed anew."""
+        try:
+            if self._layout is not None and self._staged is not None:
+                return self._layout.write_staged(f, self._staged, writeback=writeback)
+            return item_writer.write_items(
+                f, self._items, self._data, writeback=writeback
+            ).written()
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        """Let the layout go (written, or never to be): another save may write from it."""
+        layout, self._layout, self._staged = self._layout, None, None
+        if layout is not None:
+            layout.busy.release()
+
+
+def prepare(
+    items: Sequence[WriteItem], resolve: Callable[[Sequence[WriteItem]], list[Any]]
+) -> FileJob:
+    """``items`` with their data (from ``resolve``: DCP's ``planner.resolve_data`` of each),
+    checked against the list's kept layout and staged in it where one fits. The work here
+    is a few Python calls per item, which hold the GIL: the writer prepares every file on
+    one thread and hands each to a thread of its own as it is ready, whose work then is a few
+    calls that release it. Writer threads that prepared their files side by side took 2-3x
+    as long as one thread doing both (20,000 tensors in two files: 70-90 ms before the first
+    byte was written, every save)."""
+    data = resolve(items)
+    layout = _layout_for(items, data)
+    if layout is not None and layout.busy.acquire(blocking=False):
+        try:
+            staged = layout.stage(data)
+        except BaseException:
+            layout.busy.release()
+            raise
+        if staged is not None:
+            return FileJob(items, data, layout, staged)
+        layout.busy.release()
+        _forget(items)  # the state changed under the same plan: framed anew from now on
+    return FileJob(items, data)
+
+
 def write_items(
     f: BinaryIO,
     items: Sequence[WriteItem],
@@ -252,19 +343,9 @@ def write_items(
     *,
     writeback: bool = False,
 ) -> item_writer.Written:
-    """Write ``items`` (their data from ``resolve``: DCP's ``planner.resolve_data`` of each)
-    into ``f``: with the list's kept layout where there is one that fits, else framed anew."""
-    data = resolve(items)
-    layout = _layout_for(items, data)
-    if layout is not None and layout.busy.acquire(blocking=False):
-        try:
-            written = layout.write(f, data, writeback=writeback)
-        finally:
-            layout.busy.release()
-        if written is not None:
-            return written
-        _forget(items)  # the state changed under the same plan: framed anew from now on
-    return item_writer.write_items(f, items, data, writeback=writeback).written()
+    """Write ``items`` (their data from ``resolve``) into ``f``: :func:`prepare`, then
+    :meth:`FileJob.write`, on this thread."""
+    return prepare(items, resolve).write(f, writeback=writeback)
 
 
 def _layout_for(items: Sequence[WriteItem], data: list[Any]) -> Layout | None:

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_tiered import (
     TieredSavePlanner,
@@ -20,6 +21,7 @@ from dcp_tiered import (
     item_layout,
     item_writer,
 )
+from tests.test_save_load import failure
 
 
 def _state(seed: int) -> dict:
@@ -253,4 +255,120 @@ def test_a_large_tensor_in_place_anywhere_is_written_from_the_layout(tmp_path, m
     state["b"] = torch.randn(8192, 2)[:, 0].view(1, 8192)  # every other float: likewise
     assert not state["a"].is_contiguous() and not state["b"].is_contiguous()
     assert saver.save("step-4", state) == []
+    _loads_bit_exact(tmp_path, "step-4", state)
+
+
+@pytest.mark.parametrize("bytes_item", [True, False], ids=["with a bytes item", "tensors only"])
+@pytest.mark.parametrize("which", ["small", "large"])
+@pytest.mark.parametrize(
+    "change", ["dtype", "shape", "class", "tensor for bytes", "bytes for tensor", "object", "none"]
+)
+def test_a_layout_writes_only_data_of_its_kinds_dtypes_and_shapes(
+    tmp_path, change, which, bytes_item
+):
+    """A layout kept for one list of items writes nothing (None) for data that differs from
+    what it was made of in any item's class, dtype, shape, or a bytes item's length: the
+    caller frames such data anew (a small tensor copied into a slot of another dtype would
+    be converted, and saved under its old frame). Data that matches is written."""
+    import io
+
+    if change == "tensor for bytes" and not bytes_item:
+        pytest.skip("no bytes item")
+    sizes = {"small": 40, "large": 5000}
+    state = {"a": torch.ones(3, 2), "small": torch.zeros(40), "large": torch.zeros(5000)}
+    planner = TieredSavePlanner()
+    planner.set_up_planner({**state, "n": 7} if bytes_item else state, None, True)
+    items = planner.create_local_plan().items
+    data = planner.resolve_items(items)
+    layout = item_layout.Layout(items, data)
+    at = {item.index.fqn: k for k, item in enumerate(items)}
+    new = list(data)
+    k, n = at[which], sizes[which]
+    if change == "dtype":
+        new[k] = torch.zeros(n, dtype=torch.float64)
+    elif change == "shape":
+        new[k] = torch.zeros(n + 1)
+    elif change == "class":
+        new[k] = torch.nn.Parameter(torch.zeros(n))
+    elif change == "tensor for bytes":
+        new[at["n"]] = torch.zeros(1)
+    elif change == "bytes for tensor":
+        new[k] = io.BytesIO(b"x" * 4)
+    elif change == "object":
+        new[k] = object()
+    with open(tmp_path / "f", "wb") as f:
+        written = layout.write(f, new, writeback=False)
+    if change == "none":
+        assert written is not None and written.position == (tmp_path / "f").stat().st_size > 0
+    else:
+        assert written is None and (tmp_path / "f").stat().st_size == 0
+
+
+def test_files_are_prepared_on_the_saving_thread_and_written_on_the_pool(tmp_path, monkeypatch):
+    """The Python work per item (data looked up, checked against the layout, staged) runs on
+    the thread that saves, one file after another; the writer threads only copy, checksum
+    and write (calls that release the GIL)."""
+    import threading
+
+    saver = _Saver(tmp_path, monkeypatch)
+    state = _state(4)
+    for step in ("step-1", "step-2"):
+        saver.save(step, state)
+    seen: list[tuple[str, bool]] = []
+    for name in ("stage", "write_staged"):
+        real = getattr(item_layout.Layout, name)
+
+        def spy(self, *a, _real=real, _name=name, **k):
+            seen.append((_name, threading.current_thread() is threading.main_thread()))
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(item_layout.Layout, name, spy)
+    assert saver.save("step-3", state) == []
+    assert sorted(seen) == [("stage", True)] * 2 + [("write_staged", False)] * 2
+    _loads_bit_exact(tmp_path, "step-3", state)
+
+
+@pytest.mark.parametrize("failing", ["preparation", "thread start"])
+def test_a_second_file_that_fails_leaves_both_layouts_free(tmp_path, monkeypatch, failing):
+    """The second file fails after the first was handed to its thread, in its preparation or
+    because no thread can be started for it (its layout then staged, never written): the
+    save fails with that error, and both layouts are let go, so the next save of the same
+    state writes both files from their layouts again."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dcp_tiered.writer import _datafile
+
+    saver = _Saver(tmp_path, monkeypatch)
+    state = _state(5)
+    for step in ("step-1", "step-2"):
+        saver.save(step, state)
+    staging = item_layout.Layout.stage
+    if failing == "preparation":
+        real, calls = staging, []
+
+        def second_fails(self, tensors):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("the second file's data went away")
+            return real(self, tensors)
+
+        monkeypatch.setattr(item_layout.Layout, "stage", second_fails)
+    else:
+
+        class OneThread(ThreadPoolExecutor):
+            def submit(self, *args, **kwargs):
+                if self._threads:
+                    raise RuntimeError("can't start new thread (went away)")
+                return super().submit(*args, **kwargs)
+
+        monkeypatch.setattr(_datafile, "ThreadPoolExecutor", OneThread)
+    with pytest.raises(CheckpointException) as e:
+        saver.save("step-3", state)
+    assert "went away" in str(failure(e))
+    assert not (tmp_path / "step-3").exists()
+    layouts = [k.layout for k in item_layout._kept.values() if k.layout is not None]
+    assert len(layouts) == 2 and not any(layout.busy.locked() for layout in layouts)
+    monkeypatch.setattr(item_layout.Layout, "stage", staging)  # no failure from here on
+    monkeypatch.setattr(_datafile, "ThreadPoolExecutor", ThreadPoolExecutor)
+    assert saver.save("step-4", state) == []  # both from their layouts
     _loads_bit_exact(tmp_path, "step-4", state)

@@ -309,3 +309,81 @@ def test_resolve_items_gives_each_items_resolve_data():
         "p": 0.5,
         "v": 0.5,
     }
+
+
+def _local_items(planner, state):
+    planner.set_up_planner(state, None, True)
+    return planner.create_local_plan().items
+
+
+def _pinned_if(flags):
+    """``torch.Tensor.is_pinned`` answering from ``flags`` (a tensor's value 1 = pinned): no
+    tensor can be pinned on a machine without an accelerator."""
+    return lambda self, *a: bool(flags) and bool(self.flatten()[0] == 1)
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["shape", "dtype", "requires_grad", "layout", "order", "value class", "pinning", "none"],
+)
+def test_a_kept_local_plan_is_reused_only_for_the_same_facts_of_every_tensor(
+    change, monkeypatch, request
+):
+    """The kept plan is DCP's plan of the state again, or it is made afresh: any fact of a
+    tensor that DCP's plan holds (size, dtype, layout, requires_grad, pinning), the keys'
+    order or a value's class changed makes a new one, equal to DCP's own."""
+    from torch.distributed.checkpoint import default_planner
+
+    from dcp_tiered import planner as planner_module
+
+    pinned: list[int] = []
+    monkeypatch.setattr(torch.Tensor, "is_pinned", _pinned_if(pinned))
+    monkeypatch.setattr(planner_module, "_may_pin", lambda: True)  # as with an accelerator
+    made = []
+    real = default_planner.create_default_local_save_plan
+    monkeypatch.setattr(
+        default_planner,
+        "create_default_local_save_plan",
+        lambda *a, **k: made.append(1) or real(*a, **k),
+    )
+    first = {"a": torch.zeros(4, 3), "b": torch.zeros(5), "n": 3}
+    changed = {
+        "shape": {**first, "b": torch.zeros(6)},
+        "dtype": {**first, "b": torch.zeros(5, dtype=torch.float64)},
+        "requires_grad": {**first, "b": torch.nn.Parameter(torch.zeros(5))},
+        "layout": {**first, "a": torch.zeros(4, 3).to_sparse()},
+        "order": {"b": first["b"], "a": first["a"], "n": 3},
+        "value class": {**first, "n": 3.0},
+        "pinning": {**first, "b": torch.ones(5)},  # "pinned" once pinning is on
+        "none": {**first, "a": torch.ones(4, 3)},  # other values only
+    }[change]
+    key = f"test@{request.node.name}"
+    _local_items(TieredSavePlanner(cache_key=key), first)
+    if change == "pinning":
+        pinned.append(1)
+    got = _local_items(TieredSavePlanner(cache_key=key), changed)
+    assert len(made) == (1 if change == "none" else 2)
+    want = _local_items(DefaultSavePlanner(), changed)
+    assert got == want and [i.tensor_data for i in got] == [i.tensor_data for i in want]
+    if change == "pinning":
+        assert [i.tensor_data.properties.pin_memory for i in got if i.tensor_data] == [False, True]
+
+
+def test_no_tensor_is_asked_whether_it_is_pinned_where_none_can_be(monkeypatch):
+    """Without an accelerator (this build) nothing can be pinned, and the plan's structure does
+    not ask each tensor; with one, it does."""
+    from dcp_tiered import planner as planner_module
+
+    asked = []
+    real = torch.Tensor.is_pinned
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda t, *a: asked.append(1) or real(t, *a))
+    state = {f"t{i}": torch.zeros(2) for i in range(5)}
+    if torch.accelerator.current_accelerator() is None:
+        with pytest.raises(RuntimeError):
+            torch.zeros(2).pin_memory()
+        assert not planner_module._may_pin()
+        planner_module._structure(state, True)
+        assert asked == []
+    monkeypatch.setattr(planner_module, "_may_pin", lambda: True)
+    planner_module._structure(state, True)
+    assert len(asked) == 5

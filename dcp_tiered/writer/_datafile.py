@@ -37,7 +37,9 @@ def write_items(
     sync: bool,
 ) -> list[WriteResult]:
     """This rank's ``items`` in up to ``thread_count`` files of about equal size, written by
-    one thread each (checksumming and torch.save framing are CPU-bound), then fsynced.
+    one thread each (checksumming and torch.save framing are CPU-bound), then fsynced. Each
+    file's items are prepared on this thread (``item_layout.prepare``: its Python work per
+    item, which holds the GIL) and handed to its thread as soon as they are ready.
 
     Every file is fsynced only once all of them are written: on ext4 (data=ordered) one file's
     fsync commits the journal, which waits for the blocks of every file being written, and
@@ -58,23 +60,33 @@ def write_items(
         (layout.data_file_name(save.rank, i), bucket) for i, bucket in enumerate(buckets) if bucket
     ]
     backend = tiers.local.backend
+    resolve = resolver(planner)
+    ready: list[item_layout.FileJob] = []
 
-    def write(f: BinaryIO, name: str, bucket: Sequence[WriteItem]) -> WriteResult:
+    def prepare(bucket: Sequence[WriteItem]) -> item_layout.FileJob:
+        ready.append(job := item_layout.prepare(bucket, resolve))  # on this thread: see there
+        return job
+
+    def write(f: BinaryIO, name: str, job: item_layout.FileJob) -> WriteResult:
         with backend.write_errors(save.tmp, name):  # naming this file, not the last opened
-            out = write_file(save, f, bucket, planner, sync)  # looked up per call (tests)
+            out = write_file(save, f, job, sync)  # looked up per call (tests)
         return _file_written(tiers, save, name, out)
 
-    with contextlib.ExitStack() as files:  # each closed, fsynced first if all went well
-        opened = [files.enter_context(backend.open_write(save.tmp, n, sync=sync)) for n, _ in jobs]
-        if len(jobs) <= 1:
-            results = [write(f, n, b) for f, (n, b) in zip(opened, jobs)]
-        else:
+    try:
+        with contextlib.ExitStack() as files:  # each closed, fsynced first if all went well
+            opened = [
+                files.enter_context(backend.open_write(save.tmp, n, sync=sync)) for n, _ in jobs
+            ]
+            if len(jobs) <= 1:
+                return [write(f, n, prepare(b)) for f, (n, b) in zip(opened, jobs)]
             with ThreadPoolExecutor(
                 len(jobs), thread_name_prefix="dcp-tiered-write", initializer=as_this_thread()
-            ) as pool:
-                futures = [pool.submit(write, f, n, b) for f, (n, b) in zip(opened, jobs)]
-                results = [f.result() for f in futures]
-    return results
+            ) as pool:  # each file handed over as soon as it is prepared
+                futures = [pool.submit(write, f, n, prepare(b)) for f, (n, b) in zip(opened, jobs)]
+                return [f.result() for f in futures]
+    finally:
+        for job in ready:  # one never written (a later one failed to prepare) lets go too
+            job.release()
 
 
 # The last split: (items, n, buckets). DCP's plan caching hands every save of one structure
@@ -95,13 +107,13 @@ def _split(items: Sequence[WriteItem], n: int) -> list[list[WriteItem]]:
 
 
 def write_file(
-    save: SaveInfo, f: BinaryIO, items: Sequence[WriteItem], planner: SavePlanner, sync: bool
+    save: SaveInfo, f: BinaryIO, job: item_layout.FileJob, sync: bool
 ) -> item_writer.Written:
-    """Write ``items`` into data file ``f`` of ``save`` (opened, fsynced and closed by the
-    caller); ``sync``: start each batch's way to the disk as soon as it is written. The
+    """Write ``job``'s items into data file ``f`` of ``save`` (opened, fsynced and closed by
+    the caller); ``sync``: start each batch's way to the disk as soon as it is written. The
     same list of items as an earlier save (DCP's plan caching) is written by its kept
     layout (:mod:`dcp_tiered.item_layout`)."""
-    return item_layout.write_items(f, items, resolver(planner), writeback=sync)
+    return job.write(f, writeback=sync)
 
 
 def resolver(planner: SavePlanner) -> Callable[[Sequence[WriteItem]], list[Any]]:
