@@ -85,7 +85,7 @@ def write_items(
                 futures = [pool.submit(write, f, n, prepare(b)) for f, (n, b) in zip(opened, jobs)]
                 return [f.result() for f in futures]
     finally:
-        for job in ready:  # one never written (a later one failed to prepare) lets go too
+        for job in ready:  # one never handed to a thread (none could start for it) lets go too
             job.release()
 
 
