@@ -144,8 +144,9 @@ class Layout:
         # view, a lazy conjugate) is made plain first, and must then frame as kept
         # (FRAMER's own checks: a class or layout it does not frame is DataFile's to write)
         large = [tensors[k] for k in self._large]
-        # held until written: the views keep nothing alive (a tensor resized meanwhile,
-        # against DCP's rules, leaves its old storage here, not freed memory)
+        # held until written: the views keep nothing alive (a tensor the caller lets go of
+        # meanwhile leaves its memory here; one changed in place, resize_ included, is
+        # against DCP's rules, and not guarded against)
         held = list(map(torch.Tensor.untyped_storage, large))
         bodies: list[memoryview] = []
         for j, body in enumerate(item_writer.raw_views(large, self._large_sizes)):
@@ -280,7 +281,9 @@ _kept: OrderedDict[int, _Kept] = OrderedDict()  # by id of the item list, oldest
 
 
 class FileJob:
-    """One data file's items and their data, made ready to write (:func:`prepare`)."""
+    """One data file's items and their data, made ready to write (:func:`prepare`). The
+    thread that writes it takes its layout (and the layout's ``busy``) over; :meth:`release`
+    lets go of one that no thread took."""
 
     def __init__(
         self,
@@ -289,26 +292,36 @@ class FileJob:
         layout: Layout | None = None,
         staged: _Staged | None = None,
     ) -> None:
-        self._items, self._data = items, data
+        self._items: Sequence[WriteItem] | None = items
+        self._data: list[Any] | None = data
         self._layout, self._staged = layout, staged  # the layout's ``busy`` held with them
+        self._taking = threading.Lock()
 
     def write(self, f: BinaryIO, *, writeback: bool = False) -> item_writer.Written:
         """Write the items into ``f``: from the kept layout where :func:`prepare` staged
-        them there, else framed anew."""
+        them there, else framed anew. Once only."""
+        layout, staged, items, data = self._take()
+        if items is None or data is None:
+            raise RuntimeError("a data file's job was written twice, or after its release")
         try:
-            if self._layout is not None and self._staged is not None:
-                return self._layout.write_staged(f, self._staged, writeback=writeback)
-            return item_writer.write_items(
-                f, self._items, self._data, writeback=writeback
-            ).written()
+            if layout is not None and staged is not None:
+                return layout.write_staged(f, staged, writeback=writeback)
+            return item_writer.write_items(f, items, data, writeback=writeback).written()
         finally:
-            self.release()
+            if layout is not None:
+                layout.busy.release()
 
     def release(self) -> None:
-        """Let the layout go (written, or never to be): another save may write from it."""
-        layout, self._layout, self._staged = self._layout, None, None
+        """Let go of the layout (and the data) if no thread took them to write."""
+        layout = self._take()[0]
         if layout is not None:
             layout.busy.release()
+
+    def _take(self) -> tuple[Layout | None, _Staged | None, Any, Any]:
+        with self._taking:  # the writing thread and the one that gave up on it, once
+            out = (self._layout, self._staged, self._items, self._data)
+            self._layout = self._staged = self._items = self._data = None
+        return out
 
 
 def prepare(

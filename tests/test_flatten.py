@@ -24,6 +24,11 @@ class Tagged(list):  # a list subclass: DCP walks it as a list
     pass
 
 
+class KeysSorted(dict):  # a dict whose keys iterate in another order than its items()
+    def __iter__(self):
+        return iter(sorted(dict.__iter__(self), key=str))
+
+
 leaves = st.one_of(
     st.integers(-3, 3),
     st.floats(allow_nan=False, width=16),
@@ -41,6 +46,7 @@ states = st.recursive(
     lambda inner: st.one_of(
         st.dictionaries(keys, inner, max_size=3),
         st.dictionaries(keys, inner, max_size=3).map(collections.OrderedDict),
+        st.dictionaries(keys, inner, max_size=3).map(KeysSorted),
         st.lists(inner, max_size=3),
         st.lists(inner, max_size=2).map(Tagged),
     ),

@@ -5,6 +5,7 @@ matches the layout is framed anew rather than written wrong."""
 
 from __future__ import annotations
 
+import io
 import json
 from collections import OrderedDict
 
@@ -267,11 +268,10 @@ def test_a_layout_writes_only_data_of_its_kinds_dtypes_and_shapes(
     tmp_path, change, which, bytes_item
 ):
     """A layout kept for one list of items writes nothing (None) for data that differs from
-    what it was made of in any item's class, dtype, shape, or a bytes item's length: the
-    caller frames such data anew (a small tensor copied into a slot of another dtype would
-    be converted, and saved under its old frame). Data that matches is written."""
-    import io
-
+    what it was made of in any item's class, a tensor's dtype or shape (a bytes item's
+    length: ``test_a_save_the_layout_cannot_take_is_framed_anew``): the caller frames such
+    data anew (a small tensor copied into a slot of another dtype would be converted, and
+    saved under its old frame). Data that matches is written."""
     if change == "tensor for bytes" and not bytes_item:
         pytest.skip("no bytes item")
     sizes = {"small": 40, "large": 5000}
@@ -331,9 +331,9 @@ def test_files_are_prepared_on_the_saving_thread_and_written_on_the_pool(tmp_pat
 @pytest.mark.parametrize("failing", ["preparation", "thread start"])
 def test_a_second_file_that_fails_leaves_both_layouts_free(tmp_path, monkeypatch, failing):
     """The second file fails after the first was handed to its thread, in its preparation or
-    because no thread can be started for it (its layout then staged, never written): the
-    save fails with that error, and both layouts are let go, so the next save of the same
-    state writes both files from their layouts again."""
+    when it is handed over (the pool refuses it: its layout staged, never written): the save
+    fails with that error, and both layouts are let go, so the next save of the same state
+    writes both files from their layouts again."""
     from concurrent.futures import ThreadPoolExecutor
 
     from dcp_tiered.writer import _datafile
@@ -372,3 +372,35 @@ def test_a_second_file_that_fails_leaves_both_layouts_free(tmp_path, monkeypatch
     monkeypatch.setattr(_datafile, "ThreadPoolExecutor", ThreadPoolExecutor)
     assert saver.save("step-4", state) == []  # both from their layouts
     _loads_bit_exact(tmp_path, "step-4", state)
+
+
+def test_a_file_job_is_written_once_and_lets_its_layout_go_once(tmp_path, monkeypatch):
+    """The thread that writes a job takes its layout over: a later ``release`` (the saving
+    thread giving up on the jobs it made) leaves the layout to whoever holds it next, and
+    the job cannot be written again."""
+    monkeypatch.setattr(item_layout, "_kept", OrderedDict())  # this test's layouts only
+    state = {"a": torch.ones(3, 2), "b": torch.zeros(5000)}
+    planner = TieredSavePlanner()
+    planner.set_up_planner(state, None, True)
+    items = planner.create_local_plan().items
+    resolve = planner.resolve_items
+    with open(tmp_path / "f0", "wb") as f:
+        item_layout.prepare(items, resolve).write(f)  # seen once: no layout yet
+    with open(tmp_path / "f1", "wb") as f:
+        item_layout.prepare(items, resolve).write(f)  # the layout made
+    kept = item_layout._kept[id(items)].layout
+    assert kept is not None and not kept.busy.locked()
+    job = item_layout.prepare(items, resolve)
+    assert kept.busy.locked()  # staged: held for the write
+    with open(tmp_path / "f2", "wb") as f:
+        written = job.write(f)
+    assert written.position == (tmp_path / "f2").stat().st_size
+    assert not kept.busy.locked()
+    other = item_layout.prepare(items, resolve)  # the next save's job holds it now
+    job.release()  # the first job's saver gives up late: not the other's hold to drop
+    assert kept.busy.locked()
+    with pytest.raises(RuntimeError, match="written twice"):
+        job.write(io.BytesIO())
+    other.release()
+    assert not kept.busy.locked()
+    other.release()  # once only

@@ -311,8 +311,8 @@ def test_resolve_items_gives_each_items_resolve_data():
     }
 
 
-def _local_items(planner, state):
-    planner.set_up_planner(state, None, True)
+def _local_items(planner, state, is_coordinator=True):
+    planner.set_up_planner(state, None, is_coordinator)
     return planner.create_local_plan().items
 
 
@@ -324,14 +324,25 @@ def _pinned_if(flags):
 
 @pytest.mark.parametrize(
     "change",
-    ["shape", "dtype", "requires_grad", "layout", "order", "value class", "pinning", "none"],
+    [
+        "shape",
+        "dtype",
+        "requires_grad",
+        "layout",
+        "order",
+        "value class",
+        "pinning",
+        "coordinator",
+        "none",
+    ],
 )
 def test_a_kept_local_plan_is_reused_only_for_the_same_facts_of_every_tensor(
     change, monkeypatch, request
 ):
     """The kept plan is DCP's plan of the state again, or it is made afresh: any fact of a
     tensor that DCP's plan holds (size, dtype, layout, requires_grad, pinning), the keys'
-    order or a value's class changed makes a new one, equal to DCP's own."""
+    order, a value's class or the rank's being the coordinator changed makes a new one,
+    equal to DCP's own."""
     from torch.distributed.checkpoint import default_planner
 
     from dcp_tiered import planner as planner_module
@@ -350,20 +361,22 @@ def test_a_kept_local_plan_is_reused_only_for_the_same_facts_of_every_tensor(
     changed = {
         "shape": {**first, "b": torch.zeros(6)},
         "dtype": {**first, "b": torch.zeros(5, dtype=torch.float64)},
-        "requires_grad": {**first, "b": torch.nn.Parameter(torch.zeros(5))},
+        "requires_grad": {**first, "b": torch.zeros(5).requires_grad_()},  # a Tensor still
         "layout": {**first, "a": torch.zeros(4, 3).to_sparse()},
         "order": {"b": first["b"], "a": first["a"], "n": 3},
         "value class": {**first, "n": 3.0},
         "pinning": {**first, "b": torch.ones(5)},  # "pinned" once pinning is on
+        "coordinator": first,  # planned by a rank that is not the coordinator
         "none": {**first, "a": torch.ones(4, 3)},  # other values only
     }[change]
     key = f"test@{request.node.name}"
     _local_items(TieredSavePlanner(cache_key=key), first)
     if change == "pinning":
         pinned.append(1)
-    got = _local_items(TieredSavePlanner(cache_key=key), changed)
+    coordinator = change != "coordinator"
+    got = _local_items(TieredSavePlanner(cache_key=key), changed, coordinator)
     assert len(made) == (1 if change == "none" else 2)
-    want = _local_items(DefaultSavePlanner(), changed)
+    want = _local_items(DefaultSavePlanner(), changed, coordinator)
     assert got == want and [i.tensor_data for i in got] == [i.tensor_data for i in want]
     if change == "pinning":
         assert [i.tensor_data.properties.pin_memory for i in got if i.tensor_data] == [False, True]
