@@ -219,6 +219,14 @@ def skip_without_megatron() -> None:
         pytest.skip("megatron-core is not installed", allow_module_level=True)
 
 
+def counted_calls(monkeypatch, owner, name: str) -> list[int]:
+    """``owner.name`` replaced by itself counting its calls: a 1 in the list for each."""
+    calls: list[int] = []
+    real = getattr(owner, name)
+    monkeypatch.setattr(owner, name, lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
 def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
 

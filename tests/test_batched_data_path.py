@@ -31,6 +31,7 @@ from dcp_tiered.errors import InsufficientSpaceError
 from dcp_tiered.item_frame import Framer
 from dcp_tiered.policy import layout
 from dcp_tiered.writer import _datafile
+from tests.conftest import counted_calls
 from tests.test_save_load import failure
 
 FRAMED_DTYPES = [
@@ -391,17 +392,8 @@ def test_a_modules_state_dict_takes_the_batched_paths(tmp_path, monkeypatch):
 def test_an_unchanged_structure_reuses_the_local_plan_and_its_split_into_files(
     tmp_path, monkeypatch
 ):
-    made, splits = [], []
-    real = default_planner.create_default_local_save_plan
-    monkeypatch.setattr(
-        default_planner,
-        "create_default_local_save_plan",
-        lambda *a, **k: made.append(1) or real(*a, **k),
-    )
-    split = item_writer.split_by_size
-    monkeypatch.setattr(
-        item_writer, "split_by_size", lambda *a, **k: splits.append(1) or split(*a, **k)
-    )
+    made = counted_calls(monkeypatch, default_planner, "create_default_local_save_plan")
+    splits = counted_calls(monkeypatch, item_writer, "split_by_size")
     writer = TieredStorageWriter(tmp_path, thread_count=2)
     state = {"w": torch.ones(4, 3), "opt": {"m": torch.zeros(4, 3), "step": 1}}
 
@@ -443,13 +435,7 @@ def test_the_load_planner_makes_dcps_read_items_without_its_search(tmp_path, mon
             assert sent.items == []  # the whole reads stay on this rank
         return planner.finish_plan(planner.create_global_plan([sent])[0]).items
 
-    searched = []
-    real = default_planner.create_default_local_load_plan
-    monkeypatch.setattr(
-        default_planner,
-        "create_default_local_load_plan",
-        lambda *a, **k: searched.append(1) or real(*a, **k),
-    )
+    searched = counted_calls(monkeypatch, default_planner, "create_default_local_load_plan")
     target = {"w": torch.zeros(4, 3), "o": {"m": torch.ones(7), "step": 0}, "s": torch.tensor(0.0)}
     mine = TieredLoadPlanner()
     ours = plan(mine, target)

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.planner import (
 from dcp_tiered import TieredSavePlanner, TieredStorageWriter
 from dcp_tiered.planner import planner_for
 from dcp_tiered.policy.chunk_grid import plan_errors, tiles_as_grid
+from tests.conftest import counted_calls
 
 PROPS = TensorProperties(dtype=torch.float32)
 
@@ -350,13 +351,7 @@ def test_a_kept_local_plan_is_reused_only_for_the_same_facts_of_every_tensor(
     pinned: list[int] = []
     monkeypatch.setattr(torch.Tensor, "is_pinned", _pinned_if(pinned))
     monkeypatch.setattr(planner_module, "_may_pin", lambda: True)  # as with an accelerator
-    made = []
-    real = default_planner.create_default_local_save_plan
-    monkeypatch.setattr(
-        default_planner,
-        "create_default_local_save_plan",
-        lambda *a, **k: made.append(1) or real(*a, **k),
-    )
+    made = counted_calls(monkeypatch, default_planner, "create_default_local_save_plan")
     first = {"a": torch.zeros(4, 3), "b": torch.zeros(5), "n": 3}
     changed = {
         "shape": {**first, "b": torch.zeros(6)},
