@@ -32,7 +32,7 @@ from typing import Any, BinaryIO
 import torch
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from . import item_writer
+from . import host_copy, item_writer
 from .backends.local import LocalBackend
 from .item_frame import FRAMER, Frame
 from .policy import integrity
@@ -44,7 +44,7 @@ _KEPT_LISTS = 16  # item lists remembered (seen once, or with a layout), the old
 
 
 class Layout:
-    """One data file's items, framed and placed once; :meth:`write` writes them again."""
+    """One data file's items, framed and placed once; :meth:`stage` and :meth:`write_staged` write them again."""
 
     def __init__(self, items: Sequence[WriteItem], tensors: list[Any]) -> None:
         """Raises ``_NoLayout`` where ``DataFile`` would not frame every item alike."""
@@ -125,18 +125,10 @@ class Layout:
             item_crc = integrity.checksum(body, head_crc)
         return file_crc, integrity.checksum(tail, item_crc)
 
-    def write(
-        self, f: BinaryIO, tensors: list[Any], *, writeback: bool
-    ) -> item_writer.Written | None:
-        """Write ``tensors`` (the items' data, in order) into ``f``; None, having written
-        nothing, where they do not match this layout (the caller frames them anew)."""
-        staged = self.stage(tensors)
-        return None if staged is None else self.write_staged(f, staged, writeback=writeback)
-
     def stage(self, tensors: list[Any]) -> _Staged | None:
-        """The first part of :meth:`write`, a few Python calls per item: ``tensors`` checked
-        against the layout, the large ones' bytes found, the bytes items' staged. None where
-        they do not match."""
+        """``tensors`` (the items' data, in order) checked against the layout, the large
+        ones' bytes found, the bytes items' staged: a few Python calls per item. None,
+        having staged nothing, where they do not match (the caller frames them anew)."""
         if _signature(tensors) != self.signature:
             return None
         # A large tensor's bytes are written from its own memory: the same dtype and shape
@@ -162,8 +154,9 @@ class Layout:
         return _Staged(bodies, [*held, *large], [tensors[k] for k in self._copied])
 
     def write_staged(self, f: BinaryIO, staged: _Staged, *, writeback: bool) -> item_writer.Written:
-        """The rest of :meth:`write`: the small tensors copied into their slots, every item
-        checksummed and the file written. Its calls are few, and release the GIL."""
+        """Write the data :meth:`stage` checked into ``f``: the small tensors copied into
+        their slots, every item checksummed, the file written. Its calls are few, and release
+        the GIL."""
         if self._slots:
             with torch.no_grad():
                 torch._foreach_copy_(self._slots, staged.small)
@@ -248,7 +241,7 @@ def _fact(value: Any) -> Any:
     return _length(value) if isinstance(value, io.BytesIO) else None  # None: never laid out
 
 
-_TENSOR_CLASSES = frozenset({torch.Tensor, torch.nn.Parameter})
+_TENSOR_CLASSES = frozenset(host_copy.PLAIN_TENSORS)
 _DTYPE_AND_SHAPE = operator.attrgetter("dtype", "shape")
 
 
@@ -347,18 +340,6 @@ def prepare(
         layout.busy.release()
         _forget(items)  # the state changed under the same plan: framed anew from now on
     return FileJob(items, data)
-
-
-def write_items(
-    f: BinaryIO,
-    items: Sequence[WriteItem],
-    resolve: Callable[[Sequence[WriteItem]], list[Any]],
-    *,
-    writeback: bool = False,
-) -> item_writer.Written:
-    """Write ``items`` (their data from ``resolve``) into ``f``: :func:`prepare`, then
-    :meth:`FileJob.write`, on this thread."""
-    return prepare(items, resolve).write(f, writeback=writeback)
 
 
 def _layout_for(items: Sequence[WriteItem], data: list[Any]) -> Layout | None:
