@@ -23,7 +23,6 @@ import torch
 from . import host_copy
 
 _PLAIN_TENSORS = host_copy.PLAIN_TENSORS
-_PLAIN_TENSOR_TYPES = frozenset(_PLAIN_TENSORS)
 _SIMPLE = (int, float, str, bytes, bool, type(None))
 # nn.Module.state_dict() returns an OrderedDict: the commonest state there is. Its buffers (and
 # this path's result) are plain dicts, as torch's own copy makes them.
@@ -166,7 +165,7 @@ def _pair_tensor_dict(
     is left in ``expected`` for the caller to check. None where ``obj`` holds anything else
     (the general walk then takes it)."""
     values = list(obj.values())
-    if not values or not set(map(type, values)) <= _PLAIN_TENSOR_TYPES:
+    if not values or not set(map(type, values)) <= _PLAIN_TENSORS:
         return None
     described = _described(buf, known)
     if described.keys != list(obj):

@@ -37,8 +37,9 @@ _nbytes = attrgetter("nbytes")
 
 Segment = tuple[int, int, int]  # (destination address, source address, bytes)
 _Work = tuple[list[Segment], list[torch.Tensor], list[torch.Tensor]]  # what _run copies
-PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # not subclasses (DTensor, ...)
-_PLAIN_TYPES = frozenset(PLAIN_TENSORS)
+# The tensor classes whose storage is the tensor's bytes: not subclasses (DTensor, ...). A set:
+# asked of one class (`in`) and of all of a list's at once (`<=`, `issuperset`).
+PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
 _memmove = ctypes.memmove  # a foreign call: the GIL is released while it copies
 
 
@@ -184,7 +185,7 @@ def memcpy_addresses(tensors: list[torch.Tensor]) -> list[int] | None:
     values (the source side of :func:`as_segment`: plain strided CPU tensors, contiguous, no
     conjugate or negative bit); None where one may not. Checked by C-level maps, a few tenths
     of a microsecond per tensor, for the thousands of a model's state."""
-    if not set(map(type, tensors)) <= _PLAIN_TYPES or not all(map(_is_cpu, tensors)):
+    if not set(map(type, tensors)) <= PLAIN_TENSORS or not all(map(_is_cpu, tensors)):
         return None
     if set(map(_layout, tensors)) - {torch.strided}:
         return None

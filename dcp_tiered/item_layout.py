@@ -241,7 +241,7 @@ def _fact(value: Any) -> Any:
     return _length(value) if isinstance(value, io.BytesIO) else None  # None: never laid out
 
 
-_TENSOR_CLASSES = frozenset(host_copy.PLAIN_TENSORS)
+_TENSOR_CLASSES = host_copy.PLAIN_TENSORS
 _DTYPE_AND_SHAPE = operator.attrgetter("dtype", "shape")
 
 

@@ -23,7 +23,7 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from . import _torch_compat
+from . import _torch_compat, host_copy
 from .backends.local import LocalBackend
 from .item_frame import FRAMER
 from .policy import integrity
@@ -330,7 +330,7 @@ _view_of_memory = ctypes.pythonapi.PyMemoryView_FromMemory
 _view_of_memory.restype = ctypes.py_object
 _view_of_memory.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
 _PY_BUF_READ = 0x100
-_PLAIN_CLASSES = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_CLASSES = host_copy.PLAIN_TENSORS
 
 
 def raw_views(tensors: Sequence[torch.Tensor], sizes: Sequence[int]) -> list[memoryview | None]:

@@ -43,11 +43,11 @@ from torch.distributed.checkpoint.default_planner import (
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
-from . import _gc, _torch_compat, metadata_broadcast
+from . import _gc, _torch_compat, host_copy, metadata_broadcast
 from .policy import flatten
 from .policy.chunk_grid import plan_errors
 
-_PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
+_PLAIN_TENSORS = host_copy.PLAIN_TENSORS
 
 # planner cache key -> (structure, flattening map, local plan) of its last save
 _LOCAL_PLANS: dict[str, tuple[list[Any], Any, SavePlan]] = {}
