@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from . import host_copy
+from .host_copy import PLAIN_TENSORS
 
-_PLAIN_TENSORS = host_copy.PLAIN_TENSORS
 _SIMPLE = (int, float, str, bytes, bool, type(None))
 # nn.Module.state_dict() returns an OrderedDict: the commonest state there is. Its buffers (and
 # this path's result) are plain dicts, as torch's own copy makes them.
@@ -119,7 +119,7 @@ def _pair(
     expected: Expected,
 ) -> Any:
     kind = type(obj)
-    if kind in _PLAIN_TENSORS:
+    if kind in PLAIN_TENSORS:
         if type(buf) is not torch.Tensor or buf.shape != obj.shape or buf.dtype != obj.dtype:
             raise Mismatch
         dsts.append(buf)
@@ -165,7 +165,7 @@ def _pair_tensor_dict(
     is left in ``expected`` for the caller to check. None where ``obj`` holds anything else
     (the general walk then takes it)."""
     values = list(obj.values())
-    if not values or not set(map(type, values)) <= _PLAIN_TENSORS:
+    if not values or not set(map(type, values)) <= PLAIN_TENSORS:
         return None
     described = _described(buf, known)
     if described.keys != list(obj):

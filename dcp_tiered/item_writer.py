@@ -23,8 +23,9 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from . import _torch_compat, host_copy
+from . import _torch_compat
 from .backends.local import LocalBackend
+from .host_copy import PLAIN_TENSORS
 from .item_frame import FRAMER
 from .policy import integrity
 from .policy.item_keys import ItemKeys
@@ -330,7 +331,6 @@ _view_of_memory = ctypes.pythonapi.PyMemoryView_FromMemory
 _view_of_memory.restype = ctypes.py_object
 _view_of_memory.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
 _PY_BUF_READ = 0x100
-_PLAIN_CLASSES = host_copy.PLAIN_TENSORS
 
 
 def raw_views(tensors: Sequence[torch.Tensor], sizes: Sequence[int]) -> list[memoryview | None]:
@@ -360,12 +360,7 @@ def _in_place(
 ) -> bool:
     # nbytes == size: never a view past the tensor's own bytes, whatever the caller expected
     return (
-        kind in _PLAIN_CLASSES
-        and contiguous
-        and not conj
-        and not neg
-        and cpu
-        and nbytes == size > 0
+        kind in PLAIN_TENSORS and contiguous and not conj and not neg and cpu and nbytes == size > 0
     )
 
 

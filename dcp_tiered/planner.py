@@ -43,11 +43,10 @@ from torch.distributed.checkpoint.default_planner import (
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
-from . import _gc, _torch_compat, host_copy, metadata_broadcast
+from . import _gc, _torch_compat, metadata_broadcast
+from .host_copy import PLAIN_TENSORS
 from .policy import flatten
 from .policy.chunk_grid import plan_errors
-
-_PLAIN_TENSORS = host_copy.PLAIN_TENSORS
 
 # planner cache key -> (structure, flattening map, local plan) of its last save
 _LOCAL_PLANS: dict[str, tuple[list[Any], Any, SavePlan]] = {}
@@ -63,13 +62,13 @@ def _structure(state: dict[str, Any], is_coordinator: bool) -> list[Any] | None:
     values = list(state.values())
     kinds = list(map(type, values))
     tensors = values
-    if not _PLAIN_TENSORS.issuperset(kinds):
+    if not PLAIN_TENSORS.issuperset(kinds):
         for value, kind in zip(values, kinds):
-            if kind not in _PLAIN_TENSORS and (
+            if kind not in PLAIN_TENSORS and (
                 isinstance(value, torch.Tensor) or hasattr(value, "__create_write_items__")
             ):
                 return None
-        tensors = [v for v, kind in zip(values, kinds) if kind in _PLAIN_TENSORS]
+        tensors = [v for v, kind in zip(values, kinds) if kind in PLAIN_TENSORS]
     out: list[Any] = [is_coordinator, list(state), kinds]
     out.append(list(map(_TENSOR_FACTS, tensors)))
     out.append(list(map(torch.Tensor.is_pinned, tensors)) if _may_pin() else None)
@@ -228,7 +227,7 @@ class TieredSavePlanner(DefaultSavePlanner):
             at, fqns, dims, rest = _whole_tensor_keys(items)
             found: list[Any] = list(map(self.state_dict.get, fqns))
             if (
-                set(map(type, found)) <= _PLAIN_TENSORS
+                set(map(type, found)) <= PLAIN_TENSORS
                 and list(map(torch.Tensor.dim, found)) == dims
             ):
                 if not rest:

@@ -21,9 +21,10 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import _torch_compat, batch_copy, host_copy
+from . import _torch_compat, batch_copy
 from ._torch_compat import ShardedTensor
 from .errors import StagingError
+from .host_copy import PLAIN_TENSORS
 
 logger = logging.getLogger(__name__)
 
@@ -33,13 +34,10 @@ _PROCESS_EXECUTOR = "ThreadPoolExecutor"
 _POOL_THREAD = re.compile(r"^ThreadPoolExecutor-(\d+)_\d+$")
 
 
-_PLAIN_TENSORS = host_copy.PLAIN_TENSORS
-
-
 def _signature(obj: Any) -> Any:
     """Structure, shapes and dtypes of a state dict: buffers are reused only if it matches.
     Computed on every save, so plain tensors (nearly every leaf) are tested first."""
-    if type(obj) in _PLAIN_TENSORS:
+    if type(obj) in PLAIN_TENSORS:
         return ("T", obj.shape, obj.dtype)
     if type(obj) in batch_copy.DICTS:
         return tuple([(k, _signature(v)) for k, v in obj.items()])
