@@ -37,18 +37,17 @@ import torch
 from .. import _torch_compat, batch_copy, tensor_versions
 from .._priority import lower_this_thread
 from ..backends.local import LocalBackend
-from ..errors import IntegrityError, StateChangedError
+from ..errors import StateChangedError
 from ..policy import layout, memory_chunks
 from ..policy import memory_format as fmt
 from . import chunk_copy, memory_copy, ownership
-from .memory_reading import SlotReading
-from .memory_restore import verify
+from .memory_replication import SlotReplication
 from .memory_slots import SLOTS, data_file, header_file, read_headers, reserve
 
 logger = logging.getLogger(__name__)
 
 
-class MemoryTier(SlotReading):
+class MemoryTier(SlotReplication):
     """One rank's two snapshot slots under ``root/rank-<rank>``."""
 
     def __init__(
@@ -71,9 +70,9 @@ class MemoryTier(SlotReading):
         self.backend = LocalBackend(os.path.join(self.root, directory or f"rank-{rank}"))
         # A slot being sent to a partner is leased: no save overwrites it until released.
         self._lock = threading.Lock()
-        self._leased: int | None = None
+        self._leased = None
         # slot -> (structure of the state, (regions, size, buffer, a view per tensor))
-        self._buffers: dict[int, tuple[Any, tuple[list[fmt.Region], int, torch.Tensor, Any]]] = {}
+        self._buffers = {}
         self._plans: dict[int, memory_copy.CopyPlan | None] = {}  # slot -> how its copy runs
         # slot -> (its regions, their header encoding), made by the first commit of a layout
         self._encoded: dict[int, tuple[list[fmt.Region], str]] = {}
@@ -362,57 +361,6 @@ class MemoryTier(SlotReading):
         if cached is None or cached[0] is not regions:
             cached = self._encoded[slot] = (regions, fmt.encode_regions(regions))
         return cached[1]
-
-    # ------------------------------------------------------------ peer replication
-
-    def lease(self, step: str) -> tuple[bytes, torch.Tensor] | None:
-        """The committed snapshot of ``step`` (header bytes, data), kept from being overwritten
-        until :meth:`release`; None if no slot holds it."""
-        with self._lock:
-            newest = self._newest(step)
-            if newest is None:
-                return None
-            slot, header = newest
-            data = self.backend.read_file(header_file(slot))
-            self._leased = slot
-        cached = self._buffers.get(slot)
-        buffer = (
-            cached[1][2]
-            if cached is not None and cached[1][2].numel() == header.data_size
-            else self._file(slot, header.data_size)
-        )
-        return data, buffer[: header.data_size]
-
-    def release(self) -> None:
-        with self._lock:
-            self._leased = None
-
-    def receive(
-        self, header_bytes: bytes, fill: Callable[[torch.Tensor], None], *, step: str
-    ) -> None:
-        """Commit a copy of rank ``rank``'s snapshot of ``step``: ``fill`` writes its data
-        into a slot, which is verified against the header's checksums before the header (the
-        sender's, as it was) is written last. Raises ManifestError or IntegrityError."""
-        where = f"replica of rank {self.rank}'s {step} in {self.backend.root}"
-        header = fmt.decode_header(header_bytes, where=where)
-        if header.rank != self.rank or header.step != step:
-            raise IntegrityError(f"{where}: the header is rank {header.rank}'s {header.step}")
-        if not self._counts(header):
-            raise IntegrityError(
-                f"{where}: the snapshot is run {header.run_id!r}'s, not this run's"
-            )
-        slot = self._uncommit_a_slot()
-        sig = (
-            "received",
-            header.data_size,
-            tuple((r.key, r.offset, r.nbytes) for r in header.regions),
-        )
-        with self._torn_if_failed(slot):
-            layout_of = lambda: (header.regions, header.data_size)
-            _, _, buffer, _ = self._buffer(slot, sig, layout_of)
-            fill(buffer)
-            verify(header, buffer, where)
-            self.backend.replace_root_file(header_file(slot), header_bytes)
 
     def wait(self) -> None:
         """Wait for the commit in flight; its error, if any, was reported by its future."""
