@@ -108,6 +108,16 @@ class TieredLoadPlanner(DefaultLoadPlanner):
                 if self._reader is None or "Size mismatch" not in str(e):
                     raise
                 raise self._explained() or e from e
+            except RuntimeError as e:  # DCP's for a key of the state that the step lacks
+                if "Missing key in checkpoint" not in str(e):
+                    raise
+                step = getattr(self._reader, "checkpoint_id", None)
+                raise ConfigError(
+                    f"{f'step {step!r}: ' if step else ''}{e} The state being loaded is not "
+                    "the one saved (another model, or renamed modules): load it into a state "
+                    "with the saved keys, or plan with allow_partial_load=True to load only "
+                    "the keys the step has"
+                ) from e
         # DCP sends every rank's plan to the coordinator and back (pickled both ways), for a
         # global step that changes nothing in a default load: these whole reads stay here,
         # and an empty plan that says so travels instead.

@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from dcp_tiered import (
     Admission,
     CheckpointManager,
+    ConfigError,
     Every,
     InsufficientSpaceError,
     NotWritableError,
@@ -80,6 +81,22 @@ def test_read_only_parent_of_a_new_root_is_a_typed_error(tmpfs):
         _save(TieredStorageWriter(disk / "run"), "step-1", 1.0)
     err = _error(e.value)
     assert isinstance(err, NotWritableError) and str(disk / "run") in str(err)
+
+
+@pytest.mark.parametrize("where", ["root", "parent"])
+def test_a_root_that_is_a_file_is_a_config_error_and_the_file_is_untouched(tmp_path, where):
+    """A file where the root (or a directory above it) should be: ConfigError naming the
+    file, from dcp.save and from CheckpointManager; the file is left as it was."""
+    blocker = tmp_path / "ckpt"
+    blocker.write_bytes(b"not a directory")
+    root = blocker if where == "root" else blocker / "run1"
+    with pytest.raises(CheckpointException) as e:
+        _save(TieredStorageWriter(root), "step-1", 1)
+    err = _error(e.value)
+    assert isinstance(err, ConfigError) and f"{blocker} is a file" in str(err), err
+    with pytest.raises(ConfigError, match="not a directory"):
+        CheckpointManager(local=root, memory=None, events=None)
+    assert blocker.read_bytes() == b"not a directory"
 
 
 @pytest.mark.parametrize("free_inodes", [0, 1, 2, 3, 4])

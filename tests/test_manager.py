@@ -203,9 +203,10 @@ def test_restore_of_nothing_and_of_nothing_valid(tiers):
         assert mgr.restore(_state()) is None
     with CheckpointManager(**tiers, policy=SavePolicy(memory=None)) as mgr:
         mgr.save(0, _state())
-    with CheckpointManager(**tiers) as mgr, pytest.raises(CheckpointNotFoundError) as e:
+    with CheckpointManager(**tiers) as mgr, pytest.raises(ConfigError) as e:
         mgr.restore({"other": torch.zeros(3)})  # a different model: nothing fits
-    assert "step-0" in str(e.value)
+    assert "step-0" in str(e.value) and "state_dict: other" in str(e.value)  # the key
+    assert (tiers["local"] / "step-0").is_dir()  # kept: not proven bad
 
 
 @pytest.mark.parametrize("broken", ["unreachable", "no-such-bucket"])
@@ -473,6 +474,43 @@ def test_steps_a_restore_fell_back_past_are_quarantined_and_saved_again(tmp_path
     with CheckpointManager(**fresh) as mgr:  # a new node: only the remote tier
         assert mgr.restore(target) == 4
     assert torch.equal(target["w"], _state(value=33)["w"])
+
+
+def test_a_corrupt_local_step_the_remote_does_not_hold_yet_is_quarantined(tmp_path):
+    """A remote tier is configured but the newest step is not due there (every 10 steps):
+    its local copy, proven corrupt by its checksum, is quarantined by the restore, which
+    falls back to the step before; not kept as "not proven bad" because the remote has no
+    copy to read instead."""
+    tiers = {"memory": None, "local": tmp_path / "disk", "remote": f"file://{tmp_path}/remote"}
+    policy = SavePolicy(memory=None, local=Every(steps=1), remote=Every(steps=10))
+    with CheckpointManager(**tiers, policy=policy) as mgr:
+        for step in range(3):
+            mgr.save(step, _state(value=step))
+    for data in (tiers["local"] / "step-2").glob("*.distcp"):
+        data.write_bytes(_flip(data.read_bytes()))
+    target = _state()
+    with CheckpointManager(**tiers, policy=policy) as mgr:
+        assert mgr.restore(target) == 2 and mgr.restored_step == 1
+    assert torch.equal(target["w"], _state(value=1)["w"])
+    assert not (tiers["local"] / "step-2").exists()
+    assert [n for n in _hidden_dirs(tiers["local"]) if n.startswith(".step-2.")]
+
+
+@pytest.mark.parametrize("memory", [False, True])
+def test_a_state_no_step_fits_raises_config_error_and_keeps_every_step(tmp_path, memory):
+    """Every step is there but none fits the state being loaded (another model): the restore
+    says so (ConfigError naming each step's mismatch), not "no step found", and keeps them."""
+    tiers = {"memory": tmp_path / "shm" if memory else None, "local": tmp_path / "disk"}
+    every = SavePolicy(memory=Every(steps=1) if memory else None, local=Every(steps=1))
+    with CheckpointManager(**tiers, policy=every) as mgr:
+        for step in range(2):
+            mgr.save(step, {"model": {"w": torch.full((2, 4), float(step))}})
+    with CheckpointManager(**tiers, policy=every) as mgr:
+        with pytest.raises(ConfigError, match=r"does not fit any of the steps") as e:
+            mgr.restore({"model": {"w": torch.zeros(2, 5)}})
+    assert "step-1" in str(e.value) and "step-0" in str(e.value)
+    assert sorted(p.name for p in tiers["local"].glob("step-*")) == ["step-0", "step-1"]
+    assert not [n for n in _hidden_dirs(tiers["local"]) if "quarantined" in n]
 
 
 @pytest.mark.parametrize("cores,want", [(2, 1), (3, 1), (4, 2), (64, 2)])

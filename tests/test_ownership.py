@@ -196,9 +196,15 @@ def test_quarantine_by_hand_is_listed_and_undone_and_refuses_another_runs_step(t
     code, data = cli(capsys, "ls", str(root))
     assert [r["step"] for r in data["steps"] if r["state"] == "quarantined"] == ["step-2"]
     assert_state_equal(load(root), state(1))  # latest skips it
+    capsys.readouterr()
+    assert main(["ls", str(root)]) == 0
+    assert "or by hand" in capsys.readouterr().out  # not only a restore quarantines
     code, data = cli(capsys, "quarantine", str(root), "step-2", "--release")
     assert code == 0 and data["save_id"] == sid
     assert_state_equal(load(root), state(2))
+    code, data = cli(capsys, "quarantine", str(root), "step-2", "--release")  # nothing left
+    assert code == 2 and data["errors"][0]["type"] == "CheckpointNotFoundError"
+    assert "no quarantined save" in data["errors"][0]["message"]
     before = digest(root / "step-5")
     code, data = cli(capsys, "quarantine", str(root), "step-5")
     assert code == 2 and data["errors"][0]["type"] == "ForeignPathError"

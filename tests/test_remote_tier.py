@@ -12,9 +12,12 @@ import pytest
 import s3fs
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_tiered import (
     ConfigError,
+    IntegrityError,
+    MissingShardError,
     PermanentTierError,
     RemoteConfig,
     RetryConfig,
@@ -111,6 +114,33 @@ def test_corrupt_local_file_is_fetched_from_remote_with_warning(tmp_path, remote
     got, reader = load(root, remote)
     assert equal(got, state(1))
     assert "corrupt" in caplog.text and data_file.name in reader.files_read_remotely
+
+
+@pytest.mark.parametrize("fault", ["flipped", "truncated", "removed"])
+def test_a_bad_local_copy_the_remote_lacks_fails_as_what_it_is(tmp_path, remote, fault):
+    """A step committed locally only (not promoted), its data file damaged, loaded by a
+    reader with a remote tier: the local failure is the error (IntegrityError as proof, or
+    MissingShardError), not the remote's "not committed", so a restore quarantines the copy
+    instead of keeping it as "not proven bad"."""
+    root = tmp_path / "local"
+    save(root, None, "step-1", state(1))
+    data_file = next((root / "step-1").glob("*.distcp"))
+    raw = bytearray(data_file.read_bytes())
+    if fault == "flipped":
+        raw[len(raw) // 2] ^= 0x10
+        data_file.write_bytes(bytes(raw))
+    elif fault == "truncated":
+        data_file.write_bytes(bytes(raw[:-100]))
+    else:
+        data_file.unlink()
+    with pytest.raises(CheckpointException) as e:
+        load(root, remote, "step-1")
+    error, _ = e.value.failures[0]  # (the rank's exception, its traceback)
+    if fault == "removed":
+        assert isinstance(error, MissingShardError) and "no remote tier holds" in str(error)
+    else:
+        assert isinstance(error, IntegrityError) and error.proves_bad, error
+        assert "no committed copy of this step" in str(error) and data_file.name in str(error)
 
 
 def test_hydrate_copies_fetched_files_into_the_local_tier(tmp_path, remote):

@@ -203,5 +203,12 @@ class LocalRoot:
         return path
 
     def ensure_root(self) -> None:
-        with self._writing("create the directory", self.root):
-            self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            with self._writing("create the directory", self.root):
+                self.root.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError) as e:  # it, or a parent, is a file
+            raise ConfigError(
+                f"{self.root} cannot be a tier's directory: {nearest_existing(self.root)} is "
+                "a file, not a directory. Point the tier at a directory (it is made if "
+                "missing); nothing was written"
+            ) from e

@@ -118,9 +118,15 @@ def _only_quarantined(run: Run, remote: RemoteBackend | None, step: str) -> str:
         saves = sorted(RemoteTier(remote).quarantined_saves(step))
     else:
         saves = [sid for name, sid in run.tier.quarantined() if name == step]
-    if len(saves) != 1:
+    if not saves:
+        where = remote.config.url if remote is not None else run.tier.root
+        raise CheckpointNotFoundError(
+            f"{step} has no quarantined save in {where}: nothing to release (`dcp-tiered ls` "
+            "lists what is quarantined)"
+        )
+    if len(saves) > 1:
         raise ConfigError(
-            f"{len(saves)} quarantined saves of {step} ({', '.join(saves) or 'none'}): name one "
-            "with --save-id"
+            f"{len(saves)} quarantined saves of {step} ({', '.join(saves)}): name one with "
+            "--save-id"
         )
     return saves[0]

@@ -63,8 +63,9 @@ def cmd_ls(run: Run) -> int:
             "unreadable": "UNREADABLE manifest (`dcp-tiered verify` says why)",
             "in-progress": "in progress",
             "abandoned": "abandoned (swept by the next writer)",
-            "quarantined": f"quarantined as {r.get('path')} (a restore fell back past it; "
-            "kept for inspection, delete it by hand)",
+            "quarantined": f"quarantined as {r.get('path')} (by a restore that fell back past "
+            "it, or by hand; kept for inspection: `quarantine --release` puts it back, or "
+            "delete it by hand)",
         }[r["state"]]
         run.say(f"{r['step']:<{width}}  {size:>10}  {state}{_whose(r)}")
     return OK

@@ -31,13 +31,14 @@ logger = logging.getLogger("dcp_tiered.lifecycle")  # the name its records alway
 
 C = TypeVar("C")
 
-CORRUPT, UNREADABLE, OTHER = "corrupt", "unreadable", "other"
+CORRUPT, UNREADABLE, MISMATCH, OTHER = "corrupt", "unreadable", "mismatch", "other"
 
 
 class LoadFailure(str):
     """Why a candidate failed to load (the text), and what kind of failure it was: ``corrupt``
     (proof the step is bad: ``IntegrityError.proves_bad``), ``unreadable`` (a tier could not be
-    read now) or ``other`` (the state does not fit it, ...)."""
+    read now), ``mismatch`` (a ConfigError: the state being loaded does not fit the step) or
+    ``other``."""
 
     kind: str = OTHER
 
@@ -55,6 +56,8 @@ def kind_of(error: BaseException) -> str:
         return UNREADABLE
     if any(isinstance(c, IntegrityError) and c.proves_bad for c in found):
         return CORRUPT
+    if any(isinstance(c, ConfigError) for c in found):
+        return MISMATCH
     return OTHER
 
 
@@ -87,6 +90,7 @@ def first_loadable(
     :meth:`~dcp_tiered.lifecycle.restore.Restoring.restore`)."""
     reasons: list[str] = []
     proven: list[C] = []
+    mismatched = True  # every candidate so far failed because the state does not fit it
     for candidate in found:
         problem = load(candidate)
         if not agree.any(problem is not None):
@@ -96,6 +100,7 @@ def first_loadable(
         kinds = {k for k in agree.gather(failure_kind(problem)) if k}
         problem = problem or "failed on another rank"
         reasons.append(f"{name(candidate)}: {problem}")
+        mismatched = mismatched and kinds == {MISMATCH}
         if UNREADABLE in kinds and on_unreadable_tier == "raise":
             raise TierUnavailableError(
                 f"{name(candidate)} could not be read now ({problem}); an older step is not "
@@ -110,6 +115,14 @@ def first_loadable(
             name(candidate),
             "proven bad" if CORRUPT in kinds else "kept as it is: not proven bad",
             problem,
+        )
+    if reasons and mismatched:  # the steps are there: the state is not the one they hold
+        raise ConfigError(
+            "no step could be restored: the state being loaded, or the configuration, does not "
+            "fit any of the steps (another model than the one saved?):\n  "
+            + "\n  ".join(reasons)
+            + "\nFix what each names (restore into the state the steps were saved from), or "
+            "point the manager at another root to start without them."
         )
     if reasons:
         raise CheckpointNotFoundError(

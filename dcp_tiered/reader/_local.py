@@ -38,6 +38,9 @@ logger = logging.getLogger("dcp_tiered.reader")  # the reader's one logger, whic
 _LOCAL_BLOCK_BYTES = 8 * 2**20
 _LOCAL_GAP_BYTES = 64 * 2**10  # read across a gap this small rather than issue another read
 _IN_PLACE_MIN_BYTES = 4 * 2**20
+# A local copy that proved bad where the remote tier is configured but lacks the step: the
+# local failure stands (proof the copy is bad), not the remote's "not committed".
+_NO_REMOTE_COPY = " (and the remote tier has no committed copy of this step)"
 
 
 # Stored tensor bytes, verified, into a target's memory (dst, src, nbytes): a whole read's
@@ -69,10 +72,11 @@ class LocalReads(Delivery, RemoteReads):
             if size == expected:
                 return True
             problem = f"local copy has {size} bytes, manifest says {expected}"
-            if not can_fetch:
+            if not (can_fetch and self._remote_holds_step()):
                 raise IntegrityError.proof(
                     f"corrupt data in step {self.checkpoint_id!r}: file {name!r} in {self.root}: "
-                    f"{problem}. Restore it from another tier or load an earlier step."
+                    f"{problem}{_NO_REMOTE_COPY if can_fetch else ''}. Restore it from another "
+                    "tier or load an earlier step."
                 )
             logger.warning(
                 "%s of step %s: %s; reading it from %s",
@@ -81,7 +85,7 @@ class LocalReads(Delivery, RemoteReads):
                 problem,
                 self._remote.config.url if self._remote else "",
             )
-        elif not can_fetch:
+        elif not (can_fetch and self._remote_holds_step()):
             raise MissingShardError(
                 f"data file {name!r} of step {self.checkpoint_id!r} is missing (or not a "
                 f"plain file: links, FIFOs and devices are never read) from "
@@ -229,6 +233,8 @@ class LocalReads(Delivery, RemoteReads):
         IntegrityError."""
         problem = self._problem(loc, parts)
         if problem and self._remote is not None and self._manifest is not None:
+            if not self._remote_holds_step():
+                raise self._integrity_error(name, index.fqn, loc, problem + _NO_REMOTE_COPY)
             logger.warning(
                 "local copy of %s in step %s is corrupt (%s, item %s); reading it from %s",
                 name,

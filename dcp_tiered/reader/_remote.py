@@ -42,6 +42,15 @@ class RemoteReads(ReaderState):
             )
         return keys
 
+    def _remote_holds_step(self) -> bool:
+        """Whether the remote tier has this step committed, for a local copy that proved bad:
+        without it the local failure is the answer (one GET of its marker, asked only then)."""
+        try:
+            self._remote_keys()
+        except CheckpointNotFoundError:
+            return False
+        return True
+
     def _remote_keys(self) -> layout.RemoteKeys:
         assert self._remote is not None and self._step is not None
         if self._keys is None:
