@@ -96,6 +96,11 @@ def test_a_root_that_is_a_file_is_a_config_error_and_the_file_is_untouched(tmp_p
     assert isinstance(err, ConfigError) and f"{blocker} is a file" in str(err), err
     with pytest.raises(ConfigError, match="not a directory"):
         CheckpointManager(local=root, memory=None, events=None)
+    if where == "root":  # loading from it: the same, not "the step cannot be read"
+        with pytest.raises(CheckpointException) as e:
+            _loads(root, "step-1", 1)
+        err = _error(e.value)
+        assert isinstance(err, ConfigError) and f"{blocker} is a file" in str(err), err
     assert blocker.read_bytes() == b"not a directory"
 
 

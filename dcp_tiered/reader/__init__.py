@@ -29,7 +29,7 @@ from .._torch_compat import StorageReaderTransforms
 from ..backends.local import LocalBackend
 from ..backends.remote import remote_backend
 from ..config import RemoteConfig
-from ..errors import CheckpointNotFoundError, DcpTieredError, ManifestError
+from ..errors import CheckpointNotFoundError, ConfigError, DcpTieredError, ManifestError
 from ..policy import layout, manifest
 from ..policy.manifest import ItemLocation
 from ..tiers import catalog
@@ -123,6 +123,11 @@ class TieredStorageReader(ColumnReads, StorageReader):
 
     def _read_metadata(self) -> Metadata:
         self.files_read_remotely, self._keys, self._offered = set(), None, None
+        if os.path.exists(self.root) and not os.path.isdir(self.root):
+            raise ConfigError(
+                f"{self.root} is a file, not a checkpoint directory: point the reader at the "
+                "directory the writer saved into"
+            )
         if self._requested is None and self._tier.backend.exists(layout.DCP_METADATA_NAME):
             # The root itself is a vanilla DCP checkpoint directory.
             name = os.path.basename(self.root)
