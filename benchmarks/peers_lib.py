@@ -27,6 +27,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+# the training loop: which of our variants saves at each peer's cadence
+CADENCE_OF = {"dlrover": "ours", "dcp": "ours-disk", "torch-checkpointing": "ours-disk"}
+
 
 def init_single_rank() -> None:
     """A one-rank gloo group: DCP, DLRover and torch-checkpointing all look for one."""

@@ -4,21 +4,25 @@ The loop of ``bench_manager.py`` (a CPU model, AdamW, a step of about --step-sec
 checkpointer saves as its users would, and ours at each peer's cadence: ours and DLRover to
 host memory every step and to disk every 10; ``ours-disk`` (no memory tier), torch-checkpointing
 (which has none) and DCP (``async_save`` + ``FileSystemWriter``) to disk every 10 steps,
-asynchronously. The time includes waiting, at the end, for the last save, durable: DCP's
-writer, DLRover's saver and ours fsync what they write; torch-checkpointing does not
-(``use_direct_io=False``), so its files are fsynced once each of its saves ends, on a thread
-of this benchmark's, off the training thread (the local figures add the same fsync).
+asynchronously. DCP's writer, DLRover's saver and ours fsync what they write;
+torch-checkpointing does not (``use_direct_io=False``), so its files are fsynced once each of
+its saves ends, on a thread of this benchmark's, off the training thread (the local figures
+add the same fsync).
 
 ``ours`` copies its memory snapshots beside training (``async_snapshots=True``) and waits for
 the copy right before ``optimizer.step()`` (``wait_staged``), as torch-checkpointing's users
 hold its lock there; ``ours-sync`` is the same without (each snapshot's copy within the step).
 
-Each loop with a checkpointer is paired with a loop without one run just before it, and its
-figure is the median over the rounds of (its steps/s / its pair's), with the spread (min–max):
-the machine's drift between distant runs stays out of the ratio. Before every timed loop the
-previous one's background work is over (each checkpointer's own wait, then ``sync``, so that no
-writeback of an earlier loop's files runs into the next one), and the order of the
-checkpointers rotates from round to round.
+The unit of time is a *window*: one disk-save cycle, the step that starts a disk save and the
+9 after it (--every), then the wait until that save is durable, so a window's throughput is
+the loop's steady throughput at that cadence and no window's background work runs into the
+next. The VM's own speed moves by 10-30 % over tens of seconds, far more than the
+checkpointers differ, so the windows of every checkpointer and of the loop without one are
+interleaved, a few seconds each, in an order that rotates from round to round (between two
+windows the disk finishes earlier windows' writeback, untimed): a round is one window of
+each, and each checkpointer's figure is the median over the rounds of its window's steps/s
+over the same round's window without checkpoints, with the spread (min-max), and the ratio of
+its total over all rounds to the loop's without checkpoints.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 from bench_manager import Train, calibrate
-from peers_lib import DLRover, TorchCheckpointing, available, init_single_rank
+from peers_lib import CADENCE_OF, DLRover, TorchCheckpointing, available, init_single_rank
 
 from dcp_tiered import CheckpointManager, Every, SavePolicy
 from dcp_tiered.staging import state_bytes
@@ -72,12 +76,15 @@ class Ours:
             ),
         )
         self.every = every
-        self.base = self.last = 0
+        self.last = 0
 
     def save(self, i: int, state: dict) -> None:
-        """Loop step ``i`` as a step after every earlier loop's, at the peers' phase: the
-        disk save where (i + 1) % every == 0."""
-        self.last = self.base + i + 1
+        """Window step ``i`` as a step after every earlier window's: step 0 of a window is a
+        multiple of ``every``, a disk save."""
+        if i == 0:
+            self.last = (self.last // self.every + 1) * self.every
+        else:
+            self.last += 1
         self.mgr.save(self.last, state)
 
     def __enter__(self) -> None:
@@ -90,7 +97,6 @@ class Ours:
 
     def wait(self) -> None:
         self.mgr.wait()
-        self.base = -(-self.last // self.every) * self.every
 
     def close(self) -> None:
         try:
@@ -107,7 +113,9 @@ def step(train: Train, lock) -> None:
         train.opt.step()
 
 
-def loop(name: str, train: Train, steps: int, every: int, work: Path, peers: dict) -> float:
+def window(name: str, train: Train, every: int, work: Path, peers: dict) -> float:
+    """Steps per second over one disk-save cycle: ``every`` steps, the first of which starts
+    a disk save, and the wait until that save is durable."""
     work.mkdir(parents=True, exist_ok=True)
     lock = nullcontext()
     save, finish = (lambda i: None), (lambda: None)
@@ -120,47 +128,44 @@ def loop(name: str, train: Train, steps: int, every: int, work: Path, peers: dic
         dl = peers["dlrover"]
 
         def save(i: int) -> None:
-            if (i + 1) % every == 0:
+            if i == 0:
                 dl.disk_async(train.state())
             else:
                 dl.memory(train.state())
 
         def finish() -> None:
             dl.wait()
-            dl.clear()
 
     elif name == "torch-checkpointing":
         tc = peers["torch-checkpointing"]
         lock = tc.lock()
 
         def save(i: int) -> None:
-            if (i + 1) % every == 0:
-                tc.save_async(work / f"tc-{i}", train.state())
+            if i == 0:
+                tc.save_async(work / "tc", train.state())
 
         finish = tc.wait
     elif name == "dcp":
         pending = []
 
         def save(i: int) -> None:
-            if (i + 1) % every == 0:
-                if pending:
-                    pending.pop().result()
-                path = work / f"dcp-{i}"
-                pending.append(dcp.async_save(train.state(), storage_writer=FileSystemWriter(path)))
+            if i == 0:
+                pending.append(dcp.async_save(train.state(), storage_writer=FileSystemWriter(work)))
 
         def finish() -> None:
-            if pending:
-                pending.pop().result()
+            pending.pop().result()
 
     try:
         start = time.perf_counter()
-        for i in range(steps):
+        for i in range(every):
             step(train, lock)
             save(i)
         finish()
-        return steps / (time.perf_counter() - start)
+        return every / (time.perf_counter() - start)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        if name == "dlrover":
+            peers["dlrover"].clear()
 
 
 def settle() -> None:
@@ -172,8 +177,7 @@ def settle() -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--runs", type=int, default=30, help="rounds: one window of each")
     p.add_argument("--step-secs", type=float, default=0.3)
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--layers", type=int, default=6)
@@ -199,36 +203,43 @@ def main() -> None:
             root = Path(a.dir) / f"{name}-all"
             peers[name] = Ours(root, a.every, memory=name != "ours-disk", overlap=name == "ours")
         train = Train(a.width, a.layers, calibrate(a.width, a.layers, a.step_secs))
-        # one untimed pass of each: processes, shared memory and buffers exist before timing
+        # one untimed window of each: processes, shared memory and buffers exist before timing
         for name in [] if a.no_warm_up else names:
-            loop(name, train, min(a.steps, a.every + 1), a.every, Path(a.dir) / f"w-{name}", peers)
+            window(name, train, a.every, Path(a.dir) / f"w-{name}", peers)
         rates: dict[str, list[float]] = {n: [] for n in names}
-        paired: dict[str, list[float]] = {n: [] for n in names if n != "none"}
-        ckpt = [n for n in names if n != "none"]
-
-        def timed(name: str) -> float:
-            settle()
-            rate = loop(name, train, a.steps, a.every, Path(a.dir) / name, peers)
-            rates[name].append(rate)
-            return rate
-
         for run in range(a.runs):
-            for name in ckpt[run % len(ckpt) :] + ckpt[: run % len(ckpt)]:
-                base = timed("none")
-                paired[name].append(timed(name) / base)
+            for name in names[run % len(names) :] + names[: run % len(names)]:
+                settle()
+                rates[name].append(window(name, train, a.every, Path(a.dir) / name, peers))
     finally:  # their processes, and the shared memory of ours
         for name in ("torch-checkpointing", "ours", "ours-sync", "ours-disk"):
             if name in peers:
                 peers[name].close()
+    paired = {
+        n: [r / base for r, base in zip(rates[n], rates["none"], strict=True)]
+        for n in names
+        if n != "none"
+    }
     result = {
         "state_mib": round(state_bytes(train.state()) / 2**20, 1),
         "step_secs": round(statistics.median(1 / r for r in rates["none"]), 3),
-        "steps": a.steps,
+        "steps": a.every,
         "every": a.every,
         "steps_per_s": rates,
         "paired_ratios": paired,
         "vs_none": {n: statistics.median(r) for n, r in paired.items()},
         "spread": {n: [min(r), max(r)] for n, r in paired.items()},
+        # each peer's windows against ours at its cadence, round by round: how often ours ran
+        # faster, and in how many rounds
+        "head_to_head": {
+            peer: [sum(o > q for o, q in zip(rates[ours], rates[peer], strict=True)), a.runs]
+            for peer, ours in CADENCE_OF.items()
+            if peer in rates
+        },
+        # the ratio of totals: every window's time, each checkpointer's against none's
+        "pooled": {
+            n: sum(1 / r for r in rates["none"]) / sum(1 / r for r in rates[n]) for n in paired
+        },
     }
     Path(a.out).write_text(json.dumps(result, indent=1))
 
