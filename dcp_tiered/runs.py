@@ -19,7 +19,7 @@ from .backends.local import LocalBackend
 from .backends.remote import RemoteBackend
 from .errors import ForeignRunError, InsufficientSpaceError, NotWritableError
 from .policy import identity
-from .tiers import ownership
+from .tiers import memory_slots, ownership
 from .tiers.root import Tiers
 from .writer import TieredStorageWriter
 
@@ -47,7 +47,9 @@ def join(
         }
         if memory_backend is not None:
             mem = ownership.read_local(memory_backend)
-            out["memory"][f"{host}:{memory_backend.root}"] = mem.run_id if mem else None
+            # without a record (lost, or removed by hand), the snapshots say whose they are
+            runs = {mem.run_id} if mem else memory_slots.header_runs(memory_backend.root)
+            out["memory"][f"{host}:{memory_backend.root}"] = min(runs) if runs else None
         return out
 
     mine = agree.everywhere(recorded, what)

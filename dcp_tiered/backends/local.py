@@ -154,7 +154,9 @@ class LocalBackend(LocalReads, LocalLocks, Backend):
         ``exclusive``: only a file this call creates (FileExistsError where one exists)."""
         self.ensure_root()
         path = self._child(name)
-        flags = os.O_RDWR | os.O_CREAT | (os.O_EXCL if exclusive else 0)
+        # O_NOFOLLOW: a link at the name is not ours to write through (its target would be
+        # truncated and overwritten); the open fails with ELOOP instead
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | (os.O_EXCL if exclusive else 0)
         # exclusive: FileExistsError untyped, the caller asked to find the file absent
         with contextlib.nullcontext() if exclusive else self._writing("create", path):
             fd = os.open(path, flags, 0o600)

@@ -62,6 +62,9 @@ _STEP_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # fullmatch: no trai
 _DATA_FILE_RE = re.compile(r"__(0|[1-9][0-9]{0,8})_(0|[1-9][0-9]{0,5})\.distcp")
 _NODE_FILE_RE = re.compile(r"node-(0|[1-9][0-9]{0,6})\.json")
 _SAVE_ID_RE = re.compile(r"[0-9a-f]{1,32}")
+# the save ids our hidden entries are named with: a save's, a delete's, or "h" and 11 hex
+# digits (a step made by hydration, tiers.pull)
+_HIDDEN_ID_RE = re.compile(r"[0-9a-f]{1,32}|h[0-9a-f]{11}")
 
 
 def validate_step_name(name: object) -> str:
@@ -122,7 +125,7 @@ def parse_hidden_dir(name: str) -> tuple[str, str, str] | None:
         if name.startswith(".") and name.endswith(suffix):
             stem = name[1 : -len(suffix)]
             step, _, save_id = stem.rpartition(".")
-            if step and save_id and is_step_name(step):
+            if step and _HIDDEN_ID_RE.fullmatch(save_id) and is_step_name(step):
                 return step, save_id, suffix
     return None
 

@@ -89,7 +89,7 @@ def parse_head(data: bytes, *, where: str) -> ManifestHead:
     must not cost a full parse per step. The index is decoded, and refused if malformed, by
     whatever reads the step's data (a load, ``verify``, a promotion)."""
     if not manifest_codec.is_sealed(data):
-        return _head_of(manifest_v1.parse(data, where=where))
+        return _head_of(manifest_v1.parse(data, where=where, sealed=_INDEX_VERSIONS))
     body = _sealed_body(data, where, head_only=True)
     try:
         world_size = body["world_size"]
@@ -140,7 +140,7 @@ def parse(data: bytes, *, where: str) -> Manifest:
     """Parse and validate a manifest (a version-2 index, or a version-1 document). A
     version-2 manifest comes back without sections: merge them with :func:`parse_section`."""
     if not manifest_codec.is_sealed(data):
-        return manifest_v1.parse(data, where=where)
+        return manifest_v1.parse(data, where=where, sealed=_INDEX_VERSIONS)
     body = _sealed_body(data, where)
     head = _head_members(data, where)
     if head is not None and any(body.get(k) != v for k, v in head.items()):

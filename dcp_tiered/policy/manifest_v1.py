@@ -6,7 +6,7 @@ version 2 restore; written only by tests that prove it. Pure: no I/O.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -142,8 +142,9 @@ def build(
     return json.dumps(body, indent=1, sort_keys=True).encode()
 
 
-def parse(data: bytes, *, where: str) -> Manifest:
-    """Parse and validate manifest bytes. ``where`` names the file in error messages."""
+def parse(data: bytes, *, where: str, sealed: Collection[int] = ()) -> Manifest:
+    """Parse and validate manifest bytes. ``where`` names the file in error messages.
+    ``sealed``: the later versions, which are sealed: one of those here lost its seal."""
     hint = "restore the step from another tier or an earlier step; do not edit manifests by hand"
     try:  # bad JSON, 5,000-digit numbers, 1e999, deep nesting, a huge file
         body = records.load_json(data, where=where, max_bytes=records.MAX_MANIFEST_BYTES)
@@ -151,6 +152,12 @@ def parse(data: bytes, *, where: str) -> Manifest:
         raise ManifestError(f"{e}; {hint}") from e
     if body.get("format") != FORMAT:
         raise ManifestError(f"{where}: not a dcp_tiered manifest; {hint}")
+    if body.get("version") in sealed:
+        raise ManifestError(
+            f"{where}: a version-{body.get('version')} manifest whose seal (its checksum, "
+            "written last) is missing or does not match: it was modified (edited or written "
+            f"out again) or damaged; {hint}"
+        )
     if body.get("version") != VERSION:
         raise ManifestError(
             f"{where}: manifest version {body.get('version')!r} is not supported by this "

@@ -51,10 +51,16 @@ class LocalTier(PendingDirectories, CrashRecovery):
     def info(self, step: str) -> CommittedStep | None:
         """The committed step ``step`` as :meth:`steps` lists it; None if there is none. One
         step's manifest head is read, not every step's."""
-        if not layout.is_step_name(step) or not self.backend.is_dir(step):
+        if not layout.is_step_name(step):
             return None
         if self.backend.is_link(step):  # never followed: it may lead out of the root
             logger.warning("ignoring %s/%s: a symbolic link, not a step of ours", self.root, step)
+            return None
+        try:
+            if not self.backend.is_dir(step):
+                return None
+        except OSError as e:  # an entry this process may not even look at: not a step of ours
+            logger.warning("ignoring %s/%s: %s", self.root, step, e)
             return None
         try:
             if self.backend.exists(step, layout.MANIFEST_NAME):

@@ -71,6 +71,7 @@ class CrashRecovery:
                 and parsed[2] == layout.OLD_SUFFIX
                 and self.backend.is_dir(name)
                 and not self.backend.is_link(name)
+                and self._replaced_step(name, parsed[0])
             ):
                 self._undo_overwrite(name, parsed[0])
 
@@ -83,6 +84,52 @@ class CrashRecovery:
         self.backend.rename(name, step)
         return True
 
+    def _replaced_step(self, name: str, step: str) -> bool:
+        """Whether hidden ``name`` is what an overwrite of ``step`` set aside: a committed
+        manifest of that step, or the directory made for the step before its commit (its
+        marker). A directory merely named like one is not ours, and left alone."""
+        if self.backend.exists(name, layout.PENDING_MARKER):
+            return True
+        try:
+            return self.read_head(name).step == step
+        except (ManifestError, OSError):
+            return False
+
+    def _run_of(self, name: str) -> str | None:
+        try:
+            return self.read_head(name).run_id
+        except (ManifestError, OSError):
+            return None
+
+    def _recover_old(self, name: str, step: str) -> None:
+        """An overwrite's hidden copy of the replaced step: back under its name if the crash
+        left none there, else deleted, only when the step there now is a commit of the same
+        run (the overwrite went through). Anything else is left alone, and said."""
+        if not self._replaced_step(name, step):
+            logger.warning(
+                "leaving %s/%s alone: named like the copy an overwrite of %s sets aside, but "
+                "it holds no manifest of that step; remove it if it is not needed",
+                self.backend.root,
+                name,
+                step,
+            )
+            return
+        if self._undo_overwrite(name, step):
+            return
+        was, now = self._run_of(name), self._run_of(step)
+        if self.backend.exists(name, layout.PENDING_MARKER) or (now is not None and was == now):
+            self.backend.remove_tree(name, reason="replaced by a newer commit")
+            return
+        logger.warning(
+            "leaving %s/%s alone: the step %s it held (run %r) was replaced by a save of "
+            "run %r; remove it once it is not needed",
+            self.backend.root,
+            name,
+            step,
+            was,
+            now,
+        )
+
     def _recover_entry(self, name: str, step: str, save_id: str, suffix: str) -> None:
         if not self.backend.is_dir(name) or suffix == layout.QUARANTINE_SUFFIX:
             return  # a quarantined step is an operator's to inspect and delete
@@ -93,8 +140,7 @@ class CrashRecovery:
             if not self._upload_area_wanted(step, save_id):
                 self.backend.remove_tree(name, reason="upload records of an abandoned save")
         elif suffix == layout.OLD_SUFFIX:
-            if not self._undo_overwrite(name, step):
-                self.backend.remove_tree(name, reason="replaced by a newer commit")
+            self._recover_old(name, step)
         elif self._abandoned(name):
             self.backend.remove_tree(name, reason="temporary directory of a crashed save")
 

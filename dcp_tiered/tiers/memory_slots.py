@@ -53,6 +53,18 @@ def list_steps(root: str | os.PathLike[str]) -> dict[str, list[int]]:
     return found
 
 
+def header_runs(root: str | os.PathLike[str]) -> set[str]:
+    """The runs the committed slots under memory directory ``root`` name (every rank's
+    directory): whose snapshots they are, whether or not the directory records a run."""
+    found = set()
+    for name in LocalBackend(root).list_names():
+        if name.startswith("rank-") and name[5:].isdigit():
+            for header in read_headers(LocalBackend(os.path.join(root, name))).values():
+                if header.run_id is not None:
+                    found.add(header.run_id)
+    return found
+
+
 def reserve(backend: LocalBackend, slot: int, nbytes: int) -> torch.Tensor | None:
     """Slot ``slot``'s data file made, ``nbytes`` long, and mapped with every page of the
     mapping faulted in: what a slot's first snapshot otherwise pays within its copy (72 MiB

@@ -84,6 +84,19 @@ class OrphanSweep:
                 objects.update({k: t for k, t in remote.modified(prefix).items() if keys.owns(k)})
             if not objects or (older_than is not None and max(objects.values()) >= older_than):
                 continue
+            if keys.manifest in objects:
+                # The coordinator uploads the manifest as the save's commit begins: no marker
+                # then proves nothing (a marker lost since, or a crash before it was made),
+                # and the save may be the only copy of the step.
+                logger.warning(
+                    "not sweeping save %s of %s on %s: no marker names it, but it holds its "
+                    "manifest (its commit began), so it may be the step's only copy; remove "
+                    "its objects by hand if it is not needed",
+                    sid,
+                    step,
+                    remote.config.url,
+                )
+                continue
             reason = f"orphan of step {step}: save {sid} of run {run_id} was never committed"
             for key in sorted(objects, key=lambda k: (k.startswith(keys.claims_prefix), k)):
                 remote.remove(key, reason=reason)

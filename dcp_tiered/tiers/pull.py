@@ -16,7 +16,13 @@ from collections.abc import Callable, Iterable
 
 from ..backends import ranged_reads
 from ..backends.remote import RemoteBackend
-from ..errors import CheckpointNotFoundError, InsufficientSpaceError, IntegrityError, ManifestError
+from ..errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    InsufficientSpaceError,
+    IntegrityError,
+    ManifestError,
+)
 from ..policy import integrity, layout
 from ..policy.manifest import Manifest
 from . import commit
@@ -107,6 +113,13 @@ def hydrate_step(
                     )
                 keep.append(name)
         else:
+            taken = backend.exists(step) and not backend.exists(step, layout.PENDING_MARKER)
+            if taken or backend.is_link(step):  # not a step, nor ours to replace
+                raise CheckpointExistsError(
+                    f"{backend.path_of(step)} exists and is not a committed step: nothing was "
+                    f"copied and it was left as it is. Move it away, or copy {step} into "
+                    "another root"
+                )
             there, meta = RemoteTier(remote).read_manifest_files(keys, sections)
             if there.save_id != m.save_id:
                 raise ManifestError(f"the remote {step} changed while it was being read")
