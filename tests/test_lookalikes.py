@@ -246,3 +246,23 @@ def test_pull_onto_a_users_directory_refuses_before_copying_anything(tmp_path, c
     assert "appeared while" not in json.dumps(out)
     assert digest(root / "step-1") == before
     assert not [p for p in root.iterdir() if p.name.startswith(".step-1")]  # nothing downloaded
+
+
+def test_status_does_not_call_a_local_save_durable_when_the_remote_holds_another(tmp_path, capsys):
+    remote, local = tmp_path / "remote", tmp_path / "local"
+    mgr = CheckpointManager(
+        local=local,
+        remote=RemoteConfig(url=f"file://{remote}"),
+        policy=SavePolicy(local=Every(steps=1), remote=Every(steps=1)),
+    )
+    mgr.save(1, app(1))
+    mgr.save(2, app(2))
+    mgr.close()
+    mgr = CheckpointManager(local=local, policy=SavePolicy(local=Every(steps=1), remote=None))
+    mgr.save(2, app(22), force=True)  # saved again here, never uploaded
+    mgr.close()
+    assert main(["status", str(local), "--remote", f"file://{remote}", "--json"]) == 0
+    rows = {r["step"]: r for r in json.loads(capsys.readouterr().out)["steps"]}
+    assert rows["step-1"]["durability"] == "durable-remote"
+    assert rows["step-2"]["durability"].startswith("committed-local")
+    assert "another save" in rows["step-2"]["durability"]

@@ -12,7 +12,7 @@ from typing import Any
 from ..errors import ManifestError, TierError, TierUnavailableError
 from ..policy import step_names
 from ..tiers import catalog, memory_slots, replica, verify
-from ..tiers.remote import RemoteTier
+from ..tiers.remote import Durability, RemoteTier
 from ._base import OK, PROBLEM, UNREADABLE, human, iso
 from ._context import Run, progress
 
@@ -132,6 +132,8 @@ def cmd_status(run: Run) -> int:
     for s in listed:
         row = rows.setdefault(s.name, {})
         row["local"], row["remote"] = s.local, None if unreadable else s.remote
+        if s.remote_other and not unreadable:  # the remote's is another save of the name
+            row["remote_save_differs"] = True
         row["owner"] = s.owner(record).value
         if s.local and not s.remote and s.verified_format and remote is not None:
             try:
@@ -158,7 +160,11 @@ def cmd_status(run: Run) -> int:
             memory=bool(row.get("memory")),
             copies=bool(row.get("copies_of_ranks")),
         ).value
-        if row.get("promote"):
+        if row.get("remote_save_differs"):  # this save is not the one the remote holds
+            row["durability"] = Durability.COMMITTED_LOCAL.value + (
+                " (the remote holds another save of this step)"
+            )
+        elif row.get("promote"):
             row["durability"] += " (remote unreadable)" if unreadable else " (upload pending)"
     ordered = sorted(rows.items(), key=lambda kv: (step_names.order_number(kv[0]) or -1, kv[0]))
     status = UNREADABLE if unreadable else OK

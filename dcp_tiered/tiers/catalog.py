@@ -32,7 +32,7 @@ def list_steps(
     """Committed steps on both tiers, oldest first. An unreadable remote raises
     TierUnavailableError with ``strict``; otherwise it is logged and left out."""
     found = {s.name: s for s in tier.steps()}
-    listed: list[tuple[str, int, str | None]] = []
+    listed: list[tuple[str, int, str | None, str | None]] = []
     if remote is not None:
         try:
             listed = remote_steps(remote)
@@ -40,8 +40,8 @@ def list_steps(
             if strict:
                 raise
             logger.warning("looking at %s only: %s", tier.root, e)
-    for name, committed_at, run_id in listed:
-        _add_remote(found, name, committed_at, run_id)
+    for name, committed_at, run_id, save_id in listed:
+        _add_remote(found, name, committed_at, run_id, save_id)
     return sorted(found.values(), key=lambda s: s.committed_at_ns)
 
 
@@ -58,11 +58,17 @@ def numbered_steps(
 
 
 def _add_remote(
-    found: dict[str, CommittedStep], name: str, committed_at: int, run_id: str | None = None
+    found: dict[str, CommittedStep],
+    name: str,
+    committed_at: int,
+    run_id: str | None = None,
+    save_id: str | None = None,
 ) -> None:
     local = found.get(name)
     found[name] = (
-        local.also_remote(committed_at) if local else remote_only(name, committed_at, run_id)
+        local.also_remote(committed_at, save_id)
+        if local
+        else remote_only(name, committed_at, run_id)
     )
 
 
@@ -74,8 +80,8 @@ def _unavailable(remote: RemoteBackend, e: Exception) -> TierUnavailableError:
     )
 
 
-def remote_steps(remote: RemoteBackend) -> list[tuple[str, int, str | None]]:
-    """``(step, committed_at_ns, run_id)`` of every step committed on the remote: one listing of the
+def remote_steps(remote: RemoteBackend) -> list[tuple[str, int, str | None, str | None]]:
+    """``(step, committed_at_ns, run_id, save_id)`` of every step committed on the remote: one listing of the
     root (and one per step prefix, as s3fs globs) and a GET per marker. TierUnavailableError
     if the remote cannot be read."""
     try:
@@ -92,7 +98,15 @@ def remote_steps(remote: RemoteBackend) -> list[tuple[str, int, str | None]]:
         except TierError as e:
             raise _unavailable(remote, e) from e
         if marker is not None:
-            out.append((name, int(marker["committed_at_ns"]), layout.run_of(marker)))
+            save_id = marker.get("save_id")
+            out.append(
+                (
+                    name,
+                    int(marker["committed_at_ns"]),
+                    layout.run_of(marker),
+                    save_id if isinstance(save_id, str) else None,
+                )
+            )
     return out
 
 
@@ -116,7 +130,7 @@ def remote_latest(remote: RemoteBackend) -> tuple[str, int] | None:
         logger.warning("unreadable marker behind the latest pointer of %s: %s", remote, e)
     except TierError as e:
         raise _unavailable(remote, e) from e
-    listed = [(name, at) for name, at, _ in remote_steps(remote)]
+    listed = [(name, at) for name, at, _, _ in remote_steps(remote)]
     newest = step_names.newest(listed)
     return None if newest is None else next(s for s in listed if s[0] == newest)
 

@@ -21,6 +21,9 @@ class CommittedStep:
     as_saved: bool = True  # stored under the step name its manifest gives (not a copy)
     local: bool = True  # a committed directory on the local tier
     remote: bool = False  # a commit marker on the remote tier
+    # that marker names another save of this step name than the local one (saved again
+    # locally, never uploaded): the local save is not durable there
+    remote_other: bool = False
 
     def owner(self, record: RunRecord | None) -> Owner:
         """Whose this step is for the run ``record`` (a root's): ours only when its record is
@@ -41,10 +44,14 @@ class CommittedStep:
             return "saved before run identities (no run id)"
         return f"run {self.run_id!r}'s"
 
-    def also_remote(self, committed_at_ns: int) -> CommittedStep:
-        """This local step, found committed on the remote too (at ``committed_at_ns``)."""
+    def also_remote(self, committed_at_ns: int, save_id: str | None = None) -> CommittedStep:
+        """This local step, found committed on the remote too (at ``committed_at_ns``, as
+        save ``save_id``): the same save, or (``remote_other``) another one."""
         return replace(
-            self, committed_at_ns=max(committed_at_ns, self.committed_at_ns), remote=True
+            self,
+            committed_at_ns=max(committed_at_ns, self.committed_at_ns),
+            remote=True,
+            remote_other=bool(save_id and self.save_id and save_id != self.save_id),
         )
 
 
