@@ -154,7 +154,7 @@ def main() -> None:
         type=int,
         default=None,
         help="rounds of the training loop, one window of each checkpointer and one without "
-        "(default 30, about 14 min; quick 1)",
+        "(default 30, about 11 min; quick 1)",
     )
     p.add_argument("--s3", choices=["localstack", "moto", "none"], default=None)
     p.add_argument(
