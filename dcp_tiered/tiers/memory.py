@@ -37,12 +37,20 @@ import torch
 from .. import _torch_compat, batch_copy, tensor_versions
 from .._priority import lower_this_thread
 from ..backends.local import LocalBackend
-from ..errors import ConfigError, ForeignRunError, StateChangedError
+from ..errors import StateChangedError
 from ..policy import layout, memory_chunks
 from ..policy import memory_format as fmt
 from . import chunk_copy, memory_copy, ownership
 from .memory_replication import SlotReplication
-from .memory_slots import SLOTS, data_file, header_file, read_headers, reserve
+from .memory_slots import (
+    SLOTS,
+    data_file,
+    header_file,
+    read_headers,
+    refuse_foreign,
+    refuse_links,
+    reserve,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +120,8 @@ class MemoryTier(SlotReplication):
         layout.validate_step_name(step)
         self.wait()  # the other slot's commit: never leave both slots uncommitted
         if self.run_id is not None and not self._recorded:  # the directory is the run's
-            self._refuse_foreign_slots()
+            refuse_links(self.backend)  # before the record: nothing written through one
+            refuse_foreign(self.backend, self.run_id)
             ownership.record_local(LocalBackend(self.root), self.run_id)
             self._recorded = True
         started = time.perf_counter()
@@ -252,7 +261,7 @@ class MemoryTier(SlotReplication):
 
     def _uncommit_a_slot(self) -> int:
         """The slot to write next, its header removed first (the copy tears it)."""
-        self._refuse_links()
+        refuse_links(self.backend)
         with self._lock:
             if self._next_slot is None:  # a new process: keep the newest snapshot of the last
                 committed = read_headers(self.backend)
@@ -267,36 +276,6 @@ class MemoryTier(SlotReplication):
             self._next_slot = 1 - slot
             self.backend.remove_file(header_file(slot))
             return slot
-
-    def _refuse_foreign_slots(self) -> None:
-        """Before this run's first write here: a committed slot whose header names another
-        run is that run's snapshot (perhaps its only copy of a step), whatever the directory's
-        run record says or whether it is still there; it is never overwritten."""
-        assert self.run_id is not None  # the caller's check
-        self._refuse_links()
-        for slot, header in read_headers(self.backend).items():
-            if header.run_id is not None and header.run_id != self.run_id:
-                raise ForeignRunError(
-                    f"{self.backend.path_of(header_file(slot))} holds step {header.step!r} of "
-                    f"run {header.run_id!r}, not of run {self.run_id!r}: nothing was written. "
-                    "Give this job its own memory directory, or pass that run_id to continue it"
-                )
-
-    def _refuse_links(self) -> None:
-        """Before anything is written: the rank's directory and its slot files are this
-        tier's names, never links, which a write would go through (a link at a slot's data
-        file: its target truncated and overwritten; at the directory: another directory's
-        files replaced)."""
-        root = self.backend.root
-        names = [data_file(s) for s in range(SLOTS)] + [header_file(s) for s in range(SLOTS)]
-        links = [p for p in (root, *(root / n for n in names)) if p.is_symlink()]
-        if links:
-            raise ConfigError(
-                f"memory tier: {', '.join(map(str, links))} is a symbolic link, which the "
-                "memory tier never writes through (the file it points to would be "
-                "overwritten); nothing was written. Remove the link, or give memory= a "
-                "directory of its own"
-            )
 
     def _buffer(
         self,

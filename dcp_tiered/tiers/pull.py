@@ -113,7 +113,7 @@ def hydrate_step(
                     )
                 keep.append(name)
         else:
-            taken = backend.exists(step) and not backend.exists(step, layout.PENDING_MARKER)
+            taken = backend.exists(step) and not tier.is_pending(step)
             if taken or backend.is_link(step):  # not a step, nor ours to replace
                 raise CheckpointExistsError(
                     f"{backend.path_of(step)} exists and is not a committed step: nothing was "
