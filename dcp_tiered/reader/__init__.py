@@ -103,6 +103,7 @@ class TieredStorageReader(ColumnReads, StorageReader):
         return False
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        _gc.hold_through_dcp_call()  # DCP's first call, where it is given a checkpoint_id
         self._requested = checkpoint_id
         self._step = None
 
@@ -112,6 +113,7 @@ class TieredStorageReader(ColumnReads, StorageReader):
         # DCP turns any exception raised here into a bare AssertionError ("metadata is None").
         # To hand the caller our typed error, it is raised from set_up_storage_reader instead,
         # which DCP reports per rank in CheckpointException.failures like any other failure.
+        _gc.hold_through_dcp_call()  # the first hook of a load: see _gc
         self._deferred_error = None
         try:
             return self._read_metadata()
@@ -206,6 +208,7 @@ class TieredStorageReader(ColumnReads, StorageReader):
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
+        _gc.hold_through_dcp_call()  # begun in read_metadata, unless this rank did not read it
         if self._deferred_error is not None:
             raise self._deferred_error
         if self._step is None:  # DCP always reads metadata first; guard direct use
@@ -224,8 +227,14 @@ class TieredStorageReader(ColumnReads, StorageReader):
 
     # ------------------------------------------------------------ data
 
-    @_gc.paused_during  # a few objects per item, none in cycles: see _gc
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        try:
+            return self._read_data(plan, planner)
+        finally:
+            _gc.end_hold()  # this rank's last hook of the load
+
+    @_gc.paused_during  # a few objects per item, none in cycles: see _gc
+    def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         try:
             # whole tensors the planner left to us first (their failures: read items)
             items = plan.items + self._read_by_columns(planner)

@@ -178,6 +178,7 @@ class TieredStorageWriter(StagingRole, TiersRole, StorageWriter):
             self._stager.close()
         if self._watch is not None:
             self._watch.cancel()
+        _gc.settle()  # the pause through the last save ends now, with its watcher thread
         self._run.release()  # this job no longer uses the root
         if self._owns_tiers:
             self._tiers.close(timeout_secs, wait_durable=wait_durable)
@@ -195,6 +196,7 @@ class TieredStorageWriter(StagingRole, TiersRole, StorageWriter):
         return False  # never auto-selected: construct it with a root
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        _gc.hold_through_dcp_call()  # DCP's first call, where it is given a checkpoint_id
         self._wait_for_earlier_saves()
         self._promote = True
         if isinstance(checkpoint_id, SaveRequest):
@@ -203,10 +205,12 @@ class TieredStorageWriter(StagingRole, TiersRole, StorageWriter):
             self._step = layout.validate_step_name(checkpoint_id)
 
     def storage_meta(self) -> StorageMeta | None:
+        _gc.hold_through_dcp_call()  # the first hook of a save on every rank: see _gc
         self._wait_for_earlier_saves()
         return StorageMeta(checkpoint_id=self._step) if self._step else None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        _gc.hold_through_dcp_call()  # begun in storage_meta, unless DCP no longer calls it
         self._watch_collective(None)
         self._coordinator = is_coordinator
         self._use_collectives = kwargs.get("use_collectives", True)
@@ -358,6 +362,14 @@ class TieredStorageWriter(StagingRole, TiersRole, StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         self._watch_collective(None)
+        try:
+            self._finish(metadata, results)
+        finally:
+            # The coordinator's last hook. Other ranks' pause goes on through the broadcast of
+            # the metadata (one object per item to unpickle) and ends as dcp.save returns.
+            _gc.end_hold()
+
+    def _finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         assert self._save is not None and self._leading is not None and self._report is not None
         started = time.perf_counter()
         save, report, (_, lock) = self._save, self._report, self._leading
