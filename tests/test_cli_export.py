@@ -264,6 +264,22 @@ def test_verify_remote_checks_sizes_and_checksums(tmp_path, remote, capsys):  # 
     assert main(["verify", str(root), "step-1"]) == 0  # the local copy is untouched
 
 
+def test_verify_remote_of_a_step_that_is_not_there_is_not_called_corrupt(tmp_path, remote, capsys):  # noqa: F811
+    """A wrong step name or URL (nothing committed there) is a usage error naming where it
+    looked (exit 2), not a corrupt copy (exit 1: the operator would hunt for a lost one)."""
+    root = tmp_path / "root"
+    _save(root, "step-1", _state(), remote)
+    code, data = _json(capsys, "verify", str(root), "step-9", "--remote")
+    assert code == 2, data
+    message = data["errors"][0]["message"]
+    assert "'step-9' is not committed on" in message and "status" in message, message
+    nowhere = f"file://{tmp_path / 'nowhere'}"
+    code, data = _json(capsys, "verify", str(root), "step-1", "--remote", nowhere)
+    assert code == 2 and "'step-1' is not committed on" in data["errors"][0]["message"], data
+    assert not (tmp_path / "nowhere").exists()  # a look, nothing made there
+    assert main(["verify", str(root), "step-1", "--remote"]) == 0
+
+
 @needs_safetensors
 @pytest.mark.multirank
 def test_export_assembles_tensors_sharded_across_ranks(tmp_path, capsys):

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ..errors import ManifestError
+from ..errors import CheckpointNotFoundError, ManifestError
 from ..policy import layout
 from ..tiers import catalog, verify
 from ..tiers.remote import RemoteTier
@@ -173,6 +173,8 @@ def cmd_verify_remote(run: Run) -> int:
         try:
             m, keys = catalog.remote_manifest(remote, name)
         except (ManifestError, FileNotFoundError) as e:  # this step only
+            if step is not None and isinstance(e, CheckpointNotFoundError):
+                raise  # named, and not committed there: a wrong URL or name, not a bad copy
             why = f"{type(e).__name__}: {e}"
             results.append({"step": name, "tier": "remote", "ok": False, "problems": [why]})
             run.say(f"{name} on {remote.config.url}: CORRUPT\n  {why}")
