@@ -12,6 +12,7 @@ with the real ``awaiting_remote``) on real directories written by the real write
 from __future__ import annotations
 
 import os
+import time
 
 import hypothesis.strategies as st
 import pytest
@@ -29,7 +30,7 @@ from dcp_tiered import (
     UploadFailedError,
 )
 from dcp_tiered.policy import layout, step_names
-from dcp_tiered.policy.retention import StepState, decide, evictions
+from dcp_tiered.policy.retention import StepState, decide, evictions, superseded
 from dcp_tiered.tiers import housekeeping
 from dcp_tiered.tiers.root import Tiers as RootTiers
 
@@ -238,3 +239,73 @@ def test_prune_local_on_real_directories(tmp_path_factory, ops, policy):
     assert f"step-{len(ops) - 1}" in after
     assert not [n for n in os.listdir(tmp / "local") if n.endswith(layout.DELETE_SUFFIX)]
     writer.close(wait_durable=False)  # the failed uploads are the point: nothing to wait for
+
+
+# ---------------------------------------------------------------- the remote's own policy
+
+
+def test_superseded_is_what_the_policy_would_drop_on_arrival():
+    kept = [StepState(f"step-{n}", n) for n in (4, 5)]
+    latest_one = RetentionPolicy(keep_latest=1)
+    assert superseded(StepState("step-3", 3), kept, latest_one)
+    assert not superseded(StepState("step-6", 6), kept, latest_one)  # the newest: kept
+    milestones = RetentionPolicy(keep_latest=1, keep_every=3)
+    assert not superseded(StepState("step-3", 3), kept, milestones)  # a milestone: kept
+    assert not superseded(StepState("step-3", 3), kept, RetentionPolicy(keep_latest=3))
+
+
+def test_a_step_the_remote_retention_dropped_is_not_uploaded_again_by_the_next_job(
+    tmp_path, caplog
+):
+    """Remote keeps 1, local keeps 2: each job's start used to upload the local step the
+    remote's retention had just deleted, every restart a whole checkpoint sent for nothing
+    (and, with no save to prune after it, left on the remote). A step the remote's policy
+    would keep (newer than what it holds) is still uploaded by the next job."""
+    from dcp_tiered import CheckpointManager, Every, Retention, SavePolicy
+
+    remote_dir = tmp_path / "remote"
+    remote = RemoteConfig(
+        url=f"file://{remote_dir}", retry=RetryConfig(max_attempts=1, initial_backoff_secs=0.01)
+    )
+
+    def job(step: int | None) -> None:
+        mgr = CheckpointManager(
+            local=tmp_path / "local",
+            remote=remote,
+            policy=SavePolicy(local=Every(steps=1), remote=Every(steps=1)),
+            retention=Retention(
+                local=RetentionPolicy(keep_latest=2), remote=RetentionPolicy(keep_latest=1)
+            ),
+        )
+        try:
+            if step is not None:
+                mgr.save(step, {"w": torch.full((64,), float(step))})
+        finally:
+            try:
+                mgr.close(timeout_secs=60)
+            except Exception:  # noqa: BLE001 - the broken upload below: the point
+                pass
+
+    def steps(where) -> list[str]:
+        return sorted(n for n in os.listdir(where) if layout.is_step_name(n))
+
+    caplog.set_level("INFO", logger="dcp_tiered")
+    for step in (1, 2, 3):
+        job(step)
+    caplog.clear()
+    job(None)  # a restart that saves nothing
+    uploaded = [r.getMessage() for r in caplog.records if "uploaded step=" in r.getMessage()]
+    assert uploaded == []
+    assert steps(remote_dir) == ["step-3"]
+    assert steps(tmp_path / "local") == ["step-2", "step-3"]  # step-1: dropped by both
+
+    (remote_dir / "step-4").write_bytes(b"")  # a file where the step goes: its upload fails
+    job(4)
+    assert steps(tmp_path / "local") == ["step-3", "step-4"]  # step-4: the only copy, kept
+    (remote_dir / "step-4").unlink()
+    job(None)  # the remote would keep step-4: this job's start uploads it (in the background)
+    marker = remote_dir / "step-4" / layout.REMOTE_MARKER
+    deadline = time.monotonic() + 60
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert marker.exists()

@@ -30,6 +30,7 @@ class Keepers:
         label: str,
     ) -> None:
         self.writers, self.local, self.remote = writers, local, remote
+        writers.remote_retention = lambda: self.remote  # its uploads skip what it would drop
         self.rank, self.label = rank, label
         # root -> (its backend, the retention lock if this process holds it)
         self._locks: dict[str, tuple[LocalBackend, int | None]] = {}
@@ -52,7 +53,13 @@ class Keepers:
         tiers, writer = self.writers.tiers(root), self.writers.get(root)
         try:
             if self.hold(root):
-                deleted = prune_local(tiers.local, self.local, tiers.remote, label=self.label)
+                deleted = prune_local(
+                    tiers.local,
+                    self.local,
+                    tiers.remote,
+                    label=self.label,
+                    remote_policy=self.remote,
+                )
             if self.rank == 0 and self.remote is not None and tiers.remote:
                 deleted += prune_remote(tiers.remote, self.remote, writer.run_id)
         except Exception as e:  # noqa: BLE001 - retried after the next save

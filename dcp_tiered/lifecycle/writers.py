@@ -4,10 +4,11 @@ then kept: the lifecycle owns them (the writer writes on tiers it is given)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import UploadFailedError
+from ..policy.retention import RetentionPolicy
 from ..tiers.root import Tiers
 from ..writer import TieredStorageWriter, WriterConfig
 
@@ -27,6 +28,8 @@ class Writers:
         self.config = WriterConfig(**options)
         self._writers: dict[str, tuple[Tiers, TieredStorageWriter]] = {}
         self.run_id: str | None = None  # the run every root of these writers records
+        # The remote tier's retention, as its keepers hold it now (Keepers sets this).
+        self.remote_retention: Callable[[], RetentionPolicy | None] = lambda: None
 
     def get(self, root: str | os.PathLike[str]) -> TieredStorageWriter:
         return self._of(root)[1]
@@ -38,6 +41,7 @@ class Writers:
         root = os.path.abspath(root)
         if root not in self._writers:
             tiers = Tiers.open(root, self.remote, self.storage_options)
+            tiers.remote_retention = lambda: self.remote_retention()
             writer = TieredStorageWriter(tiers, config=self.config, run_id=self._explicit_run)
             writer.recover()
             # A root the run saves to later (a shim's root per checkpoint) joins the run: the

@@ -69,6 +69,14 @@ def evictions(steps: Iterable[StepState], policy: RetentionPolicy) -> list[str]:
     return doomed
 
 
+def superseded(step: StepState, kept: Iterable[StepState], policy: RetentionPolicy) -> bool:
+    """Whether ``policy`` would delete ``step`` from a tier holding ``kept`` as soon as it got
+    there (newer steps fill ``keep_latest``; it is no milestone, not pinned): a step the
+    remote's retention already pruned, or would prune on arrival, need not be uploaded."""
+    others = [s for s in kept if s.name != step.name]
+    return step.name in evictions([*others, step], policy)
+
+
 def decide(
     steps: Iterable[StepState], policy: RetentionPolicy, awaiting: Callable[[str], bool]
 ) -> tuple[list[str], list[str]]:

@@ -17,7 +17,7 @@ from ..backends.remote import RemoteBackend
 from ..errors import ManifestError, TierError
 from ..policy import step_names
 from ..policy.identity import Owner
-from ..policy.retention import RetentionPolicy, StepState, decide, evictions
+from ..policy.retention import RetentionPolicy, StepState, decide, evictions, superseded
 from .local import LocalTier
 from .remote import RemoteTier
 
@@ -51,14 +51,27 @@ def local_pass(
     *,
     label: str,
     dry_run: bool = False,
+    remote_policy: RetentionPolicy | None = None,
 ) -> Pruned:
     """Apply ``policy`` to a local tier's own steps (with ``dry_run``: decide only, delete
     nothing). A step whose manifest asks for promotion is kept until the store holds its save
-    whole (or while that cannot be told)."""
+    whole (or while that cannot be told), unless ``remote_policy`` (the remote tier's
+    retention) would drop it there anyway (:class:`RemoteRetention`)."""
     own = _own_steps(tier)
-    deleted, held = decide(
-        own, policy, lambda name: remote is not None and awaiting_remote(tier, remote, name)
+    record = tier.record()
+    dropped = (
+        RemoteRetention(remote, remote_policy, record.run_id)
+        if remote is not None and remote_policy is not None and record is not None
+        else None
     )
+    when = {s.name: s for s in own}
+
+    def awaiting(name: str) -> bool:
+        if remote is None or not awaiting_remote(tier, remote, name):
+            return False
+        return dropped is None or not dropped.superseded(when[name])
+
+    deleted, held = decide(own, policy, awaiting)
     if not dry_run:
         for name in deleted:
             tier.delete_step(name, reason=f"retention of the {label} tier")
@@ -70,10 +83,15 @@ def local_pass(
 
 
 def prune_local(
-    tier: LocalTier, policy: RetentionPolicy, remote: RemoteBackend | None, *, label: str
+    tier: LocalTier,
+    policy: RetentionPolicy,
+    remote: RemoteBackend | None,
+    *,
+    label: str,
+    remote_policy: RetentionPolicy | None = None,
 ) -> list[str]:
     """Apply ``policy`` to a local tier's own steps; the names deleted (:func:`local_pass`)."""
-    return local_pass(tier, policy, remote, label=label).deleted
+    return local_pass(tier, policy, remote, label=label, remote_policy=remote_policy).deleted
 
 
 def awaiting_remote(tier: LocalTier, remote: RemoteBackend, step: str) -> bool:
@@ -96,9 +114,9 @@ def awaiting_remote(tier: LocalTier, remote: RemoteBackend, step: str) -> bool:
         return True
 
 
-def prune_remote(remote: RemoteBackend, policy: RetentionPolicy, run_id: str | None) -> list[str]:
-    """Apply ``policy`` to run ``run_id``'s steps on the remote tier; a step whose marker cannot
-    be read is left alone (with a WARNING), never stopping the pass."""
+def remote_states(remote: RemoteBackend, run_id: str | None) -> list[StepState]:
+    """Run ``run_id``'s committed steps on the remote tier, by their markers; a step whose
+    marker cannot be read is left out (with a WARNING)."""
     states = []
     on_remote = RemoteTier(remote)
     for name in on_remote.steps():
@@ -109,7 +127,42 @@ def prune_remote(remote: RemoteBackend, policy: RetentionPolicy, run_id: str | N
             continue
         if marker is not None and on_remote.owner(marker, name, run_id) == Owner.OURS:
             states.append(StepState(name, int(marker["committed_at_ns"])))
-    doomed = evictions(states, policy)
+    return states
+
+
+def prune_remote(remote: RemoteBackend, policy: RetentionPolicy, run_id: str | None) -> list[str]:
+    """Apply ``policy`` to run ``run_id``'s steps on the remote tier; a step whose marker cannot
+    be read is left alone (with a WARNING), never stopping the pass."""
+    doomed = evictions(remote_states(remote, run_id), policy)
     for name in doomed:
-        on_remote.delete(name, reason="retention of the remote tier", run_id=run_id)
+        RemoteTier(remote).delete(name, reason="retention of the remote tier", run_id=run_id)
     return doomed
+
+
+class RemoteRetention:
+    """The remote tier's retention as the local tier's uploads and retention see it: whether a
+    committed local step is one the remote's policy would drop on arrival (it already pruned
+    it, or newer durable steps of the run fill its place), asked of the store once per
+    instance. Such a step is not uploaded again, and no longer held locally for the remote.
+    Where the store cannot be asked, nothing is superseded."""
+
+    def __init__(self, remote: RemoteBackend, policy: RetentionPolicy, run_id: str | None) -> None:
+        self.remote, self.policy, self.run_id = remote, policy, run_id
+        self._states: list[StepState] | None = None
+
+    def superseded(self, step: StepState) -> bool:
+        states = self._listed()
+        return bool(states) and superseded(step, states, self.policy)
+
+    def pruned(self, step: StepState) -> bool:
+        """Superseded, and not on the remote: there is nothing to upload it for."""
+        return self.superseded(step) and step.name not in {s.name for s in self._listed()}
+
+    def _listed(self) -> list[StepState]:
+        if self._states is None:
+            try:
+                self._states = remote_states(self.remote, self.run_id)
+            except (TierError, OSError) as e:
+                logger.warning("cannot list the steps on %s: %s", self.remote.config.url, e)
+                self._states = []
+        return self._states

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -22,6 +23,7 @@ from ..backends.remote import RemoteBackend, remote_backend
 from ..config import RemoteConfig
 from ..errors import DcpTieredError, ManifestError, TransientTierError, UploadFailedError
 from ..policy import layout, records
+from ..policy.retention import RetentionPolicy
 from . import catalog, uploads
 from .local import LocalTier
 from .remote import Durability, RemoteTier, durability
@@ -46,6 +48,10 @@ class SaveReport:
     upload: Future[tuple[float, float]] | None = None
 
 
+def _no_policy() -> RetentionPolicy | None:
+    return None
+
+
 class Tiers:
     """The tiers of the local root ``local`` (and of ``remote``, if any), built once per root."""
 
@@ -55,6 +61,9 @@ class Tiers:
         self._remote_checked = False  # the probe runs once
         self._reports: dict[str, SaveReport] = {}
         self._lock = threading.Lock()
+        # The remote tier's retention policy, if an owner applies one (asked at each resume):
+        # steps it would drop are not uploaded again (uploads.Uploader.resume).
+        self.remote_retention: Callable[[], RetentionPolicy | None] = _no_policy
 
     @classmethod
     def open(
@@ -76,6 +85,7 @@ class Tiers:
         # its reports stay there too (their futures are this process's).
         state = self.__dict__.copy()
         state["_queue"], state["_lock"], state["_reports"] = None, None, {}
+        state["remote_retention"] = _no_policy  # the owner's (a closure); the copy resumes none
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -135,7 +145,9 @@ class Tiers:
         assert self.remote is not None
         with self._lock:
             if self._queue is None:
-                self._queue = uploads.Uploader(self.local, self.remote)
+                self._queue = uploads.Uploader(
+                    self.local, self.remote, lambda: self.remote_retention()
+                )
             return self._queue
 
     def upload_early(

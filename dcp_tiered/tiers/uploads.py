@@ -27,8 +27,10 @@ from ..backends.remote import RemoteBackend
 from ..errors import ForeignRunError, ManifestError, UploadFailedError
 from ..policy import layout
 from ..policy.identity import Owner
+from ..policy.retention import RetentionPolicy, StepState
 from . import ownership
 from .file_upload import upload_locked
+from .housekeeping import RemoteRetention
 from .local import LocalTier
 from .promotion import CLAIMED, Promotion, claim_body
 from .remote import RemoteTier
@@ -44,8 +46,14 @@ class Uploader:
     """Promotes the committed steps of one local root to one remote, in commit order. Each
     promotion's future ends with when it started and made the step durable (epoch seconds)."""
 
-    def __init__(self, tier: LocalTier, remote: RemoteBackend) -> None:
+    def __init__(
+        self,
+        tier: LocalTier,
+        remote: RemoteBackend,
+        retention: Callable[[], RetentionPolicy | None] = lambda: None,
+    ) -> None:
         self.tier, self.remote = tier, remote
+        self._retention = retention  # the remote tier's policy, if one applies to it
         self._steps = DaemonPool(1, "dcp-tiered-upload", lower_this_thread)
         self._files = DaemonPool(
             remote.config.max_concurrency, "dcp-tiered-upload-file", lower_this_thread
@@ -234,8 +242,23 @@ class Uploader:
             if self._resume_lock is None:
                 return  # another process on this node resumes them
         record = self.tier.record()
+        policy = self._retention()
+        dropped = (
+            RemoteRetention(self.remote, policy, record.run_id)
+            if policy is not None and record is not None
+            else None
+        )
         for info in sorted(self.tier.steps(), key=lambda s: s.committed_at_ns):
             if not info.verified_format or not self._wants_promotion(info.name):
+                continue
+            if dropped is not None and dropped.pruned(StepState(info.name, info.committed_at_ns)):
+                logger.info(
+                    "not uploading %s/%s (again): the remote tier's retention keeps newer "
+                    "steps of the run only; it stays on the local tier until the local "
+                    "retention drops it",
+                    self.tier.root,
+                    info.name,
+                )
                 continue
             if record is not None and info.owner(record) != Owner.OURS:
                 logger.warning(
