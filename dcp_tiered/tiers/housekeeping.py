@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from ..backends.remote import RemoteBackend
 from ..errors import ManifestError, TierError
 from ..policy import step_names
-from ..policy.identity import Owner
+from ..policy.identity import Owner, RunRecord
 from ..policy.retention import RetentionPolicy, StepState, decide, evictions, superseded
 from .local import LocalTier
 from .remote import RemoteTier
@@ -24,10 +24,9 @@ from .remote import RemoteTier
 logger = logging.getLogger(__name__)
 
 
-def _own_steps(tier: LocalTier) -> list[StepState]:
-    """This run's own committed steps on ``tier`` (none when the root records no run:
-    nothing there is provably ours)."""
-    record = tier.record()
+def _own_steps(tier: LocalTier, record: RunRecord | None) -> list[StepState]:
+    """This run's own committed steps on ``tier``, whose record is ``record`` (none when the
+    root records no run: nothing there is provably ours)."""
     if record is None:
         return []
     return [
@@ -57,8 +56,8 @@ def local_pass(
     nothing). A step whose manifest asks for promotion is kept until the store holds its save
     whole (or while that cannot be told), unless ``remote_policy`` (the remote tier's
     retention) would drop it there anyway (:class:`RemoteRetention`)."""
-    own = _own_steps(tier)
     record = tier.record()
+    own = _own_steps(tier, record)
     dropped = (
         RemoteRetention(remote, remote_policy, record.run_id)
         if remote is not None and remote_policy is not None and record is not None
@@ -134,8 +133,9 @@ def prune_remote(remote: RemoteBackend, policy: RetentionPolicy, run_id: str | N
     """Apply ``policy`` to run ``run_id``'s steps on the remote tier; a step whose marker cannot
     be read is left alone (with a WARNING), never stopping the pass."""
     doomed = evictions(remote_states(remote, run_id), policy)
+    on_remote = RemoteTier(remote)
     for name in doomed:
-        RemoteTier(remote).delete(name, reason="retention of the remote tier", run_id=run_id)
+        on_remote.delete(name, reason="retention of the remote tier", run_id=run_id)
     return doomed
 
 
@@ -149,6 +149,7 @@ class RemoteRetention:
     def __init__(self, remote: RemoteBackend, policy: RetentionPolicy, run_id: str | None) -> None:
         self.remote, self.policy, self.run_id = remote, policy, run_id
         self._states: list[StepState] | None = None
+        self._names: set[str] = set()
 
     def superseded(self, step: StepState) -> bool:
         states = self._listed()
@@ -156,7 +157,7 @@ class RemoteRetention:
 
     def pruned(self, step: StepState) -> bool:
         """Superseded, and not on the remote: there is nothing to upload it for."""
-        return self.superseded(step) and step.name not in {s.name for s in self._listed()}
+        return self.superseded(step) and step.name not in self._names
 
     def _listed(self) -> list[StepState]:
         if self._states is None:
@@ -165,4 +166,5 @@ class RemoteRetention:
             except (TierError, OSError) as e:
                 logger.warning("cannot list the steps on %s: %s", self.remote.config.url, e)
                 self._states = []
+            self._names = {s.name for s in self._states}
         return self._states
