@@ -9,9 +9,10 @@ torch-checkpointing does not (``use_direct_io=False``), so its files are fsynced
 its saves ends, on a thread of this benchmark's, off the training thread (the local figures
 add the same fsync).
 
-``ours`` copies its memory snapshots beside training (``async_snapshots=True``) and waits for
-the copy right before ``optimizer.step()`` (``wait_staged``), as torch-checkpointing's users
-hold its lock there; ``ours-sync`` is the same without (each snapshot's copy within the step).
+``ours`` and ``ours-disk`` copy beside training (``async_snapshots=True``: memory snapshots
+and disk saves' staging) and wait for the copy right before ``optimizer.step()``
+(``wait_staged``), as torch-checkpointing's users hold its lock there; ``ours-sync`` is
+``ours`` without (each copy within the step).
 
 The unit of time is a *window*: one disk-save cycle, the step that starts a disk save and the
 9 after it (--every), then the wait until that save is durable, so a window's throughput is
@@ -201,7 +202,9 @@ def main() -> None:
     try:
         for name in ("ours", "ours-sync", "ours-disk"):
             root = Path(a.dir) / f"{name}-all"
-            peers[name] = Ours(root, a.every, memory=name != "ours-disk", overlap=name == "ours")
+            peers[name] = Ours(
+                root, a.every, memory=name != "ours-disk", overlap=name != "ours-sync"
+            )
         train = Train(a.width, a.layers, calibrate(a.width, a.layers, a.step_secs))
         # one untimed window of each: processes, shared memory and buffers exist before timing
         for name in [] if a.no_warm_up else names:

@@ -23,7 +23,7 @@ import torch
 from . import host_copy
 from .host_copy import PLAIN_TENSORS
 
-_SIMPLE = (int, float, str, bytes, bool, type(None))
+SIMPLE = (int, float, str, bytes, bool, type(None))  # immutable: never copied
 # nn.Module.state_dict() returns an OrderedDict: the commonest state there is. Its buffers (and
 # this path's result) are plain dicts, as torch's own copy makes them.
 DICTS = (dict, OrderedDict)
@@ -148,7 +148,7 @@ def _pair(
         raise Mismatch  # a subclass (the general path), or a tensor that became a value
     if on_value is not None:
         return on_value(buf, obj)
-    return obj if kind in _SIMPLE else copy.deepcopy(obj)
+    return obj if kind in SIMPLE else copy.deepcopy(obj)
 
 
 def _pair_tensor_dict(

@@ -133,8 +133,8 @@ class StagingError(DcpTieredError):
 
 
 class StateChangedError(StagingError):
-    """The state changed while a snapshot copied it beside training
-    (``CheckpointManager(async_snapshots=True)``): the copy mixes two steps, so it was not
+    """The state changed while a memory snapshot or a disk save's staging copied it beside
+    training (``CheckpointManager(async_snapshots=True)``): the copy mixes two steps, so it was not
     committed. Call ``wait_staged()`` before changing the state (``optimizer.step()``)."""
 
 

@@ -11,19 +11,21 @@ in the same order on every rank.
 
 from __future__ import annotations
 
+import copy
 import logging
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import _torch_compat, batch_copy
+from . import _torch_compat, batch_copy, tensor_versions
 from ._torch_compat import ShardedTensor
-from .errors import StagingError
+from .errors import StagingError, StateChangedError
 from .host_copy import PLAIN_TENSORS
 
 logger = logging.getLogger(__name__)
@@ -82,6 +84,19 @@ class _Slot:
     described: batch_copy.Descriptions = field(default_factory=batch_copy.new_descriptions)
 
 
+def _values_taken(obj: Any) -> Any:
+    """``obj``'s structure with its tensors as they are and every other mutable value
+    deep-copied (as staging copies them): what a copy beside training reads of the caller's
+    state later is its tensors' bytes only."""
+    if isinstance(obj, torch.Tensor) or type(obj) in batch_copy.SIMPLE:
+        return obj
+    if type(obj) in batch_copy.DICTS:
+        return type(obj)((k, _values_taken(v)) for k, v in obj.items())
+    if type(obj) in (list, tuple):
+        return type(obj)(_values_taken(v) for v in obj)
+    return copy.deepcopy(obj)  # a ShardedTensor is a Tensor; anything else is a value
+
+
 def _copy_batched(state_dict: dict[str, Any], slot: _Slot, cuda: bool) -> Any:
     """``state_dict`` copied into the slot's buffers in one batched copy, or None (nothing
     copied) where it does not fit them or holds distributed tensors (DCP's helpers copy
@@ -124,6 +139,7 @@ class DoubleBufferStager:
         self._pending: tuple[_Slot, set[threading.Thread]] | None = None
         self.last_stall_secs = 0.0
         self.last_staged_bytes = 0
+        self.last_change: StateChangedError | None = None  # see stage(beside=)
 
     def buffers_ready(self) -> int:
         """How many buffer sets are allocated for the last staged structure (0 to 2)."""
@@ -132,7 +148,12 @@ class DoubleBufferStager:
 
     # ------------------------------------------------------------ staging
 
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+    def stage(
+        self, state_dict: dict[str, Any], beside: Callable[[], None] | None = None
+    ) -> dict[str, Any]:
+        """``state_dict`` copied into the next buffer set. ``beside``: called once the buffers
+        are ready and the tensors' version counters read, so that the caller goes on during
+        the copy; ``last_change`` then says whether a tensor changed meanwhile."""
         start = time.perf_counter()
         slot = self._slots[self._next]
         self._wait_for(slot.threads, what="the save that used this staging buffer")
@@ -142,28 +163,25 @@ class DoubleBufferStager:
             t for s in self._slots for t in s.threads if t.name.startswith(_PROCESS_EXECUTOR)
         ]
         self._wait_for(in_process_mode, what="the previous PROCESS-mode async save")
-        cuda = torch.cuda.is_available()
-        staged = None
-        if slot.buffers is not None and slot.batched:  # the same structure as last time?
-            staged = _copy_batched(state_dict, slot, cuda)
-        if staged is None:
-            signature = _signature(state_dict)
-            if slot.buffers is None or signature != slot.signature:
-                slot.buffers = _torch_compat.create_cpu_state_dict(
-                    state_dict, pin_memory=cuda, share_memory=self._share_memory
+        self.last_change = None
+        if beside is None:
+            staged = self._copy(state_dict, slot)
+        else:
+            # before the caller goes on: the buffers (which read no tensor's bytes), and the
+            # non-tensor values, copied now as the loop may change them in place next
+            self._allocate(state_dict, slot)
+            state_dict = _values_taken(state_dict)
+            named = list(tensor_versions.leaves(state_dict))
+            tensors = [t for _, t in named]
+            before = tensor_versions.read(tensors)
+            beside()
+            staged = self._copy(state_dict, slot)
+            try:
+                tensor_versions.require_unchanged(
+                    tensors, before, lambda i: named[i][0], "staging copy", "disk save"
                 )
-                slot.signature = signature
-                slot.nbytes = state_bytes(state_dict)
-                slot.described = batch_copy.new_descriptions()
-            staged = _copy_batched(state_dict, slot, cuda)
-            slot.batched = staged is not None
-        if staged is None:
-            assert slot.buffers is not None  # allocated above
-            # type_check=False: non-tensor values are deep-copied, so later mutation by the
-            # trainer cannot leak into the checkpoint.
-            staged = _torch_compat.copy_state_dict(
-                state_dict, slot.buffers, non_blocking=cuda, type_check=False
-            )
+            except StateChangedError as e:
+                self.last_change = e
         self.last_staged_bytes = slot.nbytes
         if torch.cuda.is_available():
             torch.cuda.synchronize()
@@ -175,6 +193,35 @@ class DoubleBufferStager:
         logger.debug("staged into buffer set %d in %.3f s", self._next, time.perf_counter() - start)
         self._next = 1 - self._next
         self.last_stall_secs = time.perf_counter() - start
+        return staged
+
+    def _allocate(self, state_dict: dict[str, Any], slot: _Slot) -> None:
+        """The slot's buffers fit ``state_dict``'s structure (allocated anew if not)."""
+        signature = _signature(state_dict)
+        if slot.buffers is None or signature != slot.signature:
+            slot.buffers = _torch_compat.create_cpu_state_dict(
+                state_dict, pin_memory=torch.cuda.is_available(), share_memory=self._share_memory
+            )
+            slot.signature = signature
+            slot.nbytes = state_bytes(state_dict)
+            slot.described = batch_copy.new_descriptions()
+
+    def _copy(self, state_dict: dict[str, Any], slot: _Slot) -> dict[str, Any]:
+        cuda = torch.cuda.is_available()
+        staged = None
+        if slot.buffers is not None and slot.batched:  # the same structure as last time?
+            staged = _copy_batched(state_dict, slot, cuda)
+        if staged is None:
+            self._allocate(state_dict, slot)
+            staged = _copy_batched(state_dict, slot, cuda)
+            slot.batched = staged is not None
+        if staged is None:
+            assert slot.buffers is not None  # allocated above
+            # type_check=False: non-tensor values are deep-copied, so later mutation by the
+            # trainer cannot leak into the checkpoint.
+            staged = _torch_compat.copy_state_dict(
+                state_dict, slot.buffers, non_blocking=cuda, type_check=False
+            )
         return staged
 
     def after_execute(self) -> None:

@@ -17,7 +17,6 @@ import torch
 
 from dcp_tiered import (
     CheckpointManager,
-    ConfigError,
     Every,
     SaveFailedError,
     SavePolicy,
@@ -248,8 +247,3 @@ def test_a_forward_that_updates_buffers_moves_a_counter_and_inference_tensors_ha
         frozen = torch.ones(3)
     assert tensor_versions.read([frozen, bn.running_mean])[0][0] is None
     tensor_versions.require_unchanged([frozen], tensor_versions.read([frozen]), str, "x")
-
-
-def test_async_snapshots_need_a_memory_tier(tmp_path):
-    with pytest.raises(ConfigError, match="needs memory"):
-        CheckpointManager(local=tmp_path, async_snapshots=True)

@@ -264,15 +264,28 @@ class Lifecycle(Finishing, Reaping, Restoring):
         *,
         planner: Any = None,
         promote: bool = True,
+        let_go: Callable[[], None] | None = None,
     ) -> Future[Any]:
         """``dcp.async_save`` of ``state`` as ``step`` on the checkpoint group: returns once
         staged, with the future of this rank's write. ``promote=False``: the step stays on the
-        local tier. Once the future ended, :meth:`~dcp_tiered.lifecycle.reaping.Reaping.reap`
-        gives the save its :class:`~dcp_tiered.tiers.root.SaveReport`."""
+        local tier. ``let_go``: called once the staging copy is all that is left before this
+        returns (the caller goes on beside it; the save fails if the state changed during
+        it). Once the future ended, :meth:`~dcp_tiered.lifecycle.reaping.Reaping.reap` gives
+        the save its :class:`~dcp_tiered.tiers.root.SaveReport`."""
+        check = None if let_go is None else writer.copy_beside(let_go)
+        try:
+            return self._async_save(state, SaveRequest(step, promote, check), writer, planner)
+        finally:
+            if check is not None:
+                writer.copy_beside(None)  # unused where the save failed before its stage
+
+    def _async_save(
+        self, state: dict[str, Any], request: SaveRequest, writer: TieredStorageWriter, planner: Any
+    ) -> Future[Any]:
         return _torch_compat.upload_future(
             dcp.async_save(
                 state,
-                checkpoint_id=SaveRequest(step, promote=promote),
+                checkpoint_id=request,
                 storage_writer=writer,
                 planner=planner_for(writer) if planner is None else planner,
                 process_group=self.group,

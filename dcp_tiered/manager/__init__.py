@@ -90,12 +90,13 @@ class CheckpointManager(Saving, Restoring):
             record it; a directory or prefix of another run, or a root another job uses now, is
             refused at start with ForeignRunError on every rank. Only this run's steps and
             snapshots are ever restored, quarantined or deleted (see docs/guarantees.md).
-        async_snapshots: a memory snapshot copies the state while training goes on: ``save``
-            returns once the snapshot is decided, and the copy runs on one background thread.
-            Call :meth:`wait_staged` before changing the state (right before
-            ``optimizer.step()``): a snapshot during whose copy a tensor changed is not
-            committed, and the next ``save`` raises SaveFailedError (StateChangedError).
-            Disk saves still return once staged. Needs ``memory``.
+        async_snapshots: a save copies the state's tensors while training goes on (a memory
+            snapshot's copy, a disk save's staging copy): ``save`` returns once the save is
+            decided and everything but the tensors' bytes is taken, and the copy runs on one
+            background thread. Call :meth:`wait_staged` before changing the state (right
+            before ``optimizer.step()``): a save during whose copy a tensor changed is not
+            committed (a disk save fails on every rank before it writes), and the next
+            ``save`` raises SaveFailedError (StateChangedError).
     """
 
     # The save and restore paths live in base classes of their own (_saving, _restore);
@@ -126,8 +127,6 @@ class CheckpointManager(Saving, Restoring):
     ) -> None:
         if replication is not None and memory is None:
             raise ConfigError("replication copies memory snapshots: it needs memory=...")
-        if async_snapshots and memory is None:
-            raise ConfigError("async_snapshots copies memory snapshots: it needs memory=...")
         self.async_snapshots = async_snapshots
         self._staging: Future[None] | None = None  # the copy going on beside training
         self.policy = policy or SavePolicy()

@@ -1,5 +1,6 @@
 """The manager's save path: the vote on each step, the tier it starts, and (with
-``async_snapshots``) the caller let go before a memory snapshot's copy."""
+``async_snapshots``) the caller let go before the copy of a memory snapshot or of a disk
+save's staging."""
 
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ from ._reports import Reports
 
 
 class _LetGo:
-    """Lets the caller of ``save`` go on before a memory snapshot's copy (``async_snapshots``):
-    its stall ends there. ``stall`` is None until it has."""
+    """Lets the caller of ``save`` go on before a snapshot's or a disk save's staging copy
+    (``async_snapshots``): its stall ends there. ``stall`` is None until it has."""
 
     def __init__(self, t0: float, release: Callable[[], None], record: Callable[[float], None]):
         self._t0, self._release, self._record = t0, release, record
@@ -65,7 +66,7 @@ class Saving:
 
     def save(self, step: int, app_state: dict[str, Any], *, force: bool = False) -> Decision:
         """Save ``app_state`` as ``step-<step>`` to the tiers due now; returns once staged
-        (with ``async_snapshots``, a memory snapshot: once decided, its copy going on).
+        (with ``async_snapshots``: once decided, the copy of its tensors going on).
 
         ``force=True`` saves to the local and remote tiers whatever the cadence (end of an
         epoch, a pre-emption notice). Raises SaveFailedError on every rank if an earlier
@@ -80,7 +81,7 @@ class Saving:
         # Off the caller's thread, which waits: its heap stays the training step's (see there).
         if not self.async_snapshots:
             return self._save_thread.run(self._save, step, app_state, force, t0)
-        # ... until a memory snapshot's copy, which goes on beside training (wait_staged)
+        # ... until the copy of its tensors, which goes on beside training (wait_staged)
         decision, self._staging = self._save_thread.start(self._save, step, app_state, force, t0)
         return decision
 
@@ -143,15 +144,15 @@ class Saving:
         t0: float,
         let_go: Callable[[], None] | None = None,
     ) -> None:
-        """Start the save; ``let_go``: a memory snapshot lets the caller go on before its copy
-        (``async_snapshots``), its stall then the time until then."""
+        """Start the save; ``let_go``: the caller goes on before the copy of the state's
+        tensors (``async_snapshots``), its stall then the time until then."""
         name = step_name(step)
         started = time.time()
         release = None if let_go is None else _LetGo(t0, let_go, self._record_stall)
         self._reports.planned(step, decision, PENDING)
         if decision.local:
             future = self._lifecycle.start_async(
-                app_state, name, self._local, promote=decision.remote
+                app_state, name, self._local, promote=decision.remote, let_go=release
             )
             stage_s, nbytes = self._local.staged()
             self._room.staged_bytes = nbytes

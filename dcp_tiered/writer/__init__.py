@@ -47,7 +47,7 @@ from ..staging import DoubleBufferStager
 from ..tiers import ownership
 from ..tiers.root import SaveReport, Tiers
 from . import _commit, _datafile, _describe, _plan
-from ._config import SaveRequest, WriterConfig
+from ._config import CopyCheck, SaveRequest, WriterConfig
 from ._plan import RankInfo, SaveFacts, SaveInfo
 from ._plan import planned_bytes as _planned_bytes  # noqa: F401 (benchmarks/scale.py)
 from ._staging import StagingRole
@@ -126,6 +126,7 @@ class TieredStorageWriter(StagingRole, TiersRole, StorageWriter):
         self._kept_metadata = _describe.KeptMetadata()  # the last .metadata, for the next
         self._step: str | None = None
         self._promote = True  # what the save being run asks (SaveRequest.promote)
+        self._copy_check: CopyCheck | None = None  # ... and its copy_check
         self._free_bytes = 0  # free on this rank's root when it planned this save
         self._facts: SaveFacts | None = None  # the coordinator's, from prepare_global_plan
         self._save: SaveInfo | None = None  # the coordinator's, from write_data to finish
@@ -198,9 +199,10 @@ class TieredStorageWriter(StagingRole, TiersRole, StorageWriter):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         _gc.hold_through_dcp_call()  # DCP's first call, where it is given a checkpoint_id
         self._wait_for_earlier_saves()
-        self._promote = True
+        self._promote, self._copy_check = True, None
         if isinstance(checkpoint_id, SaveRequest):
             self._step, self._promote = checkpoint_id.step, checkpoint_id.promote
+            self._copy_check = checkpoint_id.copy_check
         elif checkpoint_id is not None:
             self._step = layout.validate_step_name(checkpoint_id)
 
@@ -212,6 +214,10 @@ class TieredStorageWriter(StagingRole, TiersRole, StorageWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         _gc.hold_through_dcp_call()  # begun in storage_meta, unless DCP no longer calls it
         self._watch_collective(None)
+        check, self._copy_check = self._copy_check, None  # this save's, and no later one's
+        if check is not None and check.error is not None:
+            # In DCP's planning step: the save fails on every rank, having written nothing
+            raise check.error
         self._coordinator = is_coordinator
         self._use_collectives = kwargs.get("use_collectives", True)
         self._begin_save()

@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from ..errors import ConfigError
+from ..errors import ConfigError, StateChangedError
 from ..policy import layout
 
 
@@ -51,15 +51,26 @@ class WriterConfig:
             raise ConfigError("free_space_margin_bytes must be >= 0")
 
 
+@dataclass
+class CopyCheck:
+    """What a staging copy made beside training found (``copy_beside``): ``error`` if the
+    state changed while it copied, and the save must not commit."""
+
+    error: StateChangedError | None = None
+
+
 @dataclass(frozen=True)
 class SaveRequest(os.PathLike[str]):
     """A ``checkpoint_id`` that carries what one save asks beyond its step name: every rank
     passes the same one to ``dcp.save``/``dcp.async_save``, and the coordinator's goes to every
     rank with the save's facts. ``promote=False``: keep this step on the local tier only (the
-    remote, if any, does not get it)."""
+    remote, if any, does not get it). ``copy_check``: this rank's staging copy was made beside
+    training (the manager's ``async_snapshots``), and the save fails on every rank where it
+    found the state changed."""
 
     step: str
     promote: bool = True
+    copy_check: CopyCheck | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         layout.validate_step_name(self.step)
