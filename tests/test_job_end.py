@@ -213,3 +213,40 @@ def test_managers_built_and_closed_in_a_loop_return_to_the_baseline(tmp_path, sh
     while footprint() != baseline and time.monotonic() < deadline:
         time.sleep(0.1)
     assert footprint() == baseline
+
+
+def test_close_waits_for_the_uploads_its_start_resumed(tmp_path, monkeypatch):
+    """A job whose upload failed leaves its step committed locally; the next job's start
+    resumes that upload, and its close() returns once the step is durable (it had released
+    the upload unwaited, and the step was left to the job after)."""
+    from dcp_tiered import SaveFailedError
+    from dcp_tiered.tiers import uploads
+    from dcp_tiered.tiers.promotion import Promotion
+
+    root, remote = tmp_path / "ckpt", f"file://{tmp_path}/remote"
+    policy = SavePolicy(local=Every(steps=1), remote=Every(steps=1))
+    run = Promotion.run
+
+    def fails(self):
+        raise OSError("the store is down (injected)")
+
+    monkeypatch.setattr(Promotion, "run", fails)
+    mgr = CheckpointManager(local=root, remote=remote, policy=policy, events=None)
+    mgr.save(1, {"w": torch.ones(1024)})
+    with pytest.raises(SaveFailedError):
+        mgr.close()
+    # reported by close(): the exit hook has nothing to say of it again
+    assert not [up for up in uploads._LIVE if up.tier.root == str(root)], "left to the exit hook"
+
+    def slow(self):  # the store back, slow: a resumed upload outlives a quick job
+        time.sleep(1.0)
+        run(self)
+
+    monkeypatch.setattr(Promotion, "run", slow)
+    with CheckpointManager(local=root, remote=remote, policy=policy, events=None):
+        pass  # a job that saves nothing
+    writer = TieredStorageWriter(root, remote=remote)  # reads where step-1 stands
+    try:
+        assert writer.durability("step-1") == Durability.DURABLE_REMOTE
+    finally:
+        writer.close()

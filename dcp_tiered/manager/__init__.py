@@ -287,8 +287,10 @@ class CheckpointManager(Saving, Restoring):
     # ------------------------------------------------------------ shutdown
 
     def close(self, timeout_secs: float | None = None) -> None:
-        """Wait for in-flight saves, uploads and retention; raise SaveFailedError on every
-        rank if any of them failed on any rank.
+        """Wait for in-flight saves, uploads (earlier jobs' steps this start resumed too) and
+        retention; raise SaveFailedError on every rank if any of this job's failed on any
+        rank (an earlier job's step not durable is logged: it stays committed locally, and the
+        next job resumes it).
 
         Ranks poll together (:meth:`~dcp_tiered.lifecycle.reaping.Reaping.drain`): as soon as any
         rank's save or upload fails, every rank raises. ``timeout_secs`` bounds
@@ -309,6 +311,7 @@ class CheckpointManager(Saving, Restoring):
         try:
             late = f"not durable after close(timeout_secs={timeout_secs})"
             self._lifecycle.drain(deadline, self._raise_failures, late=late)
+            self._lifecycle.wait_resumed_uploads(deadline)
             self._lifecycle.settle_retention()
         finally:
             self._release()

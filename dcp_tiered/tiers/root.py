@@ -178,6 +178,13 @@ class Tiers:
         if any(record.get(k) != v for k, v in tiers.items()):
             backend.replace_root_file(layout.TIERS_RECORD, json.dumps({**record, **tiers}).encode())
 
+    def wait_uploads(self, timeout_secs: float | None) -> dict[str, str]:
+        """Wait at most ``timeout_secs`` for every upload enqueued here (this process's saves
+        and the steps its start resumed); the steps not durable then, each with why."""
+        with self._lock:
+            up = self._queue
+        return {} if up is None else up.wait(timeout_secs)
+
     def close(self, timeout_secs: float | None = None, *, wait_durable: bool = True) -> None:
         """Wait (unless ``wait_durable`` is False) at most ``timeout_secs`` (default: the
         remote's ``durable_timeout_secs``) for the uploads enqueued here, then stop the queue

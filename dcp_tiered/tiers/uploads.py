@@ -234,6 +234,10 @@ class Uploader:
             lock, self._resume_lock = self._resume_lock, None
         if lock is not None:  # the next uploader on this root resumes, even ours
             self.tier.backend.unlock(lock)
+        if all(f.done() for f in self.futures()):
+            # Stopped with nothing left running: its failures were its owner's to report (a
+            # close raised them); the exit hook must not repeat them as abandoned uploads
+            _LIVE.discard(self)
 
     def resume(self) -> None:
         """Re-enqueue committed local steps that are not durable yet (one process per root)."""

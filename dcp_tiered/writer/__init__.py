@@ -150,6 +150,7 @@ class TieredStorageWriter(StagingRole, TiersRole, StorageWriter):
         # descriptors stay with the trainer process.
         state = self.__dict__.copy()
         state["_stager"] = None
+        state.pop("_beside", None)  # the trainer's caller to let go, if any
         state["_leading"] = None
         state["_watch"] = None
         state["_kept_metadata"] = _describe.KeptMetadata()  # megabytes; one save's use
@@ -337,7 +338,7 @@ class TieredStorageWriter(StagingRole, TiersRole, StorageWriter):
                     sync=config.sync_files,
                 )
         except BaseException:
-            _datafile.abandon_tmp(backend, save, lock, config.thread_count)
+            _datafile.abandon_tmp(backend, save, lock)
             raise
         self._save_ids[save.step] = save.save_id
         while len(self._save_ids) > 1024:  # bounded, oldest first
@@ -389,7 +390,7 @@ class TieredStorageWriter(StagingRole, TiersRole, StorageWriter):
             if not _commit.other_nodes(save):  # nothing published: leave no half step (the
                 # next save's sweep would, but the disk needs room now)
                 backend = self._tiers.local.backend
-                _datafile.abandon_tmp(backend, save, lock, self.config.thread_count)
+                _datafile.abandon_tmp(backend, save, lock)
                 self._leading = None
             raise
         self._leading = None
