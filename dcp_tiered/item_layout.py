@@ -41,7 +41,7 @@ from .policy.item_keys import ItemKeys
 
 # Staging buffers kept in all (every layout holds its small tensors' bytes and every frame)
 MAX_STAGING_BYTES = 256 * 2**20
-_KEPT_LISTS = 64  # item lists remembered (seen once, or with a layout), the oldest dropped
+_KEPT_LISTS = 16  # item lists remembered (seen once, or with a layout), the oldest dropped
 
 
 class Layout:

@@ -338,7 +338,7 @@ class TieredStorageWriter(StagingRole, TiersRole, StorageWriter):
                     sync=config.sync_files,
                 )
         except BaseException:
-            _datafile.abandon_tmp(backend, save, lock)
+            _datafile.abandon_tmp(backend, save, lock, config.thread_count)
             raise
         self._save_ids[save.step] = save.save_id
         while len(self._save_ids) > 1024:  # bounded, oldest first
@@ -390,7 +390,7 @@ class TieredStorageWriter(StagingRole, TiersRole, StorageWriter):
             if not _commit.other_nodes(save):  # nothing published: leave no half step (the
                 # next save's sweep would, but the disk needs room now)
                 backend = self._tiers.local.backend
-                _datafile.abandon_tmp(backend, save, lock)
+                _datafile.abandon_tmp(backend, save, lock, self.config.thread_count)
                 self._leading = None
             raise
         self._leading = None

@@ -1,12 +1,10 @@
-"""A rank's data files: its items split among ``thread_count`` threads writing side by side
-into the save's temporary directory (one file each, or, for a save that goes to the remote
-tier, files of a few tens of MiB each thread writes in turn), one WriteResult per file, and
-their removal when the write fails. The bytes themselves are :mod:`dcp_tiered.item_writer`'s."""
+"""A rank's data files: its items split into ``thread_count`` files written side by side into
+the save's temporary directory, one WriteResult per file, and their removal when the write
+fails. The bytes themselves are :mod:`dcp_tiered.item_writer`'s."""
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -38,9 +36,8 @@ def write_items(
     thread_count: int,
     sync: bool,
 ) -> list[WriteResult]:
-    """This rank's ``items`` split among up to ``thread_count`` threads by size, each thread
-    writing its share as one file (as many files as the remote's early uploads want: see
-    ``EARLY_UPLOAD_FILE_BYTES``; checksumming and framing are CPU-bound), then fsynced. Each
+    """This rank's ``items`` in up to ``thread_count`` files of about equal size, written by
+    one thread each (checksumming and torch.save framing are CPU-bound), then fsynced. Each
     file's items are prepared on this thread (``item_layout.prepare``: its Python work per
     item, which holds the GIL) and handed to its thread as soon as they are ready.
 
@@ -57,11 +54,11 @@ def write_items(
     A data file's early upload starts as soon as it is written, before the fsyncs: its
     objects stay invisible until the step's marker, written after the local commit, and the
     upload reads the bytes whose checksum the manifest records. 256 MiB in two files to
-    LocalStack: the uploads begin 0.1-0.15 s sooner (0.28 s after the save began, not 0.42);
-    in files of 32 MiB, once the first is written."""
-    early = tiers.remote is not None and save.promote
-    parts = _split(items, thread_count, EARLY_UPLOAD_FILE_BYTES if early else None)
-    jobs = [(layout.data_file_name(save.rank, i), bucket) for i, bucket in enumerate(parts)]
+    LocalStack: the uploads begin 0.1-0.15 s sooner (0.28 s after the save began, not 0.42)."""
+    buckets = _split(items, thread_count)
+    jobs = [
+        (layout.data_file_name(save.rank, i), bucket) for i, bucket in enumerate(buckets) if bucket
+    ]
     backend = tiers.local.backend
     resolve = resolver(planner)
     ready: list[item_layout.FileJob] = []
@@ -83,9 +80,7 @@ def write_items(
             if len(jobs) <= 1:
                 return [write(f, n, prepare(b)) for f, (n, b) in zip(opened, jobs)]
             with ThreadPoolExecutor(
-                min(len(jobs), thread_count),
-                thread_name_prefix="dcp-tiered-write",
-                initializer=as_this_thread(),
+                len(jobs), thread_name_prefix="dcp-tiered-write", initializer=as_this_thread()
             ) as pool:  # each file handed over as soon as it is prepared
                 futures = [pool.submit(write, f, n, prepare(b)) for f, (n, b) in zip(opened, jobs)]
                 return [f.result() for f in futures]
@@ -94,43 +89,21 @@ def write_items(
             job.release()
 
 
-# A save that goes to the remote tier writes files of about this size (each thread its own,
-# one after another), so that the first early uploads start a few tens of ms into the write,
-# not once a thread's whole share is written (256 MiB in two files: 0.3-0.5 s).
-EARLY_UPLOAD_FILE_BYTES = 32 * 2**20
-
-# The last split: (items, n, limit, files). DCP's plan caching hands every save of one
-# structure the same final plan, whose items then split the same way (20,000 tensors: 70 ms a
-# save), and the same lists of items keep their layouts (item_layout).
-_last_split: tuple[Sequence[WriteItem], int, int | None, list[list[WriteItem]]] | None = None
+# The last split: (items, n, buckets). DCP's plan caching hands every save of one structure
+# the same final plan, whose items then split the same way (20,000 tensors: 70 ms a save).
+_last_split: tuple[Sequence[WriteItem], int, list[list[WriteItem]]] | None = None
 
 
-def _split(items: Sequence[WriteItem], n: int, limit: int | None) -> list[list[WriteItem]]:
-    """``items`` in ``n`` buckets of about equal bytes, one per thread, each cut into files of
-    about ``limit`` bytes (None: one file) taken in turn across the threads; the last split
-    again for the same list of items (read once: another writer's save may replace it)."""
+def _split(items: Sequence[WriteItem], n: int) -> list[list[WriteItem]]:
+    """``items`` in ``n`` buckets of about equal bytes; the last split again for the same
+    list of items (read once: another writer's save may replace it)."""
     global _last_split
     last = _last_split
-    if last is not None and last[0] is items and last[1:3] == (n, limit):
-        return last[3]
-    buckets = [b for b in item_writer.split_by_size(items, n, planned_bytes) if b]
-    cut = [_cut(b, limit) for b in buckets] if limit is not None else [[b] for b in buckets]
-    files = [f for round_ in itertools.zip_longest(*cut) for f in round_ if f is not None]
-    _last_split = (items, n, limit, files)
-    return files
-
-
-def _cut(bucket: list[WriteItem], limit: int) -> list[list[WriteItem]]:
-    """``bucket`` in consecutive runs of at least ``limit`` planned bytes (the last less)."""
-    runs: list[list[WriteItem]] = [[]]
-    size = 0
-    for item in bucket:
-        if size >= limit:
-            runs.append([])
-            size = 0
-        runs[-1].append(item)
-        size += planned_bytes(item)
-    return runs
+    if last is not None and last[0] is items and last[1] == n:
+        return last[2]
+    buckets = item_writer.split_by_size(items, n, planned_bytes)
+    _last_split = (items, n, buckets)
+    return buckets
 
 
 def write_file(
@@ -181,20 +154,15 @@ def locations(results: list[list[WriteResult]]) -> dict[Any, manifest.ItemLocati
     return out
 
 
-def abandon_tmp(backend: LocalBackend, save: SaveInfo, lock: int | None) -> None:
+def abandon_tmp(backend: LocalBackend, save: SaveInfo, lock: int | None, thread_count: int) -> None:
     """After a failed write: free its space now (e.g. after ENOSPC), and remove the
     temporary directory unless another rank of this node still writes into it (the save
     fails on every rank anyway; the next save's sweep takes what is left then)."""
     if lock is not None:
         LocalBackend.unlock(lock)
     try:
-        try:
-            names = backend.list_files(save.tmp)
-        except FileNotFoundError:  # failed before it was made
-            names = []
-        for name in names:  # this rank's data files, by our grammar
-            if layout.is_data_file(name) and layout.data_file_rank(name) == save.rank:
-                backend.remove_file(save.tmp, name)
+        for i in range(thread_count):
+            backend.remove_file(save.tmp, layout.data_file_name(save.rank, i))
         if not backend.is_locked(save.tmp):
             commit.discard_tmp(backend, save.tmp, reason=f"the save of {save.step} failed")
     except OSError as e:  # the original error is the one to report
