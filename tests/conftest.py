@@ -227,6 +227,22 @@ def counted_calls(monkeypatch, owner, name: str) -> list[int]:
     return calls
 
 
+class Gate:
+    """Holds every call of ``owner.name`` (a copy beside training, say) until ``open`` is set;
+    ``entered`` is set once one waits there."""
+
+    def __init__(self, monkeypatch, owner, name: str) -> None:
+        self.open, self.entered = threading.Event(), threading.Event()
+        real = getattr(owner, name)
+
+        def held(*args, **kwargs):
+            self.entered.set()
+            assert self.open.wait(30), "the test never opened the gate"
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, held)
+
+
 def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
 

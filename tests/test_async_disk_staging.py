@@ -18,25 +18,15 @@ import torch
 
 from dcp_tiered import CheckpointManager, Every, SaveFailedError, SavePolicy
 from dcp_tiered.staging import DoubleBufferStager
-from tests.conftest import torchrun
+from tests.conftest import Gate, torchrun
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 DISK_EVERY_STEP = SavePolicy(local=Every(steps=1), remote=None)
 
 
-class Gate:
-    """Holds every staging copy until opened; ``entered`` is set once one waits there."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.open, self.entered = threading.Event(), threading.Event()
-        copy = DoubleBufferStager._copy
-
-        def held(stager, *args, **kwargs):
-            self.entered.set()
-            assert self.open.wait(30), "the test never opened the gate"
-            return copy(stager, *args, **kwargs)
-
-        monkeypatch.setattr(DoubleBufferStager, "_copy", held)
+def _gate(monkeypatch) -> Gate:
+    """Holds every staging copy until opened."""
+    return Gate(monkeypatch, DoubleBufferStager, "_copy")
 
 
 def _manager(tmp_path) -> CheckpointManager:
@@ -52,7 +42,7 @@ def _steps(tmp_path) -> list[str]:
 def test_a_disk_save_returns_before_its_copy_and_wait_staged_waits_for_it(tmp_path, monkeypatch):
     w = torch.arange(1 << 16, dtype=torch.float32)
     mgr = _manager(tmp_path)
-    gate = Gate(monkeypatch)
+    gate = _gate(monkeypatch)
     decision = mgr.save(0, {"w": w})  # returns with its copy held at the gate
     assert decision.local and gate.entered.wait(30)
     waiter = threading.Thread(target=mgr.wait_staged)
@@ -86,7 +76,7 @@ def test_a_tensor_changed_during_a_disk_copy_fails_the_save_before_it_writes(
     mgr = _manager(tmp_path)
     mgr.save(1, {"w": w, "b": b})  # the step to keep
     mgr.wait()
-    gate = Gate(monkeypatch)
+    gate = _gate(monkeypatch)
     mgr.save(2, {"w": w, "b": b})
     assert gate.entered.wait(30)
     change(w)  # no wait_staged
@@ -116,7 +106,7 @@ def test_values_are_taken_before_save_returns(tmp_path, monkeypatch):
     w = torch.ones(1024)
     sched = {"last_lrs": [0.1], "epoch": 3}
     mgr = _manager(tmp_path)
-    gate = Gate(monkeypatch)
+    gate = _gate(monkeypatch)
     mgr.save(0, {"w": w, "sched": sched})
     assert gate.entered.wait(30)  # the copy has not begun ...
     sched["last_lrs"].append(0.2)  # ... and the loop changes a value in place

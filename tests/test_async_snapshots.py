@@ -25,24 +25,15 @@ from dcp_tiered import (
 )
 from dcp_tiered.tiers import memory_slots
 from dcp_tiered.tiers.memory import MemoryTier
+from tests.conftest import Gate
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 EVERY_STEP = SavePolicy(memory=Every(steps=1), local=Every(steps=1000), remote=None)
 
 
-class Gate:
-    """Holds every memory-tier copy until opened; ``entered`` is set once one waits there."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.open, self.entered = threading.Event(), threading.Event()
-        copy = MemoryTier._copy_bytes
-
-        def held(tier, *args, **kwargs):
-            self.entered.set()
-            assert self.open.wait(30), "the test never opened the gate"
-            return copy(tier, *args, **kwargs)
-
-        monkeypatch.setattr(MemoryTier, "_copy_bytes", held)
+def _gate(monkeypatch) -> Gate:
+    """Holds every memory-tier copy until opened."""
+    return Gate(monkeypatch, MemoryTier, "_copy_bytes")
 
 
 PICKLED: list[str] = []
@@ -74,7 +65,7 @@ def test_save_returns_before_the_copy_and_wait_staged_waits_for_it(tmp_path, shm
     mgr = _manager(tmp_path, shm)
     mgr.save(0, {"w": w})  # step 0 goes to disk (due at 0): the memory snapshots follow
     mgr.wait()
-    gate = Gate(monkeypatch)
+    gate = _gate(monkeypatch)
     decision = mgr.save(1, {"w": w})  # returns with its copy held at the gate
     assert decision.memory and gate.entered.wait(30)
     waiter = threading.Thread(target=mgr.wait_staged)
@@ -109,7 +100,7 @@ def test_a_tensor_changed_during_the_copy_is_never_committed(tmp_path, shm, monk
     mgr.save(0, {"w": w, "b": b})
     mgr.save(1, {"w": w, "b": b})  # the snapshot to keep
     mgr.wait()
-    gate = Gate(monkeypatch)
+    gate = _gate(monkeypatch)
     mgr.save(2, {"w": w, "b": b})
     assert gate.entered.wait(30)
     change(w)  # no wait_staged
@@ -145,7 +136,7 @@ def test_values_are_encoded_before_save_returns(tmp_path, shm, monkeypatch):
     )
     mgr.save(0, {"w": w, "meta": Meta("step 0")})
     mgr.wait()
-    gate = Gate(monkeypatch)
+    gate = _gate(monkeypatch)
     PICKLED.clear()
     mgr.save(1, {"w": w, "meta": Meta("step 1")})
     assert gate.entered.wait(30)  # the copy has not begun ...
@@ -163,7 +154,7 @@ def test_close_wait_and_outcomes_wait_for_the_copy(tmp_path, shm, monkeypatch):
     mgr.wait()
     for step, call in ((1, mgr.outcomes), (2, mgr.wait), (3, mgr.close)):
         with monkeypatch.context() as m:
-            gate = Gate(m)
+            gate = _gate(m)
             mgr.save(step, {"w": w})
             assert gate.entered.wait(30)
             caller = threading.Thread(target=call)
