@@ -151,9 +151,9 @@ class DoubleBufferStager:
     def stage(
         self, state_dict: dict[str, Any], beside: Callable[[], None] | None = None
     ) -> dict[str, Any]:
-        """``state_dict`` copied into the next buffer set. ``beside``: called once the buffers
-        are ready and the tensors' version counters read, so that the caller goes on during
-        the copy; ``last_change`` then says whether a tensor changed meanwhile."""
+        """``state_dict`` copied into the next buffer set. ``beside``: called once the
+        non-tensor values are copied and the tensors' version counters read, so that the
+        caller goes on during the copy (buffers for a new structure made in it too); ``last_change`` then says whether a tensor changed meanwhile."""
         start = time.perf_counter()
         slot = self._slots[self._next]
         self._wait_for(slot.threads, what="the save that used this staging buffer")
@@ -167,9 +167,8 @@ class DoubleBufferStager:
         if beside is None:
             staged = self._copy(state_dict, slot)
         else:
-            # before the caller goes on: the buffers (which read no tensor's bytes), and the
-            # non-tensor values, copied now as the loop may change them in place next
-            self._allocate(state_dict, slot)
+            # before the caller goes on: the non-tensor values, which the loop may change in
+            # place next (buffers made for a new structure read no tensor's bytes: after)
             state_dict = _values_taken(state_dict)
             named = list(tensor_versions.leaves(state_dict))
             tensors = [t for _, t in named]
@@ -195,24 +194,20 @@ class DoubleBufferStager:
         self.last_stall_secs = time.perf_counter() - start
         return staged
 
-    def _allocate(self, state_dict: dict[str, Any], slot: _Slot) -> None:
-        """The slot's buffers fit ``state_dict``'s structure (allocated anew if not)."""
-        signature = _signature(state_dict)
-        if slot.buffers is None or signature != slot.signature:
-            slot.buffers = _torch_compat.create_cpu_state_dict(
-                state_dict, pin_memory=torch.cuda.is_available(), share_memory=self._share_memory
-            )
-            slot.signature = signature
-            slot.nbytes = state_bytes(state_dict)
-            slot.described = batch_copy.new_descriptions()
-
     def _copy(self, state_dict: dict[str, Any], slot: _Slot) -> dict[str, Any]:
         cuda = torch.cuda.is_available()
         staged = None
         if slot.buffers is not None and slot.batched:  # the same structure as last time?
             staged = _copy_batched(state_dict, slot, cuda)
         if staged is None:
-            self._allocate(state_dict, slot)
+            signature = _signature(state_dict)
+            if slot.buffers is None or signature != slot.signature:
+                slot.buffers = _torch_compat.create_cpu_state_dict(
+                    state_dict, pin_memory=cuda, share_memory=self._share_memory
+                )
+                slot.signature = signature
+                slot.nbytes = state_bytes(state_dict)
+                slot.described = batch_copy.new_descriptions()
             staged = _copy_batched(state_dict, slot, cuda)
             slot.batched = staged is not None
         if staged is None:

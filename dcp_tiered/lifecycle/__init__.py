@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -382,29 +381,6 @@ class Lifecycle(Finishing, Reaping, Restoring):
             self._raise_upload_failure(error)
         finally:
             self.release()
-
-    def wait_resumed_uploads(self, deadline: float | None) -> None:
-        """This rank's uploads of earlier jobs' steps (resumed at start), waited for until
-        ``deadline`` (``time.monotonic()``; None: the remote's ``durable_timeout_secs``). Not
-        this job's saves: a step still not durable stays committed locally, held, and the next
-        job resumes it, so it is logged, not raised."""
-        for tiers, _ in self.writers.owned():
-            if tiers.remote is None:
-                continue
-            timeout = (
-                tiers.remote.config.durable_timeout_secs
-                if deadline is None
-                else max(0.0, deadline - time.monotonic())
-            )
-            for step, why in sorted(tiers.wait_uploads(timeout).items()):
-                logger.warning(
-                    "%s (an earlier job's step) is not durable on %s yet (%s): it stays "
-                    "committed in %s, and the next job on that root resumes its upload",
-                    step,
-                    tiers.remote.config.url,
-                    why,
-                    tiers.root,
-                )
 
     def release(self) -> None:
         """Frees threads, buffers and locks without waiting for anything but a retention pass

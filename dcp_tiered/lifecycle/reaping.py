@@ -8,6 +8,7 @@ records failures, which the ranks agree on at the next save's vote and raise tog
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -17,6 +18,8 @@ from .failures import failure, raise_failures
 from .retention import Keepers
 from .saves import DISK, InFlight, Save
 from .writers import Writers
+
+logger = logging.getLogger(__name__)
 
 
 class Reaping:
@@ -122,3 +125,26 @@ class Reaping:
             if not pending:
                 return
             time.sleep(0.05)
+
+    def wait_resumed_uploads(self, deadline: float | None) -> None:
+        """This rank's uploads of earlier jobs' steps (resumed at start), waited for until
+        ``deadline`` (``time.monotonic()``; None: the remote's ``durable_timeout_secs``). Not
+        this job's saves: a step still not durable stays committed locally, held, and the next
+        job resumes it, so it is logged, not raised."""
+        for tiers, _ in self.writers.owned():
+            if tiers.remote is None:
+                continue
+            timeout = (
+                tiers.remote.config.durable_timeout_secs
+                if deadline is None
+                else max(0.0, deadline - time.monotonic())
+            )
+            for step, why in sorted(tiers.wait_uploads(timeout).items()):
+                logger.warning(
+                    "%s (an earlier job's step) is not durable on %s yet (%s): it stays "
+                    "committed in %s, and the next job on that root resumes its upload",
+                    step,
+                    tiers.remote.config.url,
+                    why,
+                    tiers.root,
+                )
