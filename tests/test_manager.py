@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import warnings
 
 import pytest
@@ -27,10 +28,12 @@ from dcp_tiered import (
     SavePolicy,
     rank_state,
 )
+from dcp_tiered.backends.local import LocalBackend
 from dcp_tiered.cli import main as cli
 from dcp_tiered.policy.admission import Headroom, shortfall
 from dcp_tiered.policy.cadence import Decision, agree, decide
 from dcp_tiered.tiers import memory_slots
+from tests.conftest import Gate
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 MIB = 2**20
@@ -196,6 +199,27 @@ def test_restore_falls_back_past_a_corrupt_step_and_says_why(tiers, caplog):
         "step-6" in r.message and "memory" in r.message and "older" in r.message
         for r in caplog.records
     )
+
+
+def test_restore_waits_for_the_managers_own_save_in_flight(tmp_path, monkeypatch):
+    """A rollback while the last save still writes (a loss spike): the restore reads the
+    step that save commits, never the one it is replacing, nor a mix of both."""
+    local = tmp_path / "local"
+    policy = SavePolicy(local=Every(steps=1), remote=None)
+    with CheckpointManager(local=local, events=None, policy=policy) as mgr:
+        mgr.save(1, _state(value=1))
+        mgr.wait()
+        gate = Gate(monkeypatch, LocalBackend, "publish")  # the commit's rename, held
+        mgr.save(1, _state(value=5))  # a re-save of the step: returns before its commit
+        assert gate.entered.wait(30)
+        target, done = _state(), []
+        restoring = threading.Thread(target=lambda: done.append(mgr.restore(target)))
+        restoring.start()
+        restoring.join(0.5)
+        assert restoring.is_alive()  # waits for the commit
+        gate.open.set()
+        restoring.join(30)
+        assert done == [2] and torch.equal(target["w"], _state(value=5)["w"])
 
 
 def test_restore_of_nothing_and_of_nothing_valid(tiers):

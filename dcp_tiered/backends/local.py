@@ -13,6 +13,7 @@ import errno
 import logging
 import os
 import shutil
+import stat
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +22,7 @@ from typing import BinaryIO
 import torch
 
 from ..errors import InsufficientSpaceError
+from ..policy import layout
 from ..policy.layout import TMP_SUFFIX
 from ._local_fs import (  # noqa: F401 - names callers import from here
     RENAME_EXCHANGE,
@@ -141,6 +143,13 @@ class LocalBackend(LocalReads, LocalLocks, Backend):
     def write_file(self, directory: str, name: str, data: bytes, *, sync: bool = True) -> None:
         with self.open_write(directory, name, sync=sync) as f:
             f.write(data)
+
+    def write_sidecar(self, step: str, name: str, data: bytes) -> None:
+        """Write file ``name`` of an adapter's into committed ``step`` as
+        :meth:`write_atomically` does, marked as ours first (an empty file beside it), so that
+        deleting the step deletes it too."""
+        self._atomic_write((step, layout.SIDECAR_MARK + name), b"", exclusive=False)
+        self._atomic_write((step, name), data, exclusive=False)
 
     def write_atomically(self, directory: str, name: str, data: bytes) -> None:
         """Replace small file ``directory/name`` as :meth:`replace_root_file` does under the
@@ -267,6 +276,40 @@ class LocalBackend(LocalReads, LocalLocks, Backend):
         logger.info("deleting %s (%s)", path, reason)
         with self._writing("delete", path):
             shutil.rmtree(path, ignore_errors=False)
+
+    def remove_step_dir(self, name: str, *, reason: str) -> list[str]:
+        """Delete step directory ``name`` (a step, or one under a hidden name of ours) as far
+        as it is ours: its files a save writes (:func:`~dcp_tiered.policy.layout.is_step_file`),
+        the manifest first, then the directory if that empties it. Anything else in it (a
+        user's file, a subdirectory) stays, named in a warning; returns those names."""
+        path = self._child(name)
+        entries = os.listdir(path)
+        kept = sorted(e for e in entries if not self._is_step_file(path / e, entries))
+        if not kept:
+            self.remove_tree(name, reason=reason)
+            return []
+        logger.warning(
+            "deleting only the step's own files of %s (%s): %s %s not the step's and stay%s",
+            path,
+            reason,
+            ", ".join(kept),
+            "is" if len(kept) == 1 else "are",
+            "s" if len(kept) == 1 else "",
+        )
+        with self._writing("delete", path):
+            for entry in layout.step_files_in_order(set(entries) - set(kept)):
+                logger.info("deleting %s (%s)", path / entry, reason)
+                with contextlib.suppress(FileNotFoundError):
+                    (path / entry).unlink()
+            fsync_dir(path)
+        return kept
+
+    @staticmethod
+    def _is_step_file(path: Path, beside: list[str]) -> bool:
+        try:  # a directory under our file name is not ours; a link is removed, not followed
+            return layout.is_step_file(path.name, beside) and not stat.S_ISDIR(path.lstat().st_mode)
+        except FileNotFoundError:
+            return True  # gone already
 
     def path_of(self, *names: str) -> str:
         """The absolute path of an entry, for libraries that open files themselves."""

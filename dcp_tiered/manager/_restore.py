@@ -267,6 +267,9 @@ class Restoring:
         ``on_unreadable_tier="skip"`` it restores from the tiers it can read, with an ERROR log.
         """
         self.wait_staged()  # a snapshot copying beside training (async_snapshots) first
+        # and this manager's saves in flight: the newest step may be one of them, and a save
+        # of a step that exists replaces it while a restore would read it
+        self._lifecycle.wait_written()
         only = None if step is None else step_name(step)
         chosen = self._sources.choose(self._lifecycle, app_state, only, on_unreadable_tier)
         if chosen is None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,6 +144,38 @@ def manifest_section_name(node: int) -> str:
 def is_step_metadata(name: str) -> bool:
     """The manifest, its sections and DCP's ``.metadata``: what a step holds besides data."""
     return name in (MANIFEST_NAME, DCP_METADATA_NAME) or bool(_SECTION_RE.fullmatch(name))
+
+
+# Files an adapter writes into a committed step, derived from it and deleted with it: mcore's
+# beside a torch_dist step (shims.megatron.sidecars), HF Trainer's state (shims.hf.trainer).
+_SIDECAR_NAMES = ("metadata.json", "common.pt", "trainer_state.json")
+# Any other name an adapter writes there (DeepSpeed's file stubs, named by the framework) is
+# marked ours by an empty file of this prefix beside it, written first.
+SIDECAR_MARK = ".dcp-tiered-sidecar."
+# an atomic small-file write's temporary file (backends.local), left by a crash
+_ATOMIC_TMP_RE = re.compile(r"\.(.+)\.[0-9]+-[0-9]+" + re.escape(TMP_SUFFIX))
+
+
+def is_step_file(name: str, beside: Container[str] = ()) -> bool:
+    """Whether ``name``, a file in a local step directory whose entries are ``beside``, is one
+    a save of ours or an adapter writes there. Anything else in a step (a user's notes, an
+    eval result) is not the step's: deleting the step leaves it where it is."""
+    tmp = _ATOMIC_TMP_RE.fullmatch(name)
+    if tmp:
+        name = tmp.group(1)
+    return (
+        is_data_file(name)
+        or is_step_metadata(name)
+        or name in (PENDING_MARKER, LOCK_NAME, *_SIDECAR_NAMES)
+        or name.startswith(SIDECAR_MARK)
+        or SIDECAR_MARK + name in beside
+    )
+
+
+def step_files_in_order(names: Iterable[str]) -> list[str]:
+    """``names`` in the order a delete removes them: the manifest and DCP's ``.metadata``
+    first, so that a crash part way leaves no directory that reads as committed."""
+    return sorted(names, key=lambda n: (n not in (MANIFEST_NAME, DCP_METADATA_NAME), n))
 
 
 def data_file_name(rank: int, index: int) -> str:

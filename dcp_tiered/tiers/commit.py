@@ -84,7 +84,7 @@ def publish_step(
             "not committed. Give each job its own root, or save under another step name."
         )
     if replaced:
-        backend.remove_tree(
+        backend.remove_step_dir(
             old,
             reason=(
                 f"the directory made for {step} before its commit (its files are in the step)"

@@ -177,9 +177,20 @@ class LocalTier(PendingDirectories, CrashRecovery):
         lock = self.backend.lock_shared(step)  # a sweep leaves a locked directory alone
         try:
             self.backend.rename(step, doomed)
-            self.backend.remove_tree(doomed, reason=f"{step}: {reason}")
+            self.finish_delete(doomed, step, reason=f"{step}: {reason}")
         finally:
             self.backend.unlock(lock)
+
+    def finish_delete(self, doomed: str, step: str, *, reason: str) -> None:
+        """Delete ``doomed``, committed ``step`` renamed out of sight, as far as it is ours;
+        what is not the step's (a user's file put in it) goes back under the step's name, where
+        it was put, unless a new save of the step took that name."""
+        if self.backend.remove_step_dir(doomed, reason=reason) and not self.backend.exists(step):
+            self.backend.rename(doomed, step)
+            logger.warning(
+                "%s now holds only what was not the step's; it is no longer a step",
+                self.backend.path_of(step),
+            )
 
     def holds_ours(self, directory: str, step: str, run_id: str | None) -> bool:
         """Whether ``directory`` (a step, or one moved aside under a hidden name) is a save of

@@ -29,6 +29,8 @@ class CrashRecovery:
 
         def read_head(self, step: str) -> manifest.ManifestHead: ...
 
+        def finish_delete(self, doomed: str, step: str, *, reason: str) -> None: ...
+
     def recover_and_sweep(self) -> None:
         """Undo interrupted overwrites and delete temporary directories of crashed saves.
 
@@ -118,7 +120,7 @@ class CrashRecovery:
             return
         was, now = self._run_of(name), self._run_of(step)
         if self.backend.exists(name, layout.PENDING_MARKER) or (now is not None and was == now):
-            self.backend.remove_tree(name, reason="replaced by a newer commit")
+            self.backend.remove_step_dir(name, reason="replaced by a newer commit")
             return
         logger.warning(
             "leaving %s/%s alone: the step %s it held (run %r) was replaced by a save of "
@@ -135,7 +137,7 @@ class CrashRecovery:
             return  # a quarantined step is an operator's to inspect and delete
         if suffix == layout.DELETE_SUFFIX:
             if self._abandoned(name):
-                self.backend.remove_tree(name, reason="finishing an interrupted delete")
+                self.finish_delete(name, step, reason="finishing an interrupted delete")
         elif suffix == layout.UPLOAD_SUFFIX:
             if not self._upload_area_wanted(step, save_id):
                 self.backend.remove_tree(name, reason="upload records of an abandoned save")

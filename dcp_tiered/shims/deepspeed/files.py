@@ -147,9 +147,9 @@ def publish(save_dir: str, tag: str, *, latest: bool) -> None:
     The stub names come from the committed step's own metadata, so they can be rebuilt from
     any copy of the step (for instance one restored from the remote tier).
     """
-    step_dir = os.path.join(save_dir, tag)
+    step_dir, backend = os.path.join(save_dir, tag), local_tier(save_dir).backend
     for name in file_names(save_dir, tag):
-        write_file_atomically(os.path.join(step_dir, name), _stub(step_dir, name))
+        backend.write_sidecar(tag, name, _stub(step_dir, name))
     if latest:
         write_file_atomically(os.path.join(save_dir, LATEST_NAME), tag.encode())
         logger.info("published %s as the latest DeepSpeed checkpoint in %s", tag, save_dir)
