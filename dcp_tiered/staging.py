@@ -259,6 +259,14 @@ class DoubleBufferStager:
             ]
         self._wait_for(earlier, what="an earlier async save")
 
+    def wait_for_saves(self) -> None:
+        """Block until every background save staged here has ended (from any thread but a
+        save's own)."""
+        me = threading.current_thread()
+        with self._lock:
+            threads = [t for s in self._slots for t in s.threads if t is not me]
+        self._wait_for(threads, what="an async save")
+
     def _wait_for(self, threads: list[threading.Thread], *, what: str) -> None:
         deadline = time.monotonic() + self._timeout_secs
         for t in threads:

@@ -30,6 +30,7 @@ from dcp_tiered import (
 )
 from dcp_tiered.backends.local import LocalBackend
 from dcp_tiered.cli import main as cli
+from dcp_tiered.policy import layout
 from dcp_tiered.policy.admission import Headroom, shortfall
 from dcp_tiered.policy.cadence import Decision, agree, decide
 from dcp_tiered.tiers import memory_slots
@@ -220,6 +221,44 @@ def test_restore_waits_for_the_managers_own_save_in_flight(tmp_path, monkeypatch
         gate.open.set()
         restoring.join(30)
         assert done == [2] and torch.equal(target["w"], _state(value=5)["w"])
+
+
+def test_a_step_a_restore_passed_over_unproven_is_moved_aside_when_saved_again(tmp_path, caplog):
+    """A restore falls back past a step it could not load but nothing proved bad (one of its
+    files briefly not a plain file): the step stays as it is, and training's re-save of that
+    step number moves it aside (quarantine) rather than replace it."""
+    local = tmp_path / "local"
+    policy = SavePolicy(local=Every(steps=1), remote=None)
+    keep = {"retention": Retention(local=RetentionPolicy(keep_latest=5))}
+    with CheckpointManager(local=local, events=None, policy=policy, **keep) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, _state(value=step))
+    data = {s: (local / f"step-{s}" / "__0_0.distcp").read_bytes() for s in (2, 3)}
+    for s in (2, 3):
+        f = local / f"step-{s}" / "__0_0.distcp"
+        f.rename(tmp_path / f"aside-{s}")
+        f.mkdir()
+    with CheckpointManager(local=local, events=None, policy=policy, **keep) as mgr:  # an evaluation
+        assert mgr.restore(_state()) == 2
+    assert _steps(local) == ["step-1", "step-2", "step-3"]  # a restore alone moves nothing
+    with (
+        caplog.at_level(logging.WARNING),
+        CheckpointManager(local=local, events=None, policy=policy, **keep) as mgr,
+    ):
+        assert mgr.restore(_state()) == 2
+        for s in (2, 3):
+            f = local / f"step-{s}" / "__0_0.distcp"
+            f.rmdir()
+            (tmp_path / f"aside-{s}").rename(f)  # the condition clears
+        mgr.save(2, _state(value=20))  # training goes on from step-1
+    aside = [n for n in _hidden_dirs(local) if n.endswith(layout.QUARANTINE_SUFFIX)]
+    assert len(aside) == 1 and aside[0].startswith(".step-2.")
+    assert (local / aside[0] / "__0_0.distcp").read_bytes() == data[2]  # the old bytes, kept
+    assert (local / "step-3" / "__0_0.distcp").read_bytes() == data[3]  # not saved again: as it is
+    target = _state()
+    with CheckpointManager(local=local, events=None, policy=policy, **keep) as mgr:
+        assert mgr.restore(target, step=2) == 3
+    assert torch.equal(target["w"], _state(value=20)["w"])
 
 
 def test_restore_of_nothing_and_of_nothing_valid(tiers):

@@ -15,6 +15,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_tiered import (
+    CheckpointNotFoundError,
     ConfigError,
     IntegrityError,
     MissingShardError,
@@ -28,7 +29,7 @@ from dcp_tiered import (
 from dcp_tiered.backends.remote import RemoteBackend
 from dcp_tiered.tiers.remote import Durability, RemoteTier
 from dcp_tiered.tiers.root import Tiers
-from tests.conftest import REPO, injected_faults
+from tests.conftest import REPO, Gate, injected_faults
 
 FAST_RETRY = RetryConfig(max_attempts=12, initial_backoff_secs=0.05, max_backoff_secs=0.5)
 
@@ -89,6 +90,23 @@ def test_step_becomes_durable_and_restores_from_remote_alone(tmp_path, remote):
     assert reader.files_read_remotely
     got, _ = load(root, remote, "step-1")
     assert equal(got, state(1))
+
+
+def test_wait_durable_of_a_step_async_save_still_writes(tmp_path, remote, monkeypatch):
+    """``wait_durable(step)`` right after ``dcp.async_save`` returned: the step is neither
+    committed nor uploading yet; the wait covers its write too, not CheckpointNotFoundError."""
+    writer = TieredStorageWriter(tmp_path / "local", remote=remote)
+    gate = Gate(monkeypatch, TieredStorageWriter, "set_up_storage_writer")  # before any write
+    future = dcp.async_save(state(3), checkpoint_id="step-3", storage_writer=writer)
+    assert gate.entered.wait(30)
+    threading.Timer(0.5, gate.open.set).start()
+    writer.wait_durable("step-3", timeout_secs=60)
+    assert writer.durability("step-3") == Durability.DURABLE_REMOTE
+    future.result()
+    with pytest.raises(CheckpointNotFoundError, match="step-9"):
+        writer.wait_durable("step-9", timeout_secs=5)  # no such save: as before
+    got, _ = load(tmp_path / "other", remote, "step-3")
+    assert equal(got, state(3))
 
 
 def test_a_long_lived_reader_sees_steps_made_durable_after_it_was_built(tmp_path, remote):

@@ -146,6 +146,7 @@ class Lifecycle(Finishing, Reaping, Restoring):
         self.saves = InFlight(max_in_flight)
         self.failures: list[dict[str, Any]] = []  # this rank's, since the ranks last agreed
         self.listed: list[Any] = []  # the last restore's candidates, as every rank saw them
+        self.passed_over: set[tuple[str, str]] = set()  # see Restoring.pass_over
         self._publisher: ThreadPoolExecutor | None = None  # made again after release()
         self._save_thread = SaveThread()  # likewise
         self.keepers = Keepers(
@@ -233,6 +234,7 @@ class Lifecycle(Finishing, Reaping, Restoring):
         self.finish()
         layout.validate_step_name(step)
         self.require_restorable(step, state if values is None else values)
+        self.move_aside_passed_over(root, step)
         writer = self.writers.get(root)
         single = not dist.is_initialized()
         planner = planner_for(writer) if planner is None else planner
@@ -272,6 +274,7 @@ class Lifecycle(Finishing, Reaping, Restoring):
         returns (the caller goes on beside it; the save fails if the state changed during
         it). Once the future ended, :meth:`~dcp_tiered.lifecycle.reaping.Reaping.reap` gives
         the save its :class:`~dcp_tiered.tiers.root.SaveReport`."""
+        self.move_aside_passed_over(writer.root, step)
         check = None if let_go is None else writer.copy_beside(let_go)
         try:
             return self._async_save(state, SaveRequest(step, promote, check), writer, planner)

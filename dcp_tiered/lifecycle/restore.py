@@ -4,7 +4,8 @@ fails on any rank, and tell a step proven bad from one a tier could not be read 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from torch.distributed.checkpoint.api import CheckpointException
@@ -84,18 +85,19 @@ def first_loadable(
     on_unreadable_tier: str,
     retry: str,
     name: Callable[[C], str],
-    abandon: Callable[[list[C], C], None] | None,
+    abandon: Callable[[list[C], list[C], C], None] | None,
 ) -> C | None:
     """Collective: the first of ``found`` that ``load`` loads on every rank (see
     :meth:`~dcp_tiered.lifecycle.restore.Restoring.restore`)."""
     reasons: list[str] = []
     proven: list[C] = []
+    passed: list[C] = []  # failed, not proven bad
     mismatched = True  # every candidate so far failed because the state does not fit it
     for candidate in found:
         problem = load(candidate)
         if not agree.any(problem is not None):
-            if proven and abandon is not None:
-                abandon(proven, candidate)
+            if (proven or passed) and abandon is not None:
+                abandon(proven, passed, candidate)
             return candidate
         kinds = {k for k in agree.gather(failure_kind(problem)) if k}
         problem = problem or "failed on another rank"
@@ -108,8 +110,7 @@ def first_loadable(
                 f"answers, or call {retry}(..., on_unreadable_tier='skip') to restore an "
                 "older step instead (nothing is quarantined for it)."
             )
-        if CORRUPT in kinds:
-            proven.append(candidate)
+        (proven if CORRUPT in kinds else passed).append(candidate)
         logger.warning(
             "cannot restore %s, trying an older step (%s): %s",
             name(candidate),
@@ -204,6 +205,7 @@ class Restoring:
     writers: Writers
     run_id: str | None
     listed: list[Any]
+    passed_over: set[tuple[str, str]]
 
     def restore(
         self,
@@ -213,7 +215,7 @@ class Restoring:
         on_unreadable_tier: str,
         retry: str,
         name: Callable[[C], str] = str,
-        abandon: Callable[[list[C], C], None] | None = None,
+        abandon: Callable[[list[C], list[C], C], None] | None = None,
     ) -> C | None:
         """Collective: the first candidate ``load`` loads on every rank, or None if there
         are none.
@@ -226,10 +228,9 @@ class Restoring:
         a tier could not be read for (a transient error, a timeout) raises TierUnavailableError
         on every rank, like an unreadable listing, unless ``on_unreadable_tier="skip"``: a
         newer step may be fine. ``retry`` is the call that skips an unreadable tier, for the
-        message. After falling back, ``abandon(proven, chosen)`` runs on every rank with the
-        candidates some rank proved bad (``IntegrityError.proves_bad``), and only those (see
-        :meth:`quarantine`).
-        """
+        message. After falling back, ``abandon(proven, passed, chosen)`` runs on every rank with
+        the candidates some rank proved bad (``IntegrityError.proves_bad``; see
+        :meth:`quarantine`) and those that failed otherwise (kept as they are)."""
         found = listed(self.agree, candidates, on_unreadable_tier=on_unreadable_tier, retry=retry)
         self.listed = found
         return first_loadable(
@@ -241,6 +242,22 @@ class Restoring:
             name=name,
             abandon=abandon,
         )
+
+    def pass_over(self, root: str, steps: Iterable[str]) -> None:
+        """``steps`` under ``root``, newer than the one a restore chose, failed to load but
+        nothing proved them bad: they stay as they are, listed and loadable, until this
+        process saves one of them again (training going on from the older step), which then
+        moves it aside (:meth:`move_aside_passed_over`) rather than replace it."""
+        self.passed_over.update((os.path.abspath(root), step) for step in steps)
+
+    def move_aside_passed_over(self, root: str, step: str) -> None:
+        """Collective (every rank saves the same step, and restored alike): before a save of
+        ``step``, quarantine it if a restore passed over it (:meth:`pass_over`)."""
+        key = (os.path.abspath(root), step)
+        if key in self.passed_over:
+            self.passed_over.discard(key)
+            reason = "a restore fell back past it (not proven bad) and training saves it again"
+            self.quarantine(root, [step], reason=reason)
 
     def quarantine(self, root: str, steps: list[str], *, reason: str) -> None:
         """Collective: move ``steps`` (proven bad) aside on every node's ``root`` (one process a

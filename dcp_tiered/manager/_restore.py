@@ -73,10 +73,12 @@ class Sources:
         if self.replica is not None:  # what every rank holds, for candidates and load
             self.replica.survey()
 
-        def abandon(proven: list[tuple[str, str]], chosen: tuple[str, str]) -> None:
-            newer = proven_newer(proven, chosen)
+        def abandon(
+            proven: list[tuple[str, str]], passed: list[tuple[str, str]], chosen: tuple[str, str]
+        ) -> None:
             reason = f"a restore fell back past it to {chosen[0]}"
-            lifecycle.quarantine(self.root, newer, reason=reason)
+            lifecycle.quarantine(self.root, disk_steps_newer(proven, chosen), reason=reason)
+            lifecycle.pass_over(self.root, disk_steps_newer(passed, chosen))
 
         chosen = lifecycle.restore(
             lambda with_remote: self.candidates(only, with_remote),
@@ -164,12 +166,12 @@ def candidates(
     return [(name, tier) for _, _, name, tier in found if step_names.order_number(name) is not None]
 
 
-def proven_newer(proven: list[tuple[str, str]], chosen: tuple[str, str]) -> list[str]:
-    """The disk steps newer than ``chosen`` some rank proved bad (a memory snapshot is only
-    ever skipped, never quarantined)."""
+def disk_steps_newer(failed: list[tuple[str, str]], chosen: tuple[str, str]) -> list[str]:
+    """The disk steps among ``failed`` newer than ``chosen`` (a memory snapshot is only ever
+    skipped, never quarantined)."""
     number = step_names.order_number(chosen[0]) or -1
     return sorted(
-        {n for n, t in proven if t != "memory" and (step_names.order_number(n) or -1) > number}
+        {n for n, t in failed if t != "memory" and (step_names.order_number(n) or -1) > number}
     )
 
 

@@ -273,11 +273,7 @@ class TieredCheckpointMixin:
             self._load_step,
             on_unreadable_tier=self.tiers.on_unreadable_tier,
             retry="TierOptions",
-            abandon=lambda skipped, chosen: self.lifecycle.quarantine(
-                self.root,
-                [s for s in skipped if _number(s) > _number(chosen)],
-                reason=f"a restore fell back past it to {chosen}",
-            ),
+            abandon=self._abandon,
         )
         if chosen is not None:
             logger.info("torchtitan: restored %s", chosen)
@@ -288,6 +284,16 @@ class TieredCheckpointMixin:
                 + (f" nor on {self.tiers.remote}" if self.tiers.remote else "")
             )
         return super()._load(step)  # type: ignore[misc]
+
+    def _abandon(self, proven: list[str], passed: list[str], chosen: str) -> None:
+        """After a restore fell back to ``chosen``: the newer steps some rank proved bad
+        quarantined, the others it passed over kept until saved again (see
+        :meth:`~dcp_tiered.lifecycle.Lifecycle.pass_over`)."""
+        reason = f"a restore fell back past it to {chosen}"
+        self.lifecycle.quarantine(
+            self.root, [s for s in proven if _number(s) > _number(chosen)], reason=reason
+        )
+        self.lifecycle.pass_over(self.root, [s for s in passed if _number(s) > _number(chosen)])
 
     def _load_step(self, step: str) -> str | None:
         """Collective: loads ``step`` into the live states; None, or why it could not."""

@@ -72,9 +72,13 @@ class TiersRole:
 
     def wait_durable(self, step: str | None = None, timeout_secs: float | None = None) -> None:
         """Block until ``step`` (default: every step enqueued by this process, else the newest
-        committed one) is durable on the remote tier; raise UploadFailedError if it cannot be."""
+        committed one) is durable on the remote tier; raise UploadFailedError if it cannot be.
+        A step this process's ``dcp.async_save`` is still writing is waited for too."""
         if self._tiers.remote is None:
             raise ConfigError("this writer has no remote tier; pass remote= to wait for one")
+        if step is not None and self._stager is not None and not self._tiers.local.has_step(step):
+            # a step of this process's async_save, still being written: committed first
+            self._stager.wait_for_saves()
         for name in self._tiers.wait_durable(step, timeout_secs):
             self._check_still_ours(name)
 

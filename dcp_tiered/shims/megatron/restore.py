@@ -4,6 +4,7 @@ Megatron's state)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import TYPE_CHECKING, Any
@@ -86,17 +87,7 @@ class Restoring:
             on_unreadable_tier=on_unreadable_tier,
             retry="load_checkpoint",
             name=lambda c: f"{iteration_dir(c[0])} from {c[1]}",
-            abandon=lambda proven, chosen: self.lifecycle.quarantine(
-                root,
-                sorted(
-                    {
-                        iteration_dir(i)
-                        for i, t in proven
-                        if t == "storage" and i > chosen[0] and root == self.save_dir
-                    }
-                ),
-                reason=f"a restore fell back past it to {iteration_dir(chosen[0])}",
-            ),
+            abandon=functools.partial(self._abandon, root),
         )
         if chosen is None:
             self._report_lost(-1, None)
@@ -109,6 +100,26 @@ class Restoring:
         if tier == "memory" and self.storage_every:
             self.save_storage(iteration, model, optimizer, opt_param_scheduler)
         return iteration
+
+    def _abandon(
+        self,
+        root: str,
+        proven: list[tuple[int, str]],
+        passed: list[tuple[int, str]],
+        chosen: tuple[int, str],
+    ) -> None:
+        """After a restore fell back to ``chosen``: the newer iterations of this save
+        directory some rank proved bad quarantined, the others it passed over kept until
+        saved again (see :meth:`~dcp_tiered.lifecycle.Lifecycle.pass_over`)."""
+
+        def newer(failed: list[tuple[int, str]]) -> list[str]:
+            if root != self.save_dir:
+                return []
+            return sorted({iteration_dir(i) for i, t in failed if t == "storage" and i > chosen[0]})
+
+        reason = f"a restore fell back past it to {iteration_dir(chosen[0])}"
+        self.lifecycle.quarantine(root, newer(proven), reason=reason)
+        self.lifecycle.pass_over(root, newer(passed))
 
     def _candidates(self, root: str, with_remote: bool) -> list[tuple[int, str]]:
         """(iteration, tier): newest first, memory before storage for the same iteration."""
