@@ -69,7 +69,18 @@ def test_pull_onto_a_fresh_node_makes_its_root(tmp_path):
         check=False,
     )
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["step"] == "iter-0042"
+    pulled = json.loads(proc.stdout)
+    assert pulled["step"] == "iter-0042"
+    # the fresh root takes the run of the remote and its step: the step is the root's own
+    assert pulled["run_id"] == writer.run_id
+    listing = subprocess.run(
+        [sys.executable, "-m", "dcp_tiered.cli", "ls", str(fresh), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert "foreign" not in listing.stdout and writer.run_id in listing.stdout
     back = {"w": torch.zeros(12)}
     dcp.load(
         back, checkpoint_id="iter-0042", storage_reader=TieredStorageReader(fresh), no_dist=True

@@ -11,7 +11,7 @@ import time
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, TierError
 from ..policy import layout
 from ..policy.retention import RetentionPolicy
-from ..tiers import catalog, housekeeping, pull
+from ..tiers import catalog, housekeeping, ownership, pull
 from ..tiers.remote import RemoteTier
 from ._base import OK, UNREADABLE, USAGE, human
 from ._context import Run, progress
@@ -48,7 +48,9 @@ def cmd_pull(run: Run) -> int:
         with progress(total, f"pull {step}", run) as bar:
             pull.hydrate_step(tier, remote, step, m, names, keys, progress=bar.update)
     seconds = time.monotonic() - started
+    joined = _join_remote_run(run, m.run_id)
     run.fields.update(
+        run_id=joined,
         step=step,
         save_id=m.save_id,
         world_size=m.world_size,
@@ -64,6 +66,20 @@ def cmd_pull(run: Run) -> int:
         f"{tier.root}/{step} in {seconds:.1f} s, every file verified"
     )
     return OK
+
+
+def _join_remote_run(run: Run, step_run: str | None) -> str | None:
+    """A root that records no run yet (a fresh node's) takes the remote's, when the pulled
+    step is that run's: the step is then the root's own (``ls`` shows it so, and a manager
+    started there continues the run). Any other root keeps its record. The root's run id."""
+    tier, remote = run.tier, run.need_remote()
+    found = tier.record()
+    if found is not None or step_run is None:
+        return None if found is None else found.run_id
+    there = ownership.read_remote(remote)
+    if there is None or there.run_id != step_run:
+        return None
+    return ownership.record_local(tier.backend, step_run).run_id
 
 
 def cmd_rm(run: Run) -> int:
