@@ -91,6 +91,7 @@ STATUS_STEP = {  # every key but step and durability only where it applies
     "remote": (bool, NoneType),
     "saving": bool,
     "promote": bool,
+    "remote_dropped": bool,
     "owner": str,
     "durability": str,
 }
@@ -99,6 +100,7 @@ DURABILITY = {
     "committed-local",
     "committed-local (upload pending)",
     "committed-local (remote unreadable)",
+    "committed-local (the remote's retention does not keep it: no upload)",
     "memory",
     "copies",
     "staged",

@@ -327,7 +327,9 @@ def test_a_hostile_tiers_record_is_ignored_by_status_and_rewritten(tmp_path, cap
     root = tmp_path / "root"
     url = f"file://{tmp_path / 'remote'}"
     _save_steps(root, RemoteConfig(url=url, retry=FAST), ["ckpt-1"])
-    for body in (DEEP, b"[1]", b'{"remote": 1e999}', b'{"remote": 7}', b'{"memory": ['):
+    bodies = (DEEP, b"[1]", b'{"remote": 1e999}', b'{"remote": 7}', b'{"memory": [')
+    bodies += (b'{"remote_retention": {"keep_latest": 0}}', b'{"remote_retention": [true]}')
+    for body in bodies:
         (root / layout.TIERS_RECORD).write_bytes(body)
         if body is DEEP:
             proc = _cli("status", str(root), "--json")
@@ -342,7 +344,8 @@ def test_a_hostile_tiers_record_is_ignored_by_status_and_rewritten(tmp_path, cap
         with TieredStorageWriter(root, remote=url) as writer:
             writer.recover()  # records the remote again
         written = (root / layout.TIERS_RECORD).read_bytes()
-        assert records.tiers_record(written, where="t") == {"memory": None, "remote": url}
+        recorded = records.tiers_record(written, where="t")
+        assert recorded == {"memory": None, "remote": url, "remote_retention": None}
 
 
 def test_read_marker_keeps_its_contract(tmp_path):

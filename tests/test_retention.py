@@ -11,6 +11,7 @@ with the real ``awaiting_remote``) on real directories written by the real write
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -255,7 +256,7 @@ def test_superseded_is_what_the_policy_would_drop_on_arrival():
 
 
 def test_a_step_the_remote_retention_dropped_is_not_uploaded_again_by_the_next_job(
-    tmp_path, caplog
+    tmp_path, caplog, capsys
 ):
     """Remote keeps 1, local keeps 2: each job's start used to upload the local step the
     remote's retention had just deleted, every restart a whole checkpoint sent for nothing
@@ -298,6 +299,16 @@ def test_a_step_the_remote_retention_dropped_is_not_uploaded_again_by_the_next_j
     assert uploaded == []
     assert steps(remote_dir) == ["step-3"]
     assert steps(tmp_path / "local") == ["step-2", "step-3"]  # step-1: dropped by both
+    # and `dcp-tiered status` (which finds the remote and its policy in the root) says so
+    from dcp_tiered.cli import main
+
+    assert main(["status", str(tmp_path / "local"), "--json"]) == 0
+    rows = {r["step"]: r for r in json.loads(capsys.readouterr().out)["steps"]}
+    assert rows["step-2"]["remote_dropped"] is True
+    assert rows["step-2"]["durability"] == (
+        "committed-local (the remote's retention does not keep it: no upload)"
+    )
+    assert rows["step-3"]["durability"] == "durable-remote"
 
     (remote_dir / "step-4").write_bytes(b"")  # a file where the step goes: its upload fails
     job(4)

@@ -11,7 +11,8 @@ from typing import Any
 
 from ..errors import ManifestError, TierError, TierUnavailableError
 from ..policy import step_names
-from ..tiers import catalog, memory_slots, replica, verify
+from ..policy.retention import StepState
+from ..tiers import catalog, housekeeping, memory_slots, replica, verify
 from ..tiers.remote import Durability, RemoteTier
 from ._base import OK, PROBLEM, UNREADABLE, human, iso
 from ._context import Run, progress
@@ -129,6 +130,10 @@ def cmd_status(run: Run) -> int:
         listed = catalog.list_steps(tier, None)
     record = tier.record()
     run.fields["run_id"] = record.run_id if record else None
+    policy = run.recorded().get("remote_retention")  # the manager's, if one recorded it
+    dropped = None
+    if remote is not None and policy is not None:
+        dropped = housekeeping.RemoteRetention(remote, policy, record.run_id if record else None)
     for s in listed:
         row = rows.setdefault(s.name, {})
         row["local"], row["remote"] = s.local, None if unreadable else s.remote
@@ -140,6 +145,8 @@ def cmd_status(run: Run) -> int:
                 row["promote"] = tier.read_manifest(s.name).promote
             except (ManifestError, OSError):
                 row["promote"] = False
+            if row["promote"] and not unreadable and dropped is not None:
+                row["remote_dropped"] = dropped.pruned(StepState(s.name, s.committed_at_ns))
     for name in catalog.in_progress(tier):
         rows.setdefault(name, {})["saving"] = True
     quarantined = [{"step": n, "save_id": sid, "tier": "local"} for n, sid in tier.quarantined()]
@@ -164,6 +171,8 @@ def cmd_status(run: Run) -> int:
             row["durability"] = Durability.COMMITTED_LOCAL.value + (
                 " (the remote holds another save of this step)"
             )
+        elif row.get("remote_dropped"):
+            row["durability"] += " (the remote's retention does not keep it: no upload)"
         elif row.get("promote"):
             row["durability"] += " (remote unreadable)" if unreadable else " (upload pending)"
     ordered = sorted(rows.items(), key=lambda kv: (step_names.order_number(kv[0]) or -1, kv[0]))

@@ -36,7 +36,7 @@ from ..events import EventLog
 from ..lifecycle import Conventions, Lifecycle
 from ..lifecycle.memory import MemorySnapshots
 from ..lifecycle.save_thread import SaveThread
-from ..policy import layout
+from ..policy import layout, records
 from ..policy.admission import Admission
 from ..policy.cadence import SavePolicy
 from ..policy.outcomes import SaveOutcome
@@ -231,6 +231,11 @@ class CheckpointManager(Saving, Restoring):
             {
                 "memory": os.path.abspath(memory) if memory is not None else None,
                 "remote": self._remote.config.url if self._remote is not None else None,
+                # for `dcp-tiered status`: a local step the remote's policy dropped is not
+                # waiting for an upload
+                "remote_retention": records.retention_record(
+                    self.retention.remote if self._remote is not None else None
+                ),
             }
         )
 

@@ -19,8 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ManifestError
+from ..errors import ConfigError, ManifestError
 from . import identity, layout
+from .retention import RetentionPolicy
 
 # Small records: markers, the latest pointer, pending markers, the tiers record, quarantine
 # records. Ours are a few hundred bytes.
@@ -264,17 +265,46 @@ def pending_marker(data: bytes, *, step: str, where: str) -> tuple[list[str], bo
     return sidecars, whole
 
 
-def tiers_record(data: bytes, *, where: str) -> dict[str, str | None]:
+def tiers_record(data: bytes, *, where: str) -> dict[str, Any]:
     """A root's tiers record (``.dcp-tiered-tiers.json``): the memory directory and remote URL
-    (never credentials) a writer or manager recorded."""
+    (never credentials) a writer or manager recorded, and the remote's retention policy
+    (``remote_retention``: a :class:`~dcp_tiered.policy.retention.RetentionPolicy`, or None:
+    none recorded, the remote keeps every step)."""
     body = load_json(data, where=where, max_bytes=MAX_RECORD_BYTES)
-    out: dict[str, str | None] = {}
+    out: dict[str, Any] = {}
     for name in ("memory", "remote"):
         value = body.get(name)
         if value is not None and not isinstance(value, str):
             raise ManifestError(f"{where}: {name} {value!r} is not a path or URL")
         out[name] = value
+    out["remote_retention"] = _retention(body.get("remote_retention"), where=where)
     return out
+
+
+def retention_record(policy: RetentionPolicy | None) -> dict[str, Any] | None:
+    """``policy`` as a tiers record holds it."""
+    if policy is None:
+        return None
+    return {
+        "keep_latest": policy.keep_latest,
+        "keep_every": policy.keep_every,
+        "pinned": sorted(policy.pinned),
+    }
+
+
+def _retention(value: Any, *, where: str) -> RetentionPolicy | None:
+    if value is None:
+        return None
+    try:
+        if not isinstance(value, dict) or not isinstance(value.get("pinned", []), list):
+            raise TypeError("not an object of keep_latest, keep_every and pinned")
+        keep_latest, keep_every = value.get("keep_latest"), value.get("keep_every")
+        if type(keep_latest) is not int or not (keep_every is None or type(keep_every) is int):
+            raise TypeError("keep_latest and keep_every are not whole numbers")
+        pinned = frozenset(str(n) for n in value.get("pinned", []))
+        return RetentionPolicy(keep_latest=keep_latest, keep_every=keep_every, pinned=pinned)
+    except (TypeError, ConfigError) as e:
+        raise ManifestError(f"{where}: remote_retention {value!r}: {e}") from None
 
 
 _DECODER = json.JSONDecoder(parse_float=_finite, parse_constant=_constant)

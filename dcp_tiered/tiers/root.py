@@ -160,7 +160,7 @@ class Tiers:
         """Enqueue the promotion of ``step``, just committed here."""
         return self.upload_queue().submit(step)
 
-    def remember(self, tiers: dict[str, str | None]) -> None:
+    def remember(self, tiers: dict[str, Any]) -> None:
         """The root records where its other tiers are (the remote's URL, never its credentials;
         the memory tier's directory), so that ``dcp-tiered status ROOT`` finds them without
         being told: ``tiers`` replaces those entries of the record, whose other entries stay.
@@ -175,6 +175,7 @@ class Tiers:
             pass
         except (OSError, ManifestError) as e:  # our own file, unreadable: written anew
             logger.warning("replacing %s: %s", backend.path_of(layout.TIERS_RECORD), e)
+        record["remote_retention"] = records.retention_record(record.get("remote_retention"))
         if any(record.get(k) != v for k, v in tiers.items()):
             backend.replace_root_file(layout.TIERS_RECORD, json.dumps({**record, **tiers}).encode())
 
