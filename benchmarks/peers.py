@@ -309,6 +309,7 @@ def summarise(local: dict, s3: dict, training: dict | None, found: dict) -> dict
             "spread": training.get("spread", {}),
             "pooled": training.get("pooled", {}),
             "head_to_head": training.get("head_to_head", {}),
+            "background_cpu_s": training.get("background_cpu_s", {}),
             "rounds": len(training["steps_per_s"].get("none", [])),
             "missing": [n for n in ("dlrover", "torch-checkpointing") if not found.get(n)],
             "verdicts": verdicts,
@@ -386,6 +387,13 @@ def render(report: dict, local: dict, s3: dict) -> str:
             f"windows, then the ratio of totals (target: ours at each "
             f"peer's cadence at least the peer's): {', '.join(cells)} -> {verdicts}"
         )
+        cpu = train.get("background_cpu_s", {})
+        if cpu:
+            parts.append(
+                "Background work's CPU seconds per cycle (threads but the training thread, "
+                "and child processes; median): "
+                + ", ".join(f"{n} {secs:.3f}" for n, secs in cpu.items())
+            )
     return "\n".join(parts)
 
 

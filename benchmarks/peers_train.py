@@ -41,6 +41,7 @@ import warnings
 from contextlib import nullcontext
 from pathlib import Path
 
+import psutil
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
@@ -114,9 +115,10 @@ def step(train: Train, lock) -> None:
         train.opt.step()
 
 
-def window(name: str, train: Train, every: int, work: Path, peers: dict) -> float:
-    """Steps per second over one disk-save cycle: ``every`` steps, the first of which starts
-    a disk save, and the wait until that save is durable."""
+def window(name: str, train: Train, every: int, work: Path, peers: dict) -> tuple[float, float]:
+    """Steps per second over one disk-save cycle (``every`` steps, the first of which starts
+    a disk save, and the wait until that save is durable), and the CPU seconds of background
+    work in it (:func:`_background_cpu`)."""
     work.mkdir(parents=True, exist_ok=True)
     lock = nullcontext()
     save, finish = (lambda i: None), (lambda: None)
@@ -157,16 +159,32 @@ def window(name: str, train: Train, every: int, work: Path, peers: dict) -> floa
             pending.pop().result()
 
     try:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), _background_cpu()
         for i in range(every):
             step(train, lock)
             save(i)
         finish()
-        return every / (time.perf_counter() - start)
+        return every / (time.perf_counter() - start), _background_cpu() - cpu
     finally:
         shutil.rmtree(work, ignore_errors=True)
         if name == "dlrover":
             peers["dlrover"].clear()
+
+
+def _background_cpu() -> float:
+    """CPU seconds used so far by everything but the training thread: this process's other
+    threads (ours, DCP's, torch-checkpointing's staging) and its child processes
+    (torch-checkpointing's writer, DLRover's saver). Unlike wall time it hardly moves with the
+    VM's speed: what a checkpointer's background work takes from a 2-vCPU machine."""
+    own = time.process_time() - time.thread_time()  # called on the training thread
+    kids = 0.0
+    for child in psutil.Process().children(recursive=True):
+        try:
+            times = child.cpu_times()
+        except psutil.Error:  # gone meanwhile
+            continue
+        kids += times.user + times.system
+    return own + kids
 
 
 def settle() -> None:
@@ -210,10 +228,13 @@ def main() -> None:
         for name in [] if a.no_warm_up else names:
             window(name, train, a.every, Path(a.dir) / f"w-{name}", peers)
         rates: dict[str, list[float]] = {n: [] for n in names}
+        cpu: dict[str, list[float]] = {n: [] for n in names}
         for run in range(a.runs):
             for name in names[run % len(names) :] + names[: run % len(names)]:
                 settle()
-                rates[name].append(window(name, train, a.every, Path(a.dir) / name, peers))
+                rate, secs = window(name, train, a.every, Path(a.dir) / name, peers)
+                rates[name].append(rate)
+                cpu[name].append(secs)
     finally:  # their processes, and the shared memory of ours
         for name in ("torch-checkpointing", "ours", "ours-sync", "ours-disk"):
             if name in peers:
@@ -239,6 +260,9 @@ def main() -> None:
             for peer, ours in CADENCE_OF.items()
             if peer in rates
         },
+        # CPU seconds of background work per window (one disk save, and for ours and DLRover
+        # nine memory snapshots), medians; "none" shows the floor (other threads' own ticks)
+        "background_cpu_s": {n: round(statistics.median(c), 4) for n, c in cpu.items()},
         # the ratio of totals: every window's time, each checkpointer's against none's
         "pooled": {
             n: sum(1 / r for r in rates["none"]) / sum(1 / r for r in rates[n]) for n in paired

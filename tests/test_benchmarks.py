@@ -123,6 +123,8 @@ def test_peer_benchmarks_run_without_the_peers(tmp_path):
         result["training"]["vs_none"]["ours"] > 0 and result["training"]["vs_none"]["ours-disk"] > 0
     )
     assert result["training"]["verdicts"]["dcp"] in (True, False)  # ours-disk against DCP
+    cpu = result["training"]["background_cpu_s"]
+    assert cpu["ours-disk"] > cpu["none"] >= 0  # a disk save's background work is counted
     assert not list(tmp_path.glob("dcp-tiered-peers-*"))  # the work directory is removed
 
 
