@@ -164,27 +164,34 @@ def window(name: str, train: Train, every: int, work: Path, peers: dict) -> tupl
             step(train, lock)
             save(i)
         finish()
-        return every / (time.perf_counter() - start), _background_cpu() - cpu
+        return every / (time.perf_counter() - start), _cpu_since(cpu)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         if name == "dlrover":
             peers["dlrover"].clear()
 
 
-def _background_cpu() -> float:
+def _background_cpu() -> tuple[float, dict[int, float]]:
     """CPU seconds used so far by everything but the training thread: this process's other
-    threads (ours, DCP's, torch-checkpointing's staging) and its child processes
+    threads (ours, DCP's, torch-checkpointing's staging), and per child process
     (torch-checkpointing's writer, DLRover's saver). Unlike wall time it hardly moves with the
     VM's speed: what a checkpointer's background work takes from a 2-vCPU machine."""
     own = time.process_time() - time.thread_time()  # called on the training thread
-    kids = 0.0
+    kids = {}
     for child in psutil.Process().children(recursive=True):
         try:
             times = child.cpu_times()
         except psutil.Error:  # gone meanwhile
             continue
-        kids += times.user + times.system
-    return own + kids
+        kids[child.pid] = times.user + times.system
+    return own, kids
+
+
+def _cpu_since(before: tuple[float, dict[int, float]]) -> float:
+    """The background CPU seconds since ``before`` (:func:`_background_cpu`): a child that
+    ended meanwhile counts nothing, rather than taking its whole past off the sum."""
+    own, kids = _background_cpu()
+    return own - before[0] + sum(secs - before[1].get(pid, 0.0) for pid, secs in kids.items())
 
 
 def settle() -> None:
