@@ -279,5 +279,5 @@ class DoubleBufferStager:
                 )
 
     def close(self) -> None:
-        self._wait_for([t for s in self._slots for t in s.threads], what="an async save")
+        self.wait_for_saves()
         self._slots = [_Slot(), _Slot()]

@@ -234,13 +234,13 @@ class Lifecycle(Finishing, Reaping, Restoring):
         self.finish()
         layout.validate_step_name(step)
         self.require_restorable(step, state if values is None else values)
-        self.move_aside_passed_over(root, step)
         writer = self.writers.get(root)
         single = not dist.is_initialized()
         planner = planner_for(writer) if planner is None else planner
         try:
             with quiet_single_process():
                 if sync:
+                    self.move_aside_passed_over(root, step)  # start_async does it otherwise
                     dcp.save(
                         state,
                         checkpoint_id=step,

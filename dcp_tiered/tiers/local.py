@@ -185,12 +185,16 @@ class LocalTier(PendingDirectories, CrashRecovery):
         """Delete ``doomed``, committed ``step`` renamed out of sight, as far as it is ours;
         what is not the step's (a user's file put in it) goes back under the step's name, where
         it was put, unless a new save of the step took that name."""
-        if self.backend.remove_step_dir(doomed, reason=reason) and not self.backend.exists(step):
-            self.backend.rename(doomed, step)
-            logger.warning(
-                "%s now holds only what was not the step's; it is no longer a step",
-                self.backend.path_of(step),
-            )
+        if not self.backend.remove_step_dir(doomed, reason=reason):
+            return
+        try:  # never over whatever holds the name now: the rename itself decides
+            self.backend.publish(doomed, step, "", replace=False)
+        except FileExistsError:
+            return  # left under the hidden name, which the remove_step_dir warning named
+        logger.warning(
+            "%s now holds only what was not the step's; it is no longer a step",
+            self.backend.path_of(step),
+        )
 
     def holds_ours(self, directory: str, step: str, run_id: str | None) -> bool:
         """Whether ``directory`` (a step, or one moved aside under a hidden name) is a save of
